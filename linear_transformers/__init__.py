@@ -1,0 +1,21 @@
+"""linear-transformers: Transformers are RNNs (Katharopoulos et al., 2020) in JAX and Flax NNX.
+
+`linear_transformers.ops` holds the pure-JAX attention functions; the Flax NNX modules are
+re-exported here.
+"""
+
+from linear_transformers import ops
+from linear_transformers.attention import (AttentionCore, FeatureProjection,
+                                           register_attention, registered_attention_kinds)
+from linear_transformers.generation import generate, make_step_fn, scan_steps
+from linear_transformers.lm import CausalLM, LMState
+from linear_transformers.multi_head_attention import MultiHeadAttention
+from linear_transformers.transformer import (Decoder, DecoderLayer, Encoder, EncoderLayer,
+                                             TransformerConfig)
+
+__all__ = [
+    "ops", "AttentionCore", "FeatureProjection", "register_attention",
+    "registered_attention_kinds", "generate", "make_step_fn", "scan_steps", "CausalLM", "LMState",
+    "MultiHeadAttention", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer",
+    "TransformerConfig",
+]

@@ -1,0 +1,294 @@
+"""Flax NNX attention: one layer for every attention kind, with parallel and recurrent forms.
+
+Legend: B batch, T query time, S key time, E model features, H heads, D key/query features per
+head, M value features per head.
+
+`MultiHeadAttention` owns the projections; the attention itself is an `AttentionCore` chosen by
+name from a registry (`registered_attention_kinds()`). A core has one parallel form for training
+and, where the kind allows, a recurrent form:
+
+  core(q_BTHD, k_BSHD, v_BSHM, key_lengths=, mask=)   parallel
+  core.init_state(batch, max_length, dtype)           causal self-attention state
+  core.step(state, q_BHD, k_BHD, v_BHM)               -> (state, out_BHM)
+  core.init_memory(k_BSHD, v_BSHM, key_lengths)       cross-attention over a fixed memory,
+  core.attend_memory(memory, q_BHD)                   computed once, queried per step
+
+New kinds subclass `AttentionCore` and register with `@register_attention("name")`; their
+keyword-only constructor arguments are the options a config may set.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linear_transformers import ops
+
+_KINDS: dict[str, type["AttentionCore"]] = {}
+
+
+def register_attention(name: str):
+    """Class decorator registering an `AttentionCore` subclass under `name`."""
+
+    def wrap(cls):
+        if name in _KINDS:
+            raise ValueError(f"attention kind {name!r} is already registered.")
+        _KINDS[name] = cls
+        cls.kind = name
+        return cls
+
+    return wrap
+
+
+def registered_attention_kinds() -> list[str]:
+    return sorted(_KINDS)
+
+
+def attention_options(kind: str) -> list[str]:
+    """The options (keyword-only constructor arguments) that attention `kind` accepts."""
+    cls = attention_class(kind)
+    params = inspect.signature(cls.__init__).parameters.values()
+    common = {"causal", "num_heads", "head_dim", "value_dim", "rngs"}
+    return sorted(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in common)
+
+
+def attention_class(kind: str) -> type["AttentionCore"]:
+    if kind not in _KINDS:
+        raise ValueError(f"unknown attention kind {kind!r}; registered kinds: "
+                         f"{registered_attention_kinds()}.")
+    return _KINDS[kind]
+
+
+def check_attention_options(kind: str, options: Mapping[str, Any]) -> None:
+    """Raise a ValueError naming any option that attention `kind` does not accept."""
+    allowed = attention_options(kind)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"attention kind {kind!r} does not accept options {unknown}; "
+                         f"its options are {allowed}.")
+
+
+def make_attention_core(kind: str, *, causal: bool, num_heads: int, head_dim: int,
+                        value_dim: int, rngs: nnx.Rngs, **options) -> "AttentionCore":
+    """Build the registered core `kind`, rejecting options it does not accept."""
+    check_attention_options(kind, options)
+    return attention_class(kind)(causal=causal, num_heads=num_heads, head_dim=head_dim,
+                                 value_dim=value_dim, rngs=rngs, **options)
+
+
+class AttentionCore(nnx.Module):
+    """Attention after the projections: [B, T, H, D] queries to [B, T, H, M] outputs."""
+
+    kind = "abstract"
+
+    def __init__(self, *, causal: bool, num_heads: int, head_dim: int, value_dim: int,
+                 rngs: nnx.Rngs):
+        self.causal = causal
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.value_dim = value_dim
+
+    def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
+        raise NotImplementedError
+
+    def init_state(self, batch: int, max_length: int | None, dtype=jnp.float32):
+        raise NotImplementedError
+
+    def step(self, state, q_BHD, k_BHD, v_BHM):
+        raise NotImplementedError
+
+    def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
+        raise NotImplementedError
+
+    def attend_memory(self, memory, q_BHD):
+        raise NotImplementedError
+
+    def _require_causal(self, what: str):
+        if not self.causal:
+            raise ValueError(f"{what} is the recurrent form of causal self-attention, but this "
+                             f"{self.kind!r} attention is non-causal; build it with causal=True.")
+
+
+class SoftmaxMemory(NamedTuple):
+    k_BSHD: jax.Array
+    v_BSHM: jax.Array
+    key_lengths: jax.Array | None
+
+
+@register_attention("softmax")
+class SoftmaxAttention(AttentionCore):
+    """softmax(q k^T * softmax_temp) v; recurrent form with a preallocated KV cache.
+
+    Options:
+      softmax_temp: logit scale, default 1/sqrt(head_dim).
+      attention_dropout: dropout on the attention probabilities while training.
+      implementation: passed to `ops.softmax_attention` (None, "xla", "cudnn", "reference").
+      sow_weights: record the probabilities [B, H, T, S] as `nnx.Intermediate`
+        "attention_weights" (read them with `nnx.capture`); uses the explicit-weights path.
+    """
+
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, softmax_temp=None,
+                 attention_dropout=0.0, implementation=None, sow_weights=False):
+        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
+                         value_dim=value_dim, rngs=rngs)
+        if implementation not in ops.softmax.IMPLEMENTATIONS:
+            raise ValueError(f"softmax attention: unknown implementation {implementation!r}; "
+                             f"expected one of {ops.softmax.IMPLEMENTATIONS}.")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}.")
+        self.softmax_temp = softmax_temp
+        self.implementation = implementation
+        self.sow_weights = sow_weights
+        self.attention_dropout = nnx.Dropout(attention_dropout, rngs=rngs)
+
+    def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
+        dropout_active = self.attention_dropout.rate > 0 and not self.attention_dropout.deterministic
+        if not (self.sow_weights or dropout_active):
+            return ops.softmax_attention(q_BTHD, k_BSHD, v_BSHM, causal=self.causal,
+                                         key_lengths=key_lengths, mask=mask,
+                                         scale=self.softmax_temp,
+                                         implementation=self.implementation)
+        key_lengths = ops.softmax.validate_softmax_inputs(
+            q_BTHD, k_BSHD, v_BSHM, causal=self.causal, key_lengths=key_lengths)
+        w_BHTS = ops.softmax_attention_weights(q_BTHD, k_BSHD, causal=self.causal,
+                                               key_lengths=key_lengths, mask=mask,
+                                               scale=self.softmax_temp)
+        if self.sow_weights:
+            self.sow(nnx.Intermediate, "attention_weights", w_BHTS)
+        w_BHTS = self.attention_dropout(w_BHTS)
+        out_BTHM = jnp.einsum("bhts,bshm->bthm", w_BHTS, v_BSHM.astype(w_BHTS.dtype))
+        return out_BTHM.astype(v_BSHM.dtype)
+
+    def init_state(self, batch, max_length, dtype=jnp.float32):
+        self._require_causal("init_state")
+        if max_length is None:
+            raise ValueError("softmax attention keeps a KV cache and needs max_length, the "
+                             "number of steps to allocate.")
+        return ops.init_kv_cache(batch, max_length, self.num_heads, self.head_dim,
+                                 self.value_dim, dtype)
+
+    def step(self, state, q_BHD, k_BHD, v_BHM):
+        self._require_causal("step")
+        return ops.softmax_attention_step(state, q_BHD, k_BHD, v_BHM, scale=self.softmax_temp)
+
+    def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
+        return SoftmaxMemory(k_BSHD, v_BSHM, key_lengths)
+
+    def attend_memory(self, memory, q_BHD):
+        out_B1HM = ops.softmax_attention_reference(
+            q_BHD[:, None], memory.k_BSHD, memory.v_BSHM, key_lengths=memory.key_lengths,
+            scale=self.softmax_temp)
+        return out_B1HM[:, 0]
+
+
+class FeatureProjection(nnx.Variable):
+    """A fixed random matrix of a feature map (FAVOR+): state, not a trained parameter."""
+
+
+@register_attention("linear")
+class LinearAttention(AttentionCore):
+    """Linear attention phi(q) (sum phi(k) v^T) / (phi(q) . sum phi(k) + eps).
+
+    Non-causal, or causal when the layer is causal (a decoder's self-attention); its recurrent
+    state is `ops.LinearState` (S, z), constant in size whatever the length.
+
+    Options:
+      feature_map: "elu" (default), "relu", "favor" (FAVOR+, a random matrix drawn from the
+        layer's `params` RNG stream and kept fixed until `redraw_features`), or a callable.
+      num_features: F for "favor" (default head_dim).
+      impl: causal implementation, one of `ops.IMPLS` (default "chunked").
+      chunk_size: chunk length for impl="chunked".
+      eps: added to the normaliser.
+
+    Arbitrary [T, S] masks cannot be honoured without the T x S matrix; key_lengths is the
+    supported padding mask. In causal form, right-padded keys never reach a valid position, so
+    key_lengths needs no work there.
+    """
+
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, feature_map="elu",
+                 num_features=None, impl="chunked", chunk_size=ops.DEFAULT_CHUNK_SIZE, eps=1e-6):
+        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
+                         value_dim=value_dim, rngs=rngs)
+        if impl not in ops.IMPLS:
+            raise ValueError(f"linear attention: unknown impl {impl!r}; expected one of "
+                             f"{ops.IMPLS}.")
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"linear attention: chunk_size must be an integer >= 1, got "
+                             f"{chunk_size!r}.")
+        self.impl = impl
+        self.chunk_size = chunk_size
+        self.eps = eps
+        self.feature_map_spec = feature_map
+        if feature_map == "favor":
+            self.feature_projection = FeatureProjection(ops.favor_projection(
+                rngs.params(), num_features or head_dim, head_dim))
+        else:
+            if num_features is not None:
+                raise ValueError(f"num_features is the size of FAVOR+ random features; feature "
+                                 f"map {feature_map!r} does not take it.")
+            ops.make_feature_map(feature_map)  # Fail at construction on an unknown name.
+
+    def redraw_features(self, key):
+        """Draw a new FAVOR+ random matrix (no-op error for deterministic feature maps)."""
+        if self.feature_map_spec != "favor":
+            raise ValueError(f"feature map {self.feature_map_spec!r} has no random features.")
+        f, d = self.feature_projection.value.shape
+        self.feature_projection.value = ops.favor_projection(key, f, d)
+
+    @property
+    def feature_map(self) -> ops.FeatureMap:
+        if self.feature_map_spec == "favor":
+            return ops.FavorFeatureMap(self.feature_projection.value)
+        return ops.make_feature_map(self.feature_map_spec)
+
+    def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
+        if mask is not None:
+            raise ValueError(
+                f"{self.kind!r} attention cannot honour an arbitrary [T, S] mask (that needs the "
+                "T x S matrix linear attention avoids); use key_lengths for padding and "
+                "causal=True for causality, or kind='softmax'.")
+        if self.causal:
+            return ops.causal_linear_attention(q_BTHD, k_BSHD, v_BSHM,
+                                               feature_map=self.feature_map, impl=self.impl,
+                                               chunk_size=self.chunk_size, eps=self.eps)
+        return ops.linear_attention(q_BTHD, k_BSHD, v_BSHM, feature_map=self.feature_map,
+                                    key_lengths=key_lengths, eps=self.eps)
+
+    def init_state(self, batch, max_length=None, dtype=jnp.float32):
+        """(S, z) zeros; `max_length` is accepted for a uniform interface and not needed."""
+        self._require_causal("init_state")
+        f = self.feature_map.num_features(self.head_dim)
+        return ops.init_linear_state(batch, self.num_heads, f, self.value_dim,
+                                     jnp.promote_types(dtype, jnp.float32))
+
+    def step(self, state, q_BHD, k_BHD, v_BHM):
+        self._require_causal("step")
+        return ops.linear_attention_step(state, q_BHD, k_BHD, v_BHM,
+                                         feature_map=self.feature_map, eps=self.eps)
+
+    def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
+        return ops.linear_state_from_keys(k_BSHD, v_BSHM, feature_map=self.feature_map,
+                                          key_lengths=key_lengths)
+
+    def attend_memory(self, memory, q_BHD):
+        return ops.linear_attention_from_state(memory, q_BHD, feature_map=self.feature_map,
+                                               eps=self.eps)
+
+
+@register_attention("causal-linear")
+class CausalLinearAttention(LinearAttention):
+    """`"linear"` that insists on the causal form (the authors' name for it)."""
+
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, feature_map="elu",
+                 num_features=None, impl="chunked", chunk_size=ops.DEFAULT_CHUNK_SIZE, eps=1e-6):
+        if not causal:
+            raise ValueError("attention kind 'causal-linear' is causal by definition but was "
+                             "built for non-causal attention (an encoder or cross-attention); "
+                             "use kind='linear' there.")
+        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
+                         value_dim=value_dim, rngs=rngs, feature_map=feature_map,
+                         num_features=num_features, impl=impl, chunk_size=chunk_size, eps=eps)

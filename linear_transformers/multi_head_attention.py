@@ -1,0 +1,124 @@
+"""Multi-head attention for every registered attention kind, parallel and recurrent.
+
+Legend: B batch, T query time, S key time, E input features, H heads, D key/query features per
+head, M value features per head.
+
+The same parameters serve three uses:
+
+  y_BTE = mha(x_BTE)                                   self-attention, parallel (training)
+  y_BTE = mha(x_BTE, context_BSE, key_lengths=...)     cross-attention, parallel
+  state = mha.init_state(batch, max_length)            causal self-attention as an RNN:
+  state, y_BE = mha.step(state, x_BE)                  one token at a time
+  memory = mha.init_memory(context_BSE, key_lengths)   cross-attention over a fixed memory:
+  y_BE = mha.attend_memory(memory, x_BE)               its keys/values computed once
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+from flax import nnx
+
+from linear_transformers.attention import make_attention_core
+
+
+class MultiHeadAttention(nnx.Module):
+    """Projections to H heads, an attention core chosen by `kind`, and an output projection.
+
+    Args:
+      in_features: E, width of the queries' input.
+      num_heads: H.
+      query_dim: D per head; default in_features // num_heads (which must then divide).
+      value_dim: M per head; default query_dim.
+      kind: registered attention kind ("softmax", "linear", "causal-linear", ...).
+      causal: whether query t sees only keys s <= t (self-attention in a decoder).
+      kv_features: width of the keys'/values' input (context); default in_features.
+      out_features: width of the output; default in_features.
+      attention_dropout, softmax_temp: passed to the core when set; a kind that has no attention
+        matrix or temperature rejects them rather than ignore them.
+      attention_options: further options of the kind (e.g. {"feature_map": "favor"}).
+    """
+
+    def __init__(self, in_features: int, num_heads: int, *, query_dim: int | None = None,
+                 value_dim: int | None = None, kind: str = "softmax", causal: bool = False,
+                 kv_features: int | None = None, out_features: int | None = None,
+                 attention_dropout: float = 0.0, softmax_temp: float | None = None,
+                 attention_options: Mapping[str, Any] | None = None, use_bias: bool = True,
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {num_heads}.")
+        if query_dim is None:
+            if in_features % num_heads:
+                raise ValueError(
+                    f"in_features={in_features} is not divisible by num_heads={num_heads}; "
+                    "choose a width that divides or give query_dim (per head) explicitly.")
+            query_dim = in_features // num_heads
+        value_dim = query_dim if value_dim is None else value_dim
+        kv_features = in_features if kv_features is None else kv_features
+        out_features = in_features if out_features is None else out_features
+        self.num_heads, self.query_dim, self.value_dim = num_heads, query_dim, value_dim
+        self.causal = causal
+
+        options = dict(attention_options or {})
+        if attention_dropout:
+            options["attention_dropout"] = attention_dropout
+        if softmax_temp is not None:
+            options["softmax_temp"] = softmax_temp
+        self.core = make_attention_core(kind, causal=causal, num_heads=num_heads,
+                                        head_dim=query_dim, value_dim=value_dim, rngs=rngs,
+                                        **options)
+
+        def linear(i, o):
+            return nnx.Linear(i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+
+        self.query = linear(in_features, num_heads * query_dim)
+        self.key = linear(kv_features, num_heads * query_dim)
+        self.value = linear(kv_features, num_heads * value_dim)
+        self.out = linear(num_heads * value_dim, out_features)
+
+    def _heads(self, proj, x, dim):
+        return proj(x).reshape(x.shape[:-1] + (self.num_heads, dim))
+
+    def _merge(self, y_xHM):
+        return self.out(y_xHM.reshape(y_xHM.shape[:-2] + (-1,)))
+
+    def __call__(self, x_BTE, context_BSE=None, *, key_lengths=None, mask=None):
+        """Parallel attention of x over itself, or over `context` when given.
+
+        key_lengths: int [B], number of valid keys (padding is at the end).
+        mask: boolean broadcastable to [B, H, T, S]; only kinds that form the T x S matrix
+          (softmax) accept it.
+        """
+        if self.causal and context_BSE is not None:
+            raise ValueError("causal attention is self-attention; got a context. Build the "
+                             "cross-attention layer with causal=False.")
+        context_BSE = x_BTE if context_BSE is None else context_BSE
+        q_BTHD = self._heads(self.query, x_BTE, self.query_dim)
+        k_BSHD = self._heads(self.key, context_BSE, self.query_dim)
+        v_BSHM = self._heads(self.value, context_BSE, self.value_dim)
+        return self._merge(self.core(q_BTHD, k_BSHD, v_BSHM, key_lengths=key_lengths, mask=mask))
+
+    def init_state(self, batch: int, max_length: int | None = None, dtype=jnp.float32):
+        """Recurrent state of causal self-attention (a KV cache of `max_length` for softmax)."""
+        return self.core.init_state(batch, max_length, dtype)
+
+    def step(self, state, x_BE):
+        """One token of causal self-attention: (state, x_t) -> (state, y_t)."""
+        q_BHD = self._heads(self.query, x_BE, self.query_dim)
+        k_BHD = self._heads(self.key, x_BE, self.query_dim)
+        v_BHM = self._heads(self.value, x_BE, self.value_dim)
+        state, y_BHM = self.core.step(state, q_BHD, k_BHD, v_BHM)
+        return state, self._merge(y_BHM)
+
+    def init_memory(self, context_BSE, key_lengths=None):
+        """Project a fixed memory once, for `attend_memory` at every decoding step."""
+        k_BSHD = self._heads(self.key, context_BSE, self.query_dim)
+        v_BSHM = self._heads(self.value, context_BSE, self.value_dim)
+        return self.core.init_memory(k_BSHD, v_BSHM, key_lengths)
+
+    def attend_memory(self, memory, x_BE):
+        """Cross-attention of one query per batch element over a memory from `init_memory`."""
+        return self._merge(self.core.attend_memory(
+            memory, self._heads(self.query, x_BE, self.query_dim)))

@@ -1,0 +1,28 @@
+"""Pure-JAX attention ops (no Flax): softmax, linear, causal linear, and their recurrent steps.
+
+Layout follows `jax.nn.dot_product_attention`: queries [B, T, H, D], keys [B, S, H, D],
+values [B, S, H, M].
+"""
+
+from linear_transformers.ops.causal_linear import (DEFAULT_CHUNK_SIZE, IMPLS,
+                                                   causal_linear_attention)
+from linear_transformers.ops.feature_maps import (CallableFeatureMap, FavorFeatureMap, FeatureMap,
+                                                  elu_plus_one, favor_projection, make_feature_map,
+                                                  register_feature_map, registered_feature_maps)
+from linear_transformers.ops.linear import (LinearState, init_linear_state, linear_attention,
+                                            linear_attention_from_state,
+                                            linear_attention_reference, linear_attention_step,
+                                            linear_state_from_keys)
+from linear_transformers.ops.softmax import (KVCache, init_kv_cache, softmax_attention,
+                                             softmax_attention_reference, softmax_attention_step,
+                                             softmax_attention_weights)
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE", "IMPLS", "causal_linear_attention", "CallableFeatureMap",
+    "FavorFeatureMap", "FeatureMap", "elu_plus_one", "favor_projection", "make_feature_map",
+    "register_feature_map", "registered_feature_maps", "LinearState", "init_linear_state",
+    "linear_attention", "linear_attention_from_state", "linear_attention_reference",
+    "linear_attention_step", "linear_state_from_keys", "KVCache", "init_kv_cache",
+    "softmax_attention", "softmax_attention_reference", "softmax_attention_step",
+    "softmax_attention_weights",
+]

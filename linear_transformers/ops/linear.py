@@ -1,0 +1,138 @@
+"""Non-causal linear attention and the recurrent (RNN) step of causal linear attention.
+
+Legend: B batch, T query time, S key time, H heads, D key/query features, F feature-map
+features (F = D for elu and relu), M value features.
+
+  out_t = phi(q_t) . S / (phi(q_t) . z + eps),   S = sum_s phi(k_s) v_s^T,  z = sum_s phi(k_s)
+
+with the sums over all keys (non-causal) or over s <= t (causal). S and z are accumulated in
+float32 (or wider) whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linear_transformers.ops import _checks
+from linear_transformers.ops.feature_maps import make_feature_map
+
+
+class LinearState(NamedTuple):
+    """The recurrent state of linear attention: S = sum phi(k) v^T [B, H, F, M], z = sum phi(k)."""
+    s_BHFM: jax.Array
+    z_BHF: jax.Array
+
+
+def init_linear_state(batch: int, heads: int, d: int, m: int, dtype=jnp.float32) -> LinearState:
+    """Zero state for `linear_attention_step`.
+
+    `d` is the feature-map dimension F (equal to the head dimension D for "elu" and "relu";
+    `make_feature_map(...).num_features(D)` in general). Keep `dtype` float32 or wider: the state
+    is a running sum.
+    """
+    return LinearState(s_BHFM=jnp.zeros((batch, heads, d, m), dtype),
+                       z_BHF=jnp.zeros((batch, heads, d), dtype))
+
+
+def _normalise(num_xM, den_x, eps, dtype):
+    return (num_xM / (den_x + eps)[..., None]).astype(dtype)
+
+
+def linear_state_from_keys(k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None) -> LinearState:
+    """The summary (S, z) of all keys and values; padded keys (index >= key_lengths[b]) add 0.
+
+    This is the whole memory a non-causal linear attention needs: cross-attention over a fixed
+    memory computes it once and reuses it for every query.
+    """
+    fm = make_feature_map(feature_map)
+    acc = _checks.accumulation_dtype(v_BSHM.dtype)
+    phi_k_BSHF = fm.key(k_BSHD)
+    if key_lengths is not None:
+        key_lengths = _checks.check_key_lengths(key_lengths, k_BSHD.shape[0],
+                                                name="linear_attention")
+        valid_BS11 = _checks.key_padding_mask(key_lengths, k_BSHD.shape[1])[:, :, None, None]
+        # where, not multiply: padded values may hold inf or NaN.
+        phi_k_BSHF = jnp.where(valid_BS11, phi_k_BSHF, 0)
+        v_BSHM = jnp.where(valid_BS11, v_BSHM, 0)
+    s_BHFM = jnp.einsum("bshf,bshm->bhfm", phi_k_BSHF, v_BSHM, preferred_element_type=acc)
+    z_BHF = jnp.sum(phi_k_BSHF.astype(acc), axis=1)
+    return LinearState(s_BHFM, z_BHF)
+
+
+def linear_attention_from_state(state: LinearState, q_xHD, *, feature_map="elu", eps=1e-6,
+                                out_dtype=None):
+    """Queries [..., H, D] attend to a fixed summary state; returns [..., H, M]."""
+    fm = make_feature_map(feature_map)
+    phi_q_xHF = fm.query(q_xHD).astype(state.s_BHFM.dtype)
+    if q_xHD.ndim == 4:  # [B, T, H, D]
+        num = jnp.einsum("bthf,bhfm->bthm", phi_q_xHF, state.s_BHFM)
+        den = jnp.einsum("bthf,bhf->bth", phi_q_xHF, state.z_BHF)
+    else:  # [B, H, D]
+        num = jnp.einsum("bhf,bhfm->bhm", phi_q_xHF, state.s_BHFM)
+        den = jnp.einsum("bhf,bhf->bh", phi_q_xHF, state.z_BHF)
+    return _normalise(num, den, eps, out_dtype or q_xHD.dtype)
+
+
+def linear_attention(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, eps=1e-6):
+    """Non-causal linear attention in O(T + S) time and memory.
+
+    Args:
+      q_BTHD: [B, T, H, D]; k_BSHD: [B, S, H, D]; v_BSHM: [B, S, H, M].
+      feature_map: registered name ("elu", "relu", "favor" via make_feature_map), a FeatureMap,
+        or a callable.
+      key_lengths: int [B]; keys at index >= key_lengths[b] contribute nothing.
+      eps: added to the normaliser.
+
+    Arbitrary [T, S] masks cannot be honoured without forming the T x S matrix, so there is no
+    mask argument; key padding is the only mask this form supports.
+    """
+    _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
+    state = linear_state_from_keys(k_BSHD, v_BSHM, feature_map=feature_map,
+                                   key_lengths=key_lengths)
+    return linear_attention_from_state(state, q_BTHD, feature_map=feature_map, eps=eps,
+                                       out_dtype=v_BSHM.dtype)
+
+
+def linear_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None,
+                               eps=1e-6):
+    """The explicit kernel formula with the [T, S] similarity matrix, for tests."""
+    fm = make_feature_map(feature_map)
+    acc = _checks.accumulation_dtype(v_BSHM.dtype)
+    phi_q = fm.query(q_BTHD).astype(acc)
+    phi_k = fm.key(k_BSHD).astype(acc)
+    sim_BHTS = jnp.einsum("bthf,bshf->bhts", phi_q, phi_k)
+    if key_lengths is not None:
+        valid_BS = _checks.key_padding_mask(jnp.asarray(key_lengths), k_BSHD.shape[1])
+        sim_BHTS = jnp.where(valid_BS[:, None, None, :], sim_BHTS, 0)
+        v_BSHM = jnp.where(valid_BS[:, :, None, None], v_BSHM, 0)
+    num = jnp.einsum("bhts,bshm->bthm", sim_BHTS, v_BSHM.astype(acc))
+    den = jnp.einsum("bhts->bth", sim_BHTS)
+    return _normalise(num, den, eps, v_BSHM.dtype)
+
+
+def linear_attention_step(state: LinearState, q_BHD, k_BHD, v_BHM, *, feature_map="elu",
+                          eps=1e-6):
+    """One step of causal linear attention as an RNN: (state, q_t, k_t, v_t) -> (state, out_t).
+
+    Inputs are [B, H, D] (values [B, H, M]); the state comes from `init_linear_state`.
+    Usable as the body of `lax.scan`.
+    """
+    _checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name="linear_attention_step")
+    fm = make_feature_map(feature_map)
+    B, H, D = q_BHD.shape
+    expected = (B, H, fm.num_features(D), v_BHM.shape[-1])
+    if state.s_BHFM.shape != expected or state.z_BHF.shape != expected[:3]:
+        raise ValueError(
+            f"linear_attention_step: state shapes S {tuple(state.s_BHFM.shape)}, z "
+            f"{tuple(state.z_BHF.shape)} do not fit the inputs, which need S {expected} and z "
+            f"{expected[:3]} (init_linear_state(batch, heads, F, M)).")
+    acc = state.s_BHFM.dtype
+    phi_k_BHF = fm.key(k_BHD).astype(acc)
+    s_BHFM = state.s_BHFM + jnp.einsum("bhf,bhm->bhfm", phi_k_BHF, v_BHM.astype(acc))
+    z_BHF = state.z_BHF + phi_k_BHF
+    new_state = LinearState(s_BHFM, z_BHF)
+    return new_state, linear_attention_from_state(new_state, q_BHD, feature_map=fm, eps=eps,
+                                                  out_dtype=v_BHM.dtype)

@@ -1,0 +1,167 @@
+"""Softmax attention: parallel form, plain reference, and the KV-cache recurrent step.
+
+Legend: B batch, T query time, S key time, H heads, D key/query features, M value features.
+Logits and the softmax are computed in float32 (or wider) whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linear_transformers.ops import _checks
+
+IMPLEMENTATIONS = (None, "xla", "cudnn", "reference")
+
+
+def _build_mask_BHTS(batch, heads, t, s, *, causal, key_lengths, mask):
+    """Combine causal, key-padding and explicit masks into one boolean [B|1, H|1, T, S] mask."""
+    combined = None
+    if causal:
+        combined = jnp.tril(jnp.ones((t, s), bool))[None, None]
+    if key_lengths is not None:
+        padding = _checks.key_padding_mask(key_lengths, s)[:, None, None, :]
+        combined = padding if combined is None else combined & padding
+    if mask is not None:
+        mask = jnp.asarray(mask, bool)
+        try:
+            jnp.broadcast_shapes(mask.shape, (batch, heads, t, s))
+        except ValueError as e:
+            raise ValueError(
+                f"softmax_attention: mask of shape {tuple(mask.shape)} does not broadcast to "
+                f"[B, H, T, S] = {(batch, heads, t, s)}.") from e
+        combined = mask if combined is None else combined & mask
+    return combined
+
+
+def softmax_attention_weights(q_BTHD, k_BSHD, *, causal=False, key_lengths=None, mask=None,
+                              scale=None):
+    """Attention probabilities [B, H, T, S], float32 (or float64 for float64 inputs).
+
+    Masked entries get probability 0; a row with no valid key is uniform over its keys (as in
+    `jax.nn.dot_product_attention`), so its output is finite.
+    """
+    B, T, H, D = q_BTHD.shape
+    S = k_BSHD.shape[1]
+    acc = _checks.accumulation_dtype(q_BTHD.dtype)
+    scale = D ** -0.5 if scale is None else scale
+    logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, preferred_element_type=acc)
+    logits_BHTS = logits_BHTS * jnp.asarray(scale, acc)
+    mask_BHTS = _build_mask_BHTS(B, H, T, S, causal=causal, key_lengths=key_lengths, mask=mask)
+    if mask_BHTS is not None:
+        logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
+    return jax.nn.softmax(logits_BHTS, axis=-1)
+
+
+def validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths):
+    """Check shapes; return key_lengths as int32 [B] (or None)."""
+    _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="softmax_attention")
+    if causal and q_BTHD.shape[1] != k_BSHD.shape[1]:
+        raise ValueError(f"softmax_attention: causal=True needs as many queries as keys, got "
+                         f"T={q_BTHD.shape[1]} and S={k_BSHD.shape[1]}.")
+    return _checks.check_key_lengths(key_lengths, q_BTHD.shape[0], name="softmax_attention")
+
+
+def softmax_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
+                                mask=None, scale=None):
+    """The plain O(T*S) formula softmax(q k^T * scale) v with explicit weights."""
+    key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal,
+                                          key_lengths=key_lengths)
+    w_BHTS = softmax_attention_weights(q_BTHD, k_BSHD, causal=causal, key_lengths=key_lengths,
+                                       mask=mask, scale=scale)
+    out_BTHM = jnp.einsum("bhts,bshm->bthm", w_BHTS, v_BSHM.astype(w_BHTS.dtype))
+    return out_BTHM.astype(v_BSHM.dtype)
+
+
+def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None, mask=None,
+                      scale=None, implementation=None):
+    """Softmax attention softmax(q k^T * scale) v.
+
+    Args:
+      q_BTHD: queries [B, T, H, D]; k_BSHD keys [B, S, H, D]; v_BSHM values [B, S, H, M].
+      causal: query t attends to keys s <= t (needs T == S).
+      key_lengths: int [B]; keys at index >= key_lengths[b] are ignored.
+      mask: boolean, broadcastable to [B, H, T, S]; False entries are ignored.
+      scale: multiplies the logits (softmax temperature); default 1/sqrt(D).
+      implementation: None (jax.nn.dot_product_attention where it applies, i.e. D == M, else the
+        reference), "xla" or "cudnn" (jax.nn.dot_product_attention with that implementation;
+        "cudnn" is flash attention on NVIDIA GPUs), or "reference" (explicit weights).
+
+    Returns:
+      [B, T, H, M] in the dtype of v.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"softmax_attention: unknown implementation {implementation!r}; "
+                         f"expected one of {IMPLEMENTATIONS}.")
+    same_dims = q_BTHD.shape[-1] == v_BSHM.shape[-1]
+    if implementation in ("xla", "cudnn") and not same_dims:
+        raise ValueError(
+            f"softmax_attention: implementation={implementation!r} (jax.nn.dot_product_attention) "
+            f"needs value features M equal to key features D, got D={q_BTHD.shape[-1]}, "
+            f"M={v_BSHM.shape[-1]}; use implementation=None or 'reference'.")
+    if implementation == "reference" or (implementation is None and not same_dims):
+        return softmax_attention_reference(q_BTHD, k_BSHD, v_BSHM, causal=causal,
+                                           key_lengths=key_lengths, mask=mask, scale=scale)
+    key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal,
+                                          key_lengths=key_lengths)
+    if mask is not None:
+        B, T, H, _ = q_BTHD.shape
+        mask = _build_mask_BHTS(B, H, T, k_BSHD.shape[1], causal=False, key_lengths=None, mask=mask)
+    dtype = jnp.result_type(q_BTHD, k_BSHD, v_BSHM)
+    return jax.nn.dot_product_attention(
+        q_BTHD.astype(dtype), k_BSHD.astype(dtype), v_BSHM.astype(dtype), mask=mask, scale=scale,
+        is_causal=causal, key_value_seq_lengths=key_lengths, implementation=implementation)
+
+
+class KVCache(NamedTuple):
+    """Preallocated keys and values for softmax recurrent inference.
+
+    `length` (int32 scalar) counts the filled slots; shapes never change, so the cache is a valid
+    `lax.scan` carry.
+    """
+    k_BSHD: jax.Array
+    v_BSHM: jax.Array
+    length: jax.Array
+
+
+def init_kv_cache(batch: int, max_length: int, heads: int, d: int, m: int,
+                  dtype=jnp.float32) -> KVCache:
+    """An empty cache for up to `max_length` steps of keys [B, S, H, D] and values [B, S, H, M]."""
+    if max_length < 1:
+        raise ValueError(f"init_kv_cache: max_length must be >= 1, got {max_length}.")
+    return KVCache(k_BSHD=jnp.zeros((batch, max_length, heads, d), dtype),
+                   v_BSHM=jnp.zeros((batch, max_length, heads, m), dtype),
+                   length=jnp.zeros((), jnp.int32))
+
+
+def softmax_attention_step(cache: KVCache, q_BHD, k_BHD, v_BHM, *, scale=None):
+    """One causal step: append (k_t, v_t) to the cache and attend q_t to every filled slot.
+
+    Returns (new_cache, out_BHM). Stepping past `max_length` cannot grow a static cache: an eager
+    call raises, and under `jit` the output is NaN so the overflow cannot pass unnoticed.
+    """
+    _checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name="softmax_attention_step")
+    capacity = cache.k_BSHD.shape[1]
+    B, H, D = q_BHD.shape
+    if (cache.k_BSHD.shape != (B, capacity, H, D) or
+            cache.v_BSHM.shape != (B, capacity) + v_BHM.shape[1:]):
+        raise ValueError(
+            f"softmax_attention_step: cache shapes k {tuple(cache.k_BSHD.shape)}, v "
+            f"{tuple(cache.v_BSHM.shape)} do not fit q_t {tuple(q_BHD.shape)}, "
+            f"v_t {tuple(v_BHM.shape)}.")
+    if _checks.is_concrete(cache.length) and int(cache.length) >= capacity:
+        raise ValueError(f"softmax_attention_step: the KV cache is full ({capacity} steps); "
+                         "allocate a larger max_length.")
+    pos = cache.length
+    k_cache = jax.lax.dynamic_update_slice_in_dim(
+        cache.k_BSHD, k_BHD[:, None].astype(cache.k_BSHD.dtype), pos, axis=1)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(
+        cache.v_BSHM, v_BHM[:, None].astype(cache.v_BSHM.dtype), pos, axis=1)
+    valid_S = jnp.arange(capacity) <= pos
+    w_BHTS = softmax_attention_weights(q_BHD[:, None].astype(k_cache.dtype), k_cache,
+                                       mask=valid_S[None, None, None, :], scale=scale)
+    out_BHM = jnp.einsum("bhs,bshm->bhm", w_BHTS[:, :, 0], v_cache.astype(w_BHTS.dtype))
+    out_BHM = jnp.where(pos < capacity, out_BHM, jnp.nan).astype(v_BHM.dtype)
+    return KVCache(k_cache, v_cache, pos + 1), out_BHM

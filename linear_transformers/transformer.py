@@ -1,0 +1,323 @@
+"""Transformer encoder and decoder layers and stacks, with parallel and recurrent forms.
+
+Legend: B batch, T target time, S source (memory) time, E model width.
+
+Layers follow the authors' post-norm layout (x = norm(x + dropout(sublayer(x)))) with an optional
+final LayerNorm on the stack. Every stack built with causal self-attention also runs as an RNN:
+
+  state = stack.init_state(batch, max_length, ...)    one pytree for all layers
+  state, y_BE = stack.step(state, x_BE)               a `lax.scan` body
+
+Recurrent inference is inference: call `model.eval()` first so dropout is off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linear_transformers.attention import attention_class, check_attention_options
+from linear_transformers.multi_head_attention import MultiHeadAttention
+
+ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}
+
+
+def _core_options(kind, options, attention_dropout, softmax_temp) -> dict[str, Any]:
+    """The options MultiHeadAttention hands the core of `kind` (see its docstring)."""
+    options = dict(options or {})
+    if attention_dropout:
+        options["attention_dropout"] = attention_dropout
+    if softmax_temp is not None:
+        options["softmax_temp"] = softmax_temp
+    return options
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyperparameters of an encoder or decoder stack.
+
+    Attributes:
+      num_layers, num_heads: stack depth and attention heads.
+      model_dim: width E of the residual stream.
+      query_dim, value_dim: per-head D and M; default model_dim // num_heads.
+      feed_forward_dim: hidden width of the feed-forward block; default 4 * model_dim.
+      activation: "relu" or "gelu".
+      dropout: on the residual branches and inside the feed-forward block.
+      attention_dropout: on attention probabilities (kinds with a probability matrix only).
+      softmax_temp: logit scale for softmax kinds; default 1/sqrt(query_dim).
+      final_normalization: LayerNorm after the last layer.
+      attention: registered kind of self-attention ("softmax", "linear", "causal-linear", ...).
+      attention_options: the kind's options, e.g. {"feature_map": "favor", "impl": "chunked"}.
+      cross_attention, cross_attention_options: decoder cross-attention; default the
+        self-attention kind and options ("linear" where self-attention is "causal-linear").
+    """
+
+    num_layers: int = 4
+    num_heads: int = 4
+    model_dim: int = 128
+    query_dim: int | None = None
+    value_dim: int | None = None
+    feed_forward_dim: int | None = None
+    activation: str = "relu"
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    softmax_temp: float | None = None
+    final_normalization: bool = True
+    attention: str = "linear"
+    attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    cross_attention: str | None = None
+    cross_attention_options: Mapping[str, Any] | None = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_heads", "model_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.query_dim is None and self.model_dim % self.num_heads:
+            raise ValueError(
+                f"TransformerConfig: model_dim={self.model_dim} is not divisible by "
+                f"num_heads={self.num_heads}; choose a width that divides or set query_dim.")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"TransformerConfig.activation {self.activation!r} is unknown; "
+                             f"expected one of {sorted(ACTIVATIONS)}.")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got "
+                                 f"{getattr(self, name)}.")
+        for kind, options in ((self.attention, self.attention_options),
+                              (self.cross_kind, self.cross_options)):
+            attention_class(kind)
+            check_attention_options(
+                kind, _core_options(kind, options, self.attention_dropout, self.softmax_temp))
+
+    @property
+    def head_query_dim(self) -> int:
+        return self.query_dim or self.model_dim // self.num_heads
+
+    @property
+    def head_value_dim(self) -> int:
+        return self.value_dim or self.head_query_dim
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.feed_forward_dim or 4 * self.model_dim
+
+    @property
+    def cross_kind(self) -> str:
+        if self.cross_attention is not None:
+            return self.cross_attention
+        return "linear" if self.attention == "causal-linear" else self.attention
+
+    @property
+    def cross_options(self) -> Mapping[str, Any]:
+        if self.cross_attention_options is not None:
+            return self.cross_attention_options
+        if self.cross_attention is None:
+            return self.attention_options
+        return {}
+
+    _AUTHORS_NAMES = {
+        "n_layers": "num_layers", "n_heads": "num_heads", "query_dimensions": "query_dim",
+        "value_dimensions": "value_dim", "feed_forward_dimensions": "feed_forward_dim",
+        "attention_type": "attention", "activation": "activation", "dropout": "dropout",
+        "attention_dropout": "attention_dropout", "softmax_temp": "softmax_temp",
+        "final_normalization": "final_normalization", "feature_map": None,
+    }
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "TransformerConfig":
+        """Build from the keyword names of the authors' `TransformerEncoderBuilder.from_kwargs`.
+
+        As there, the model width is n_heads * value_dimensions; attention_type "full" is our
+        "softmax"; feature_map goes to attention_options.
+        """
+        unknown = sorted(set(kwargs) - set(cls._AUTHORS_NAMES))
+        if unknown:
+            raise ValueError(f"from_kwargs: unknown arguments {unknown}; known: "
+                             f"{sorted(cls._AUTHORS_NAMES)}.")
+        fields = {cls._AUTHORS_NAMES[k]: v for k, v in kwargs.items() if k != "feature_map"}
+        if fields.get("attention") == "full":
+            fields["attention"] = "softmax"
+        if "feature_map" in kwargs:
+            fields["attention_options"] = {"feature_map": kwargs["feature_map"]}
+        fields.setdefault("num_heads", 4)
+        fields.setdefault("query_dim", 64)
+        fields.setdefault("value_dim", fields["query_dim"])
+        fields["model_dim"] = fields["num_heads"] * fields["value_dim"]
+        return cls(**fields)
+
+
+def _attention(config: TransformerConfig, *, cross: bool, causal: bool, rngs) -> MultiHeadAttention:
+    kind = config.cross_kind if cross else config.attention
+    return MultiHeadAttention(
+        config.model_dim, config.num_heads, query_dim=config.head_query_dim,
+        value_dim=config.head_value_dim, kind=kind, causal=causal,
+        attention_dropout=config.attention_dropout, softmax_temp=config.softmax_temp,
+        attention_options=config.cross_options if cross else config.attention_options,
+        rngs=rngs)
+
+
+class _Residual(nnx.Module):
+    """norm(x + dropout(y)): the post-norm residual connection."""
+
+    def __init__(self, config: TransformerConfig, rngs):
+        self.norm = nnx.LayerNorm(config.model_dim, rngs=rngs)
+        self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
+
+    def __call__(self, x, y):
+        return self.norm(x + self.dropout(y))
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, config: TransformerConfig, rngs):
+        self.linear1 = nnx.Linear(config.model_dim, config.hidden_dim, rngs=rngs)
+        self.linear2 = nnx.Linear(config.hidden_dim, config.model_dim, rngs=rngs)
+        self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
+        self.activation = config.activation
+
+    def __call__(self, x):
+        return self.linear2(self.dropout(ACTIVATIONS[self.activation](self.linear1(x))))
+
+
+def _check_inference_mode(module: nnx.Module):
+    """Recurrent steps are for inference: refuse to run them with dropout switched on."""
+    for _, m in nnx.iter_graph(module):
+        if isinstance(m, nnx.Dropout) and m.rate > 0 and not m.deterministic:
+            raise ValueError("recurrent inference with dropout active: call model.eval() "
+                             "before init_state/step (and model.train() to train again).")
+
+
+class EncoderLayer(nnx.Module):
+    """Self-attention and feed-forward; causal=True makes it a decoder-only (GPT-style) layer."""
+
+    def __init__(self, config: TransformerConfig, *, causal: bool = False, rngs: nnx.Rngs):
+        self.attention = _attention(config, cross=False, causal=causal, rngs=rngs)
+        self.attention_residual = _Residual(config, rngs)
+        self.feed_forward = FeedForward(config, rngs)
+        self.feed_forward_residual = _Residual(config, rngs)
+
+    def __call__(self, x_BTE, *, key_lengths=None, mask=None):
+        x_BTE = self.attention_residual(x_BTE, self.attention(x_BTE, key_lengths=key_lengths,
+                                                              mask=mask))
+        return self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
+
+    def init_state(self, batch: int, max_length: int | None = None, dtype=jnp.float32):
+        return self.attention.init_state(batch, max_length, dtype)
+
+    def step(self, state, x_BE):
+        state, y_BE = self.attention.step(state, x_BE)
+        x_BE = self.attention_residual(x_BE, y_BE)
+        return state, self.feed_forward_residual(x_BE, self.feed_forward(x_BE))
+
+
+class DecoderLayerState(NamedTuple):
+    self_attention: Any
+    memory: Any
+
+
+class DecoderLayer(nnx.Module):
+    """Causal self-attention, cross-attention over an encoded memory, feed-forward."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.self_attention = _attention(config, cross=False, causal=True, rngs=rngs)
+        self.self_attention_residual = _Residual(config, rngs)
+        self.cross_attention = _attention(config, cross=True, causal=False, rngs=rngs)
+        self.cross_attention_residual = _Residual(config, rngs)
+        self.feed_forward = FeedForward(config, rngs)
+        self.feed_forward_residual = _Residual(config, rngs)
+
+    def __call__(self, x_BTE, memory_BSE, *, memory_lengths=None):
+        x_BTE = self.self_attention_residual(x_BTE, self.self_attention(x_BTE))
+        x_BTE = self.cross_attention_residual(
+            x_BTE, self.cross_attention(x_BTE, memory_BSE, key_lengths=memory_lengths))
+        return self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
+
+    def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None,
+                   dtype=jnp.float32) -> DecoderLayerState:
+        """Self-attention state plus the memory's keys/values (or their linear summary)."""
+        return DecoderLayerState(self.self_attention.init_state(batch, max_length, dtype),
+                                 self.cross_attention.init_memory(memory_BSE, memory_lengths))
+
+    def step(self, state: DecoderLayerState, x_BE):
+        self_state, y_BE = self.self_attention.step(state.self_attention, x_BE)
+        x_BE = self.self_attention_residual(x_BE, y_BE)
+        x_BE = self.cross_attention_residual(
+            x_BE, self.cross_attention.attend_memory(state.memory, x_BE))
+        x_BE = self.feed_forward_residual(x_BE, self.feed_forward(x_BE))
+        return DecoderLayerState(self_state, state.memory), x_BE
+
+
+class _Stack(nnx.Module):
+    def _final(self, x):
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class Encoder(_Stack):
+    """A stack of `EncoderLayer`s; causal=True gives a decoder-only stack with a recurrent form.
+
+    >>> config = TransformerConfig(num_layers=2, num_heads=4, model_dim=64, attention="linear")
+    >>> encoder = Encoder(config, rngs=nnx.Rngs(0))
+    >>> y_BTE = encoder(x_BTE, key_lengths=lengths_B)
+    """
+
+    def __init__(self, config: TransformerConfig, *, causal: bool = False, rngs: nnx.Rngs):
+        self.causal = causal
+        self.layers = nnx.List([EncoderLayer(config, causal=causal, rngs=rngs)
+                                for _ in range(config.num_layers)])
+        self.final_norm = (nnx.LayerNorm(config.model_dim, rngs=rngs)
+                           if config.final_normalization else None)
+
+    def __call__(self, x_BTE, *, key_lengths=None, mask=None):
+        for layer in self.layers:
+            x_BTE = layer(x_BTE, key_lengths=key_lengths, mask=mask)
+        return self._final(x_BTE)
+
+    def init_state(self, batch: int, max_length: int | None = None, dtype=jnp.float32):
+        """Tuple of per-layer states (causal stacks only)."""
+        _check_inference_mode(self)
+        return tuple(layer.init_state(batch, max_length, dtype) for layer in self.layers)
+
+    def step(self, state, x_BE):
+        _check_inference_mode(self)
+        new_state = []
+        for layer, layer_state in zip(self.layers, state, strict=True):
+            layer_state, x_BE = layer.step(layer_state, x_BE)
+            new_state.append(layer_state)
+        return tuple(new_state), self._final(x_BE)
+
+
+class Decoder(_Stack):
+    """A stack of `DecoderLayer`s attending to an encoder's output.
+
+    Parallel: decoder(x_BTE, memory_BSE, memory_lengths=...). Recurrent:
+    state = decoder.init_state(batch, max_length, memory_BSE); state, y_BE = decoder.step(state,
+    x_BE), where the memory's keys/values are projected once in init_state.
+    """
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = (nnx.LayerNorm(config.model_dim, rngs=rngs)
+                           if config.final_normalization else None)
+
+    def __call__(self, x_BTE, memory_BSE, *, memory_lengths=None):
+        for layer in self.layers:
+            x_BTE = layer(x_BTE, memory_BSE, memory_lengths=memory_lengths)
+        return self._final(x_BTE)
+
+    def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None,
+                   dtype=jnp.float32):
+        _check_inference_mode(self)
+        return tuple(layer.init_state(batch, max_length, memory_BSE,
+                                      memory_lengths=memory_lengths, dtype=dtype)
+                     for layer in self.layers)
+
+    def step(self, state, x_BE):
+        _check_inference_mode(self)
+        new_state = []
+        for layer, layer_state in zip(self.layers, state, strict=True):
+            layer_state, x_BE = layer.step(layer_state, x_BE)
+            new_state.append(layer_state)
+        return tuple(new_state), self._final(x_BE)
