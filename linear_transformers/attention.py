@@ -236,13 +236,13 @@ class LinearAttention(AttentionCore):
         """Draw a new FAVOR+ random matrix (no-op error for deterministic feature maps)."""
         if self.feature_map_spec != "favor":
             raise ValueError(f"feature map {self.feature_map_spec!r} has no random features.")
-        f, d = self.feature_projection.value.shape
-        self.feature_projection.value = ops.favor_projection(key, f, d)
+        f, d = self.feature_projection[...].shape
+        self.feature_projection.set_value(ops.favor_projection(key, f, d))
 
     @property
     def feature_map(self) -> ops.FeatureMap:
         if self.feature_map_spec == "favor":
-            return ops.FavorFeatureMap(self.feature_projection.value)
+            return ops.FavorFeatureMap(self.feature_projection[...])
         return ops.make_feature_map(self.feature_map_spec)
 
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):

@@ -50,6 +50,13 @@ def _associative_scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc):
     return _normalise(num_BTHM, den_BTH, eps, v_BTHM.dtype)
 
 
+def _exclusive_cumsum(x_BN):
+    """Sum over chunks m < n along axis 1, by shifting rather than cumsum(x) - x, which would
+    let chunk n's own (partly future) entries in up to rounding and break exact causality."""
+    shifted = jnp.pad(x_BN[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (x_BN.ndim - 2))
+    return jnp.cumsum(shifted, axis=1)
+
+
 def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size):
     B, T, H, F = phi_q_BTHF.shape
     M = v_BTHM.shape[-1]
@@ -68,8 +75,8 @@ def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size):
     # Between chunks: state of everything before chunk n (exclusive prefix sum of chunk states).
     kv_BNHFM = jnp.einsum("bnchf,bnchm->bnhfm", k_BNCHF, v_BNCHM, preferred_element_type=acc)
     ksum_BNHF = jnp.sum(k_BNCHF.astype(acc), axis=2)
-    s_BNHFM = jnp.cumsum(kv_BNHFM, axis=1) - kv_BNHFM
-    z_BNHF = jnp.cumsum(ksum_BNHF, axis=1) - ksum_BNHF
+    s_BNHFM = _exclusive_cumsum(kv_BNHFM)
+    z_BNHF = _exclusive_cumsum(ksum_BNHF)
 
     # Within a chunk: the masked quadratic form on C x C.
     sim_BNHCC = jnp.einsum("bnchf,bndhf->bnhcd", q_BNCHF, k_BNCHF, preferred_element_type=acc)

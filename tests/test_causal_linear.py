@@ -1,0 +1,288 @@
+"""Causal linear attention: every impl equals the quadratic reference (values and gradients).
+
+Legend: B batch, T time, H heads, D key/query features, F feature-map features, M value features.
+"""
+
+import contextlib
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linear_transformers import ops
+
+B, H, D, M = 2, 2, 4, 6  # M != D throughout
+F_FAVOR = 10  # != D and not a multiple of D: the last orthogonal block is partial
+
+# (T, chunk_size): T a multiple of C, T not a multiple of C, T < C, T == 1, C == 1, default C.
+LENGTHS_AND_CHUNKS = [(1, 4), (5, 8), (16, 8), (37, 8), (13, 1), (70, 64)]
+FEATURE_MAPS = ["elu", "relu", "favor", "softplus"]
+
+
+def _enable_x64():
+    """Context manager turning on float64 for the duration of a test, across jax versions."""
+    if hasattr(jax, "enable_x64"):  # jax >= 0.8 (jax.experimental.enable_x64 is gone in 0.10)
+        return jax.enable_x64(True)
+    try:
+        from jax.experimental import enable_x64  # older jax
+        return enable_x64()
+    except ImportError:
+        @contextlib.contextmanager
+        def _update():
+            old = jax.config.jax_enable_x64
+            jax.config.update("jax_enable_x64", True)
+            try:
+                yield
+            finally:
+                jax.config.update("jax_enable_x64", old)
+        return _update()
+
+
+@pytest.fixture
+def x64():
+    with _enable_x64():
+        assert jnp.zeros((), jnp.float64).dtype == jnp.float64
+        yield
+    assert jnp.zeros(()).dtype == jnp.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _favor_map():
+    # Drawing the projection under jit is much faster on CPU than op-by-op QR; the bare
+    # make_feature_map("favor", key=..., head_dim=..., num_features=...) path is tested elsewhere.
+    projection = jax.jit(ops.favor_projection, static_argnums=(1, 2))(jax.random.key(42),
+                                                                      F_FAVOR, D)
+    fm = ops.make_feature_map("favor", projection=projection)
+    assert fm.num_features(D) == F_FAVOR
+    return fm
+
+
+def _feature_map(name):
+    """The spec passed to the op, and an independent numpy version (query_fn, key_fn)."""
+    if name == "elu":
+        f = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0)))  # noqa: E731
+        return "elu", f, f
+    if name == "relu":
+        f = lambda x: np.maximum(x, 0.0)  # noqa: E731
+        return "relu", f, f
+    if name == "softplus":
+        return (lambda x: jax.nn.softplus(x)), (lambda x: np.logaddexp(0.0, x)), (
+            lambda x: np.logaddexp(0.0, x))
+    if name == "favor":
+        fm = _favor_map()
+        w_FD = np.asarray(fm.projection_FD, np.float64)
+
+        def exponent(x):
+            x = x * x.shape[-1] ** -0.25
+            return x @ w_FD.T - 0.5 * np.sum(x * x, axis=-1, keepdims=True)
+
+        def key_fn(x):
+            return np.exp(exponent(x)) / np.sqrt(F_FAVOR)
+
+        def query_fn(x):
+            e = exponent(x)
+            return np.exp(e - e.max(axis=-1, keepdims=True)) / np.sqrt(F_FAVOR)
+
+        return fm, query_fn, key_fn
+    raise AssertionError(name)
+
+
+def _inputs(seed, T, dtype=np.float64, scale=1.0):
+    rng = np.random.default_rng(seed)
+    q = scale * rng.standard_normal((B, T, H, D))
+    k = scale * rng.standard_normal((B, T, H, D))
+    v = rng.standard_normal((B, T, H, M))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _numpy_causal(q, k, v, query_fn, key_fn, eps=1e-6):
+    """The RNN form in numpy float64: prefix sums of phi(k) v^T and phi(k)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    phi_q, phi_k = query_fn(q), key_fn(k)
+    s_BTHFM = np.cumsum(phi_k[..., :, None] * v[..., None, :], axis=1)
+    z_BTHF = np.cumsum(phi_k, axis=1)
+    num = np.einsum("bthf,bthfm->bthm", phi_q, s_BTHFM)
+    den = np.einsum("bthf,bthf->bth", phi_q, z_BTHF)
+    return num / (den + eps)[..., None]
+
+
+@functools.lru_cache(maxsize=None)
+def _op(impl, chunk_size=ops.DEFAULT_CHUNK_SIZE, fm_name="elu", jit=True):
+    """The op with static kwargs bound; jitted functions are cached so equal shapes reuse a
+    compile (XLA compiles dominate this file's run time on CPU)."""
+    fn = functools.partial(ops.causal_linear_attention, impl=impl, chunk_size=chunk_size,
+                           feature_map=_feature_map(fm_name)[0])
+    return jax.jit(fn) if jit else fn
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_fn(impl, chunk_size, fm_name):
+    """jit(grad) of sum(out * w) w.r.t. q, k, v."""
+    op = _op(impl, chunk_size, fm_name, jit=False)
+    return jax.jit(jax.grad(lambda q, k, v, w: jnp.sum(op(q, k, v) * w), argnums=(0, 1, 2)))
+
+
+@functools.lru_cache(maxsize=None)
+def _quadratic_expected(seed, T, fm_name, dtype=np.float64):
+    """The quadratic reference on `_inputs(seed, T, dtype)`, computed in float32 or wider."""
+    inputs = (x.astype(jnp.promote_types(dtype, jnp.float32)) for x in _inputs(seed, T, dtype))
+    return _op("quadratic", fm_name=fm_name)(*inputs)
+
+
+def _grad_weights(T):
+    """Coefficients of a random linear functional of the output."""
+    return jnp.asarray(np.random.default_rng(100 + T).standard_normal((B, T, H, M)))
+
+
+@functools.lru_cache(maxsize=None)
+def _quadratic_grads(seed, T, fm_name):
+    return _grad_fn("quadratic", ops.DEFAULT_CHUNK_SIZE, fm_name)(*_inputs(seed, T),
+                                                                   _grad_weights(T))
+
+
+def test_impls_cover_the_documented_set():
+    assert set(ops.IMPLS) == {"quadratic", "associative_scan", "chunked", "scan"}
+
+
+@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("fm_name", FEATURE_MAPS)
+def test_quadratic_matches_numpy_rnn_form(x64, T, fm_name):
+    """The reference itself against an independent numpy prefix-sum computation."""
+    _, query_fn, key_fn = _feature_map(fm_name)
+    q, k, v = _inputs(1, T)
+    out = _quadratic_expected(1, T, fm_name)
+    assert out.dtype == jnp.float64
+    chex.assert_shape(out, (B, T, H, M))
+    chex.assert_trees_all_close(out, _numpy_causal(q, k, v, query_fn, key_fn), rtol=1e-10,
+                                atol=1e-10)
+
+
+# chunk_size only matters to "chunked": it gets every (T, C) pair, the others several T.
+ELU_CASES = ([("chunked", T, c) for T, c in LENGTHS_AND_CHUNKS] +
+             [(impl, T, 8) for impl in ("associative_scan", "scan") for T in (1, 5, 37)] +
+             [("quadratic", 37, 8)])
+
+
+@pytest.mark.parametrize("impl,T,chunk_size", ELU_CASES)
+def test_impl_matches_quadratic_elu_under_jit(x64, impl, T, chunk_size):
+    q, k, v = _inputs(1, T)
+    out = _op(impl, chunk_size)(q, k, v)
+    assert out.dtype == jnp.float64
+    chex.assert_shape(out, (B, T, H, M))
+    chex.assert_trees_all_close(out, _quadratic_expected(1, T, "elu"), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "scan"])
+def test_impl_matches_quadratic_eagerly(x64, impl):
+    """Without jit (op by op; slow on CPU, so one short case; "quadratic" runs eagerly as the
+    reference of the gradient tests' forward pass, "associative_scan" under jit only)."""
+    T = 5
+    q, k, v = _inputs(1, T)
+    out = _op(impl, 2, jit=False)(q, k, v)
+    assert out.dtype == jnp.float64
+    chex.assert_shape(out, (B, T, H, M))
+    chex.assert_trees_all_close(out, _quadratic_expected(1, T, "elu"), rtol=1e-10, atol=1e-10)
+
+
+FM_CASES = ([(impl, "favor") for impl in ("associative_scan", "chunked", "scan")] +
+            [(impl, fm) for impl in ("chunked", "scan") for fm in ("relu", "softplus")])
+
+
+@pytest.mark.parametrize("impl,fm_name", FM_CASES)
+def test_impl_matches_quadratic_feature_maps(x64, impl, fm_name):
+    T, chunk_size = 37, 8
+    _, query_fn, key_fn = _feature_map(fm_name)
+    q, k, v = _inputs(1, T)
+    out = _op(impl, chunk_size, fm_name)(q, k, v)
+    chex.assert_shape(out, (B, T, H, M))
+    chex.assert_trees_all_close(out, _quadratic_expected(1, T, fm_name), rtol=1e-10, atol=1e-10)
+    chex.assert_trees_all_close(out, _numpy_causal(q, k, v, query_fn, key_fn), rtol=1e-9,
+                                atol=1e-9)
+
+
+GRAD_CASES = ([("chunked", T, c, "elu") for T, c in [(1, 4), (13, 1), (13, 4)]] +
+              [(impl, 13, 4, "elu") for impl in ("associative_scan", "scan")] +
+              [("chunked", 13, 4, fm) for fm in ("favor", "relu", "softplus")])
+
+
+@pytest.mark.parametrize("impl,T,chunk_size,fm_name", GRAD_CASES)
+def test_impl_gradients_match_quadratic(x64, impl, T, chunk_size, fm_name):
+    q, k, v = _inputs(3, T)
+    expected = _quadratic_grads(3, T, fm_name)
+    got = _grad_fn(impl, chunk_size, fm_name)(q, k, v, _grad_weights(T))
+    # The functional really depends on every input (with one step only on v: out_0 = v_0).
+    for g in expected if T > 1 else expected[2:]:
+        assert float(jnp.max(jnp.abs(g))) > 1e-3
+    chex.assert_trees_all_close(got, expected, rtol=1e-8, atol=1e-10)
+
+
+BF16_CASES = [(impl, "elu") for impl in ops.IMPLS] + [("chunked", "favor")]
+
+
+@pytest.mark.parametrize("impl,fm_name", BF16_CASES)
+def test_bfloat16_inputs(impl, fm_name):
+    T, chunk_size = 37, 8
+    q, k, v = _inputs(7, T, dtype=jnp.bfloat16)
+    out = _op(impl, chunk_size, fm_name)(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    chex.assert_shape(out, (B, T, H, M))
+    chex.assert_tree_all_finite(out)
+    # Reference: the same (bf16-rounded) inputs in float32.
+    expected = _quadratic_expected(7, T, fm_name, jnp.bfloat16)
+    assert expected.dtype == jnp.float32
+    chex.assert_trees_all_close(out.astype(jnp.float32), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "associative_scan"])
+def test_causality_by_gradients(impl):
+    """Output t has exactly zero gradient w.r.t. q at s != t and w.r.t. k, v at s > t."""
+    T, chunk_size = 14, 4  # crosses chunk boundaries and has a padded tail
+    q, k, v = _inputs(8, T, dtype=jnp.float32)
+    grad_fn = _grad_fn(impl, chunk_size, "elu")
+    w_full = jnp.asarray(np.random.default_rng(9).standard_normal((B, T, H, M)), jnp.float32)
+    for t in (0, 2, 3, 4, 9, 13):
+        w = w_full * (jnp.arange(T) == t)[None, :, None, None]
+        gq, gk, gv = (np.asarray(g) for g in grad_fn(q, k, v, w))
+        others = np.arange(T) != t
+        assert np.all(gq[:, others] == 0), (t, np.abs(gq[:, others]).max())
+        assert np.all(gk[:, t + 1:] == 0), (t, np.abs(gk[:, t + 1:]).max())
+        assert np.all(gv[:, t + 1:] == 0), (t, np.abs(gv[:, t + 1:]).max())
+        # ...and the dependence on the past is really there.
+        assert np.all(np.abs(gq[:, t]).max(axis=(-1, -2)) > 0)
+        assert np.all(np.abs(gv[:, :t + 1]).max(axis=(0, -1, -2)) > 0)
+        if t > 0:  # with a single key the output is v_0 whatever k_0 is
+            assert np.all(np.abs(gk[:, :t + 1]).max(axis=(0, -1, -2)) > 0)
+
+
+@pytest.mark.parametrize("impl", [
+    "quadratic", "associative_scan", "scan",
+    "chunked",
+])
+def test_future_inputs_do_not_change_past_outputs(impl):
+    """Causality by values: outputs up to t are bit-identical whatever comes after t."""
+    T, t = 19, 10  # chunk_size 4: step 11 is in the same chunk as step 10
+    q, k, v = _inputs(10, T, dtype=jnp.float32)
+    rng = np.random.default_rng(11)
+    later = (jnp.arange(T) > t)[None, :, None, None]
+    q2, k2, v2 = (jnp.where(later, jnp.asarray(100 * rng.standard_normal(x.shape), x.dtype), x)
+                  for x in (q, k, v))
+    op = _op(impl, 4)
+    out, out2 = op(q, k, v), op(q2, k2, v2)
+    assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
+    chex.assert_trees_all_equal(out[:, :t + 1], out2[:, :t + 1])
+
+
+def test_default_chunk_size_and_impl_under_jit(x64):
+    q, k, v = _inputs(1, 70)
+    out = jax.jit(ops.causal_linear_attention)(q, k, v)
+    chex.assert_trees_all_close(out, _quadratic_expected(1, 70, "elu"), rtol=1e-10, atol=1e-10)
+
+
+def test_static_kwargs_via_static_argnames(x64):
+    q, k, v = _inputs(1, 37)
+    fn = jax.jit(ops.causal_linear_attention, static_argnames=("impl", "chunk_size", "feature_map"))
+    chex.assert_trees_all_close(fn(q, k, v, impl="chunked", chunk_size=5, feature_map="elu"),
+                                _quadratic_expected(1, 37, "elu"), rtol=1e-10, atol=1e-10)

@@ -1,0 +1,278 @@
+"""Encoder / Decoder / CausalLM: parallel and recurrent forms agree, padding, generation,
+inference-mode checks, bf16, gradients, and the authors' config names.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from linear_transformers import (CausalLM, Decoder, Encoder, TransformerConfig, generation)
+
+E, H, B, T, S, V = 16, 2, 2, 7, 5, 11
+FAVOR = {"feature_map": "favor", "num_features": 16}
+KINDS = {
+    "softmax": ("softmax", {}),
+    "linear": ("linear", {}),
+    "causal-linear": ("causal-linear", {}),
+    "favor": ("linear", FAVOR),
+    "relu": ("linear", {"feature_map": "relu"}),
+    "linear-chunk3": ("linear", {"chunk_size": 3}),
+}
+
+
+def _config(name="linear", **overrides):
+    kind, options = KINDS[name]
+    kwargs = dict(num_layers=1, num_heads=H, model_dim=E, feed_forward_dim=32, dropout=0.0,
+                  attention=kind, attention_options=options)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _x(shape, seed=1, scale=1.0, dtype=jnp.float32):
+    return (scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+
+
+# Compiled once per module structure and reused across tests (eager dispatch is slow on CPU).
+_call = nnx.jit(lambda m, *args, **kwargs: m(*args, **kwargs))
+_step = nnx.jit(lambda m, state, x: m.step(state, x))
+
+
+def _step_loop(model, state, xs_BT):
+    """The plain RNN loop: one `step` call per time step (each compiled, not a scan)."""
+    ys = []
+    for t in range(xs_BT.shape[1]):
+        state, y = _step(model, state, xs_BT[:, t])
+        ys.append(y)
+    return state, jnp.stack(ys, axis=1)
+
+
+# --- Encoder ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "favor", "relu"])
+def test_encoder_shapes_and_key_lengths_honoured_at_valid_positions(name):
+    encoder = Encoder(_config(name, num_layers=2), rngs=nnx.Rngs(0))
+    assert len(encoder.layers) == 2
+    x = _x((B, T, E))
+    lengths = jnp.array([T, 3])
+    valid = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]
+    x_changed = jnp.where(valid, x, _x(x.shape, seed=5, scale=10.0))
+    y = _call(encoder, x, key_lengths=lengths)
+    chex.assert_shape(y, (B, T, E))
+    chex.assert_tree_all_finite(y)
+    # Final LayerNorm: zero mean per position.
+    np.testing.assert_allclose(jnp.mean(y, -1), 0.0, atol=1e-4)
+    y_changed = _call(encoder, x_changed, key_lengths=lengths)
+    np.testing.assert_allclose(jnp.where(valid, y, 0), jnp.where(valid, y_changed, 0),
+                               atol=1e-5, rtol=1e-5)
+    # Padding equals truncation: element 1 encoded alone at its true length.
+    np.testing.assert_allclose(y[1, :3], _call(encoder, x[1:, :3])[0], atol=1e-5, rtol=1e-5)
+    # Without padding the changed rows leak into valid positions (the check above can fail).
+    y_full = _call(encoder, x_changed, key_lengths=jnp.array([T, T]))
+    assert not np.allclose(y_full[1, :3], y[1, :3], atol=1e-3)
+
+
+def test_encoder_without_final_normalization_has_no_final_norm():
+    encoder = Encoder(_config(final_normalization=False), rngs=nnx.Rngs(0))
+    assert encoder.final_norm is None
+    y = _call(encoder, _x((B, T, E)))
+    chex.assert_shape(y, (B, T, E))
+    # The last op is the layer's own post-norm residual LayerNorm, nothing after it.
+    np.testing.assert_allclose(jnp.mean(y, -1), 0.0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "causal-linear", "favor", "relu"])
+def test_causal_encoder_recurrent_matches_parallel(name):
+    encoder = Encoder(_config(name), causal=True, rngs=nnx.Rngs(0))
+    encoder.eval()
+    x = _x((B, T, E))
+    y_par = _call(encoder, x)
+    _, y_loop = _step_loop(encoder, encoder.init_state(B, T), x)
+    _, y_scan = generation.scan_steps(encoder, encoder.init_state(B, T), x)
+    chex.assert_shape((y_loop, y_scan), (B, T, E))
+    np.testing.assert_allclose(y_loop, y_par, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(y_scan, y_par, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_encoder_state_is_per_layer():
+    encoder = Encoder(_config("linear", num_layers=2), causal=True, rngs=nnx.Rngs(0))
+    state = encoder.init_state(B)
+    assert isinstance(state, tuple) and len(state) == 2
+    # Linear attention: constant-size (S, z) state, [B, H, F, M] and [B, H, F].
+    chex.assert_shape(state[0].s_BHFM, (B, H, E // H, E // H))
+    chex.assert_shape(state[0].z_BHF, (B, H, E // H))
+    state2, _ = generation.scan_steps(encoder, state, _x((B, T, E)))
+    chex.assert_trees_all_equal_shapes(state, state2)
+
+
+# --- Decoder ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, num_layers", [("softmax", 2), ("linear", 1), ("causal-linear", 1)])
+def test_decoder_recurrent_matches_parallel(name, num_layers):
+    decoder = Decoder(_config(name, num_layers=num_layers), rngs=nnx.Rngs(0))
+    decoder.eval()
+    x, memory = _x((B, T, E)), _x((B, S, E), seed=2)
+    lengths = jnp.array([S, 2])
+    y_par = _call(decoder, x, memory, memory_lengths=lengths)
+    chex.assert_shape(y_par, (B, T, E))
+    state = decoder.init_state(B, T, memory, memory_lengths=lengths)
+    if name == "softmax":  # The plain loop once; scan_steps runs the same `step` for every kind.
+        _, y_loop = _step_loop(decoder, state, x)
+        np.testing.assert_allclose(y_loop, y_par, atol=1e-5, rtol=1e-5)
+    _, y_scan = generation.scan_steps(decoder, state, x)
+    np.testing.assert_allclose(y_scan, y_par, atol=1e-5, rtol=1e-5)
+    # memory_lengths is honoured (the comparison above would notice if it were dropped).
+    y_full = _call(decoder, x, memory, memory_lengths=jnp.array([S, S]))
+    assert not np.allclose(y_full[1], y_par[1], atol=1e-3)
+    np.testing.assert_allclose(y_full[0], y_par[0], atol=1e-6)
+
+
+def test_decoder_causal_linear_cross_attention_defaults_to_linear():
+    config = _config("causal-linear")
+    assert config.cross_kind == "linear"
+    decoder = Decoder(config, rngs=nnx.Rngs(0))
+    assert decoder.layers[0].cross_attention.core.kind == "linear"
+    assert not decoder.layers[0].cross_attention.causal
+    assert decoder.layers[0].self_attention.core.kind == "causal-linear"
+
+
+# --- CausalLM -----------------------------------------------------------------------------------
+
+def _lm(name="linear", seed=0, **overrides):
+    overrides.setdefault("num_layers", 2)
+    return CausalLM(_config(name, **overrides), V, rngs=nnx.Rngs(seed))
+
+
+def _tokens(shape, seed=3):
+    return jax.random.randint(jax.random.key(seed), shape, 0, V)
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "favor"])
+def test_lm_scan_steps_matches_parallel(name):
+    model = _lm(name)
+    model.eval()
+    tokens = _tokens((B, T))
+    logits = _call(model, tokens)
+    chex.assert_shape(logits, (B, T, V))
+    state, logits_rec = generation.scan_steps(model, model.init_state(B, T), tokens)
+    chex.assert_shape(logits_rec, (B, T, V))
+    np.testing.assert_allclose(logits_rec, logits, atol=1e-4, rtol=1e-4)
+    assert int(state.position) == T
+
+
+@pytest.mark.parametrize("name, P", [("softmax", 3), ("linear", 1)])
+def test_generate_greedy_matches_parallel_argmax(name, P):
+    model = _lm(name)
+    model.eval()
+    N = T - P
+    prompt = _tokens((B, P))
+    out = generation.generate(model, prompt, N, key=jax.random.key(0), temperature=0.0)
+    chex.assert_shape(out, (B, P + N))
+    np.testing.assert_array_equal(out[:, :P], prompt)
+    # Greedy: token i is the argmax of the parallel model's logits at position i - 1.
+    logits = _call(model, out)
+    np.testing.assert_array_equal(out[:, P:], jnp.argmax(logits[:, P - 1:-1], axis=-1))
+    # Greedy decoding ignores the key.
+    np.testing.assert_array_equal(
+        generation.generate(model, prompt, N, key=jax.random.key(9), temperature=0.0), out)
+    # Sampling (same compiled loop): valid tokens, prompt kept, reproducible for a key.
+    sampled = generation.generate(model, prompt, N, key=jax.random.key(0), temperature=1.0)
+    chex.assert_shape(sampled, (B, P + N))
+    np.testing.assert_array_equal(sampled[:, :P], prompt)
+    assert jnp.all((sampled >= 0) & (sampled < V))
+    np.testing.assert_array_equal(
+        generation.generate(model, prompt, N, key=jax.random.key(0), temperature=1.0), sampled)
+
+
+# --- inference mode -----------------------------------------------------------------------------
+
+def test_recurrent_inference_in_train_mode_with_dropout_raises():
+    model = _lm("linear", dropout=0.1)
+    model.train()
+    with pytest.raises(ValueError, match=r"eval\(\)"):
+        model.init_state(B, T)
+    model.eval()
+    state = model.init_state(B, T)
+    model.train()
+    with pytest.raises(ValueError, match=r"eval\(\)"):
+        model.step(state, _tokens((B,)))
+    with pytest.raises(ValueError, match=r"eval\(\)"):
+        generation.generate(model, _tokens((B, 2)), 3, key=jax.random.key(0))
+    model.eval()
+    model.init_state(B, T)  # eval() lifts the refusal
+
+
+def test_decoder_recurrent_inference_in_train_mode_with_dropout_raises():
+    decoder = Decoder(_config("softmax", dropout=0.1), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"eval\(\)"):
+        decoder.init_state(B, T, _x((B, S, E)))
+
+
+# --- precision and gradients --------------------------------------------------------------------
+
+def test_causal_encoder_bf16_inputs_finite():
+    encoder = Encoder(_config("linear"), causal=True, rngs=nnx.Rngs(0))
+    encoder.eval()
+    x32 = _x((B, T, E), scale=4.0)
+    y_ref = _call(encoder, x32)
+    y = _call(encoder, x32.astype(jnp.bfloat16))
+    chex.assert_shape(y, (B, T, E))
+    chex.assert_tree_all_finite(y)
+    np.testing.assert_allclose(y.astype(jnp.float32), y_ref, atol=0.1, rtol=0.1)
+
+    # All parameters in bf16 too: the whole computation in bfloat16.
+    nnx.update(encoder, jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                                     nnx.state(encoder, nnx.Param)))
+    y16 = _call(encoder, x32.astype(jnp.bfloat16))
+    chex.assert_tree_all_finite(y16)
+    np.testing.assert_allclose(y16.astype(jnp.float32), y_ref, atol=0.25, rtol=0.1)
+    _, y_rec = generation.scan_steps(encoder, encoder.init_state(B, T, jnp.bfloat16),
+                                     x32.astype(jnp.bfloat16))
+    chex.assert_tree_all_finite(y_rec)
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "favor"])
+def test_lm_loss_gradients_finite(name):
+    model = _lm(name, num_layers=1)
+    tokens = _tokens((B, T + 1))
+
+    def loss_fn(model, tokens):
+        logits = model(tokens[:, :-1])
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, tokens)
+    assert np.isfinite(float(loss))
+    chex.assert_tree_all_finite(grads)
+    flat = jax.tree.leaves(grads)
+    assert flat and all(jnp.any(g != 0) for g in flat), "every parameter gets a gradient"
+    chex.assert_trees_all_equal_shapes(grads, nnx.state(model, nnx.Param))
+
+
+# --- authors' config names ------------------------------------------------------------------------
+
+def test_from_kwargs_authors_names():
+    config = TransformerConfig.from_kwargs(
+        n_layers=2, n_heads=4, query_dimensions=8, value_dimensions=6,
+        feed_forward_dimensions=32, attention_type="causal-linear", feature_map="elu",
+        dropout=0.0)
+    assert config.model_dim == 4 * 6
+    assert config.num_layers == 2 and config.num_heads == 4
+    assert config.query_dim == 8 and config.value_dim == 6
+    assert config.feed_forward_dim == 32 and config.hidden_dim == 32
+    assert config.attention == "causal-linear"
+    assert dict(config.attention_options) == {"feature_map": "elu"}
+    encoder = Encoder(config, causal=True, rngs=nnx.Rngs(0))
+    y = jax.eval_shape(encoder, _x((B, T, config.model_dim)))  # traced, not compiled
+    chex.assert_shape(y, (B, T, 24))
+    attn = encoder.layers[0].attention
+    assert (attn.query_dim, attn.value_dim) == (8, 6)
+
+
+def test_from_kwargs_full_is_softmax():
+    config = TransformerConfig.from_kwargs(n_heads=2, value_dimensions=8, query_dimensions=8,
+                                           attention_type="full")
+    assert config.attention == "softmax"
+    assert config.model_dim == 16
