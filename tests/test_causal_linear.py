@@ -46,16 +46,12 @@ def x64():
     with _enable_x64():
         assert jnp.zeros((), jnp.float64).dtype == jnp.float64
         yield
-    assert jnp.zeros(()).dtype == jnp.float32
 
 
 @functools.lru_cache(maxsize=None)
 def _favor_map():
-    # Drawing the projection under jit is much faster on CPU than op-by-op QR; the bare
-    # make_feature_map("favor", key=..., head_dim=..., num_features=...) path is tested elsewhere.
-    projection = jax.jit(ops.favor_projection, static_argnums=(1, 2))(jax.random.key(42),
-                                                                      F_FAVOR, D)
-    fm = ops.make_feature_map("favor", projection=projection)
+    """Drawn once (the op-by-op QR compiles on first use)."""
+    fm = ops.make_feature_map("favor", key=jax.random.key(42), head_dim=D, num_features=F_FAVOR)
     assert fm.num_features(D) == F_FAVOR
     return fm
 
@@ -147,9 +143,8 @@ def test_impls_cover_the_documented_set():
     assert set(ops.IMPLS) == {"quadratic", "associative_scan", "chunked", "scan"}
 
 
-@pytest.mark.parametrize("T", [1, 37])
-@pytest.mark.parametrize("fm_name", FEATURE_MAPS)
-def test_quadratic_matches_numpy_rnn_form(x64, T, fm_name):
+@pytest.mark.parametrize("fm_name,T", [("elu", 1)] + [(fm, 37) for fm in FEATURE_MAPS])
+def test_quadratic_matches_numpy_rnn_form(x64, fm_name, T):
     """The reference itself against an independent numpy prefix-sum computation."""
     _, query_fn, key_fn = _feature_map(fm_name)
     q, k, v = _inputs(1, T)
@@ -161,9 +156,9 @@ def test_quadratic_matches_numpy_rnn_form(x64, T, fm_name):
 
 
 # chunk_size only matters to "chunked": it gets every (T, C) pair, the others several T.
+# ("quadratic" is checked under jit against numpy above.)
 ELU_CASES = ([("chunked", T, c) for T, c in LENGTHS_AND_CHUNKS] +
-             [(impl, T, 8) for impl in ("associative_scan", "scan") for T in (1, 5, 37)] +
-             [("quadratic", 37, 8)])
+             [(impl, T, 8) for impl in ("associative_scan", "scan") for T in (1, 37)])
 
 
 @pytest.mark.parametrize("impl,T,chunk_size", ELU_CASES)
@@ -175,10 +170,9 @@ def test_impl_matches_quadratic_elu_under_jit(x64, impl, T, chunk_size):
     chex.assert_trees_all_close(out, _quadratic_expected(1, T, "elu"), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "scan"])
+@pytest.mark.parametrize("impl", ops.IMPLS)
 def test_impl_matches_quadratic_eagerly(x64, impl):
-    """Without jit (op by op; slow on CPU, so one short case; "quadratic" runs eagerly as the
-    reference of the gradient tests' forward pass, "associative_scan" under jit only)."""
+    """Without jit (op by op, which is slow on CPU: one short case)."""
     T = 5
     q, k, v = _inputs(1, T)
     out = _op(impl, 2, jit=False)(q, k, v)
@@ -188,7 +182,7 @@ def test_impl_matches_quadratic_eagerly(x64, impl):
 
 
 FM_CASES = ([(impl, "favor") for impl in ("associative_scan", "chunked", "scan")] +
-            [(impl, fm) for impl in ("chunked", "scan") for fm in ("relu", "softplus")])
+            [("chunked", fm) for fm in ("relu", "softplus")])
 
 
 @pytest.mark.parametrize("impl,fm_name", FM_CASES)
@@ -205,7 +199,7 @@ def test_impl_matches_quadratic_feature_maps(x64, impl, fm_name):
 
 GRAD_CASES = ([("chunked", T, c, "elu") for T, c in [(1, 4), (13, 1), (13, 4)]] +
               [(impl, 13, 4, "elu") for impl in ("associative_scan", "scan")] +
-              [("chunked", 13, 4, fm) for fm in ("favor", "relu", "softplus")])
+              [("chunked", 13, 4, fm) for fm in ("favor", "relu")])
 
 
 @pytest.mark.parametrize("impl,T,chunk_size,fm_name", GRAD_CASES)
@@ -236,7 +230,7 @@ def test_bfloat16_inputs(impl, fm_name):
     chex.assert_trees_all_close(out.astype(jnp.float32), expected, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "associative_scan"])
+@pytest.mark.parametrize("impl", ["chunked"])
 def test_causality_by_gradients(impl):
     """Output t has exactly zero gradient w.r.t. q at s != t and w.r.t. k, v at s > t."""
     T, chunk_size = 14, 4  # crosses chunk boundaries and has a padded tail
@@ -257,12 +251,13 @@ def test_causality_by_gradients(impl):
             assert np.all(np.abs(gk[:, :t + 1]).max(axis=(0, -1, -2)) > 0)
 
 
-@pytest.mark.parametrize("impl", [
-    "quadratic", "associative_scan", "scan",
-    "chunked",
-])
+@pytest.mark.parametrize("impl", ops.IMPLS)
 def test_future_inputs_do_not_change_past_outputs(impl):
-    """Causality by values: outputs up to t are bit-identical whatever comes after t."""
+    """Causality by values: outputs up to t are bit-identical whatever comes after t.
+
+    (An exclusive prefix of chunk states computed as cumsum(kv) - kv lets a chunk's own later
+    steps into its earlier outputs up to rounding, ~1e-3 relative with these magnitudes.)
+    """
     T, t = 19, 10  # chunk_size 4: step 11 is in the same chunk as step 10
     q, k, v = _inputs(10, T, dtype=jnp.float32)
     rng = np.random.default_rng(11)

@@ -183,10 +183,10 @@ def test_softmax_init_state_without_max_length():
 
 def test_softmax_kv_cache_overflow():
     mha = _mha(kind="softmax", causal=True)
-    state = mha.init_state(1, 1)
-    state, _ = mha.step(state, jnp.ones((1, E)))
-    with pytest.raises(ValueError, match=r"KV cache is full \(1 steps\)"):
-        mha.step(state, jnp.ones((1, E)))
+    state = mha.init_state(1, 2)
+    full = state._replace(length=jnp.array(2, jnp.int32))  # as after two steps
+    with pytest.raises(ValueError, match=r"KV cache is full \(2 steps\).*larger max_length"):
+        mha.step(full, jnp.ones((1, E)))  # eager: the filled length is known
 
 
 # --- config and generation ---------------------------------------------------------------------------

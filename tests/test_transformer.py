@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from linear_transformers import (CausalLM, Decoder, Encoder, TransformerConfig, generation)
+from linear_transformers import CausalLM, Decoder, Encoder, TransformerConfig, generation
 
 E, H, B, T, S, V = 16, 2, 2, 7, 5, 11
 FAVOR = {"feature_map": "favor", "num_features": 16}
@@ -19,7 +19,6 @@ KINDS = {
     "causal-linear": ("causal-linear", {}),
     "favor": ("linear", FAVOR),
     "relu": ("linear", {"feature_map": "relu"}),
-    "linear-chunk3": ("linear", {"chunk_size": 3}),
 }
 
 
@@ -31,8 +30,9 @@ def _config(name="linear", **overrides):
     return TransformerConfig(**kwargs)
 
 
-def _x(shape, seed=1, scale=1.0, dtype=jnp.float32):
-    return (scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+def _x(shape, seed=1, scale=1.0):
+    # NumPy inputs: no per-shape compilation of a random-number kernel.
+    return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
 
 
 # Compiled once per module structure and reused across tests (eager dispatch is slow on CPU).
@@ -46,7 +46,7 @@ def _step_loop(model, state, xs_BT):
     for t in range(xs_BT.shape[1]):
         state, y = _step(model, state, xs_BT[:, t])
         ys.append(y)
-    return state, jnp.stack(ys, axis=1)
+    return state, np.stack(ys, axis=1)
 
 
 # --- Encoder ------------------------------------------------------------------------------------
@@ -57,15 +57,15 @@ def test_encoder_shapes_and_key_lengths_honoured_at_valid_positions(name):
     assert len(encoder.layers) == 2
     x = _x((B, T, E))
     lengths = jnp.array([T, 3])
-    valid = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]
-    x_changed = jnp.where(valid, x, _x(x.shape, seed=5, scale=10.0))
+    valid = (np.arange(T)[None, :] < np.asarray(lengths)[:, None])[..., None]
+    x_changed = np.where(valid, x, _x(x.shape, seed=5, scale=10.0))
     y = _call(encoder, x, key_lengths=lengths)
     chex.assert_shape(y, (B, T, E))
     chex.assert_tree_all_finite(y)
     # Final LayerNorm: zero mean per position.
-    np.testing.assert_allclose(jnp.mean(y, -1), 0.0, atol=1e-4)
+    np.testing.assert_allclose(np.mean(y, -1), 0.0, atol=1e-4)
     y_changed = _call(encoder, x_changed, key_lengths=lengths)
-    np.testing.assert_allclose(jnp.where(valid, y, 0), jnp.where(valid, y_changed, 0),
+    np.testing.assert_allclose(np.where(valid, y, 0), np.where(valid, y_changed, 0),
                                atol=1e-5, rtol=1e-5)
     # Padding equals truncation: element 1 encoded alone at its true length.
     np.testing.assert_allclose(y[1, :3], _call(encoder, x[1:, :3])[0], atol=1e-5, rtol=1e-5)
@@ -80,7 +80,7 @@ def test_encoder_without_final_normalization_has_no_final_norm():
     y = _call(encoder, _x((B, T, E)))
     chex.assert_shape(y, (B, T, E))
     # The last op is the layer's own post-norm residual LayerNorm, nothing after it.
-    np.testing.assert_allclose(jnp.mean(y, -1), 0.0, atol=1e-4)
+    np.testing.assert_allclose(np.mean(y, -1), 0.0, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["softmax", "linear", "causal-linear", "favor", "relu"])
@@ -146,7 +146,7 @@ def _lm(name="linear", seed=0, **overrides):
 
 
 def _tokens(shape, seed=3):
-    return jax.random.randint(jax.random.key(seed), shape, 0, V)
+    return np.random.default_rng(seed).integers(0, V, shape).astype(np.int32)
 
 
 @pytest.mark.parametrize("name", ["softmax", "linear", "favor"])
@@ -173,7 +173,7 @@ def test_generate_greedy_matches_parallel_argmax(name, P):
     np.testing.assert_array_equal(out[:, :P], prompt)
     # Greedy: token i is the argmax of the parallel model's logits at position i - 1.
     logits = _call(model, out)
-    np.testing.assert_array_equal(out[:, P:], jnp.argmax(logits[:, P - 1:-1], axis=-1))
+    np.testing.assert_array_equal(out[:, P:], np.argmax(logits[:, P - 1:-1], axis=-1))
     # Greedy decoding ignores the key.
     np.testing.assert_array_equal(
         generation.generate(model, prompt, N, key=jax.random.key(9), temperature=0.0), out)
@@ -181,7 +181,7 @@ def test_generate_greedy_matches_parallel_argmax(name, P):
     sampled = generation.generate(model, prompt, N, key=jax.random.key(0), temperature=1.0)
     chex.assert_shape(sampled, (B, P + N))
     np.testing.assert_array_equal(sampled[:, :P], prompt)
-    assert jnp.all((sampled >= 0) & (sampled < V))
+    assert np.all((np.asarray(sampled) >= 0) & (np.asarray(sampled) < V))
     np.testing.assert_array_equal(
         generation.generate(model, prompt, N, key=jax.random.key(0), temperature=1.0), sampled)
 
@@ -220,20 +220,21 @@ def test_causal_encoder_bf16_inputs_finite():
     y = _call(encoder, x32.astype(jnp.bfloat16))
     chex.assert_shape(y, (B, T, E))
     chex.assert_tree_all_finite(y)
-    np.testing.assert_allclose(y.astype(jnp.float32), y_ref, atol=0.1, rtol=0.1)
+    np.testing.assert_allclose(np.asarray(y).astype(np.float32), y_ref, atol=0.1, rtol=0.1)
 
     # All parameters in bf16 too: the whole computation in bfloat16.
     nnx.update(encoder, jax.tree.map(lambda p: p.astype(jnp.bfloat16),
                                      nnx.state(encoder, nnx.Param)))
     y16 = _call(encoder, x32.astype(jnp.bfloat16))
     chex.assert_tree_all_finite(y16)
-    np.testing.assert_allclose(y16.astype(jnp.float32), y_ref, atol=0.25, rtol=0.1)
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y16).astype(np.float32), y_ref, atol=0.25, rtol=0.1)
     _, y_rec = generation.scan_steps(encoder, encoder.init_state(B, T, jnp.bfloat16),
                                      x32.astype(jnp.bfloat16))
     chex.assert_tree_all_finite(y_rec)
 
 
-@pytest.mark.parametrize("name", ["softmax", "linear", "favor"])
+@pytest.mark.parametrize("name", ["linear", "favor"])
 def test_lm_loss_gradients_finite(name):
     model = _lm(name, num_layers=1)
     tokens = _tokens((B, T + 1))
@@ -247,7 +248,7 @@ def test_lm_loss_gradients_finite(name):
     assert np.isfinite(float(loss))
     chex.assert_tree_all_finite(grads)
     flat = jax.tree.leaves(grads)
-    assert flat and all(jnp.any(g != 0) for g in flat), "every parameter gets a gradient"
+    assert flat and all(np.any(np.asarray(g) != 0) for g in flat), "every parameter has a gradient"
     chex.assert_trees_all_equal_shapes(grads, nnx.state(model, nnx.Param))
 
 
@@ -264,11 +265,17 @@ def test_from_kwargs_authors_names():
     assert config.feed_forward_dim == 32 and config.hidden_dim == 32
     assert config.attention == "causal-linear"
     assert dict(config.attention_options) == {"feature_map": "elu"}
-    encoder = Encoder(config, causal=True, rngs=nnx.Rngs(0))
-    y = jax.eval_shape(encoder, _x((B, T, config.model_dim)))  # traced, not compiled
-    chex.assert_shape(y, (B, T, 24))
+    # Built and run abstractly (traced, not compiled): shapes are what is checked here.
+    encoder = nnx.eval_shape(lambda: Encoder(config, causal=True, rngs=nnx.Rngs(0)))
     attn = encoder.layers[0].attention
     assert (attn.query_dim, attn.value_dim) == (8, 6)
+    chex.assert_shape(attn.query.kernel, (24, 4 * 8))
+    chex.assert_shape(attn.value.kernel, (24, 4 * 6))
+    chex.assert_shape(encoder.layers[0].feed_forward.linear1.kernel, (24, 32))
+    assert attn.core.kind == "causal-linear" and attn.core.feature_map_spec == "elu"
+    y = jax.eval_shape(lambda x: Encoder(config, causal=True, rngs=nnx.Rngs(0))(x),
+                       jax.ShapeDtypeStruct((B, T, config.model_dim), jnp.float32))
+    chex.assert_shape(y, (B, T, 24))
 
 
 def test_from_kwargs_full_is_softmax():
