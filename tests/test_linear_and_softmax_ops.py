@@ -455,13 +455,6 @@ def test_elu_plus_one_gradient_finite(dtype):
     np.testing.assert_allclose(np.asarray(g, np.float64), expected, rtol=1e-2, atol=1e-30)
 
 
-FAVOR_QR_SIGNS = (
-    "favor_projection takes the orthogonal blocks from jnp.linalg.qr without fixing the signs of "
-    "R's diagonal, so Q is not Haar-distributed: Q[:, 0, 0] is always negative and the rows have "
-    "a non-zero mean (~0.2 per coordinate at D=4, whatever F), which biases the FAVOR+ estimate "
-    "of exp(q.k/sqrt(D)) by ~17% here instead of ~2%; fix: q * sign(diagonal(r))[..., None, :]")
-
-
 @functools.lru_cache(maxsize=None)
 def _big_projection(orthogonal):
     # Under jit: 1024 QR blocks op by op would be slow.
@@ -469,8 +462,7 @@ def _big_projection(orthogonal):
     return draw(jax.random.key(7), 4096, 4, orthogonal=orthogonal)
 
 
-@pytest.mark.parametrize("orthogonal", [
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=FAVOR_QR_SIGNS)), False])
+@pytest.mark.parametrize("orthogonal", [True, False])
 def test_favor_approximates_softmax_kernel(orthogonal):
     """F = 4096 positive random features, D = 4, |x| <= 0.7: phi(q).phi(k) ~ exp(q.k/sqrt(D))
     within a few per cent (the estimator's relative sd here is ~1%)."""
@@ -487,8 +479,7 @@ def test_favor_approximates_softmax_kernel(orthogonal):
     np.testing.assert_allclose(approx, exact, rtol=0.06)
 
 
-@pytest.mark.parametrize("orthogonal", [
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=FAVOR_QR_SIGNS)), False])
+@pytest.mark.parametrize("orthogonal", [True, False])
 def test_favor_projection_rows_are_isotropic(orthogonal):
     """Each row must be marginally N(0, I) for the estimator to be unbiased: zero mean, unit
     variance per coordinate (4096 rows: sampling sd of the mean ~0.016)."""

@@ -160,20 +160,10 @@ BAD_SHAPES = {
 }
 
 
-XLA_CHECK_ORDER = (
-    "softmax_attention(implementation='xla' or 'cudnn') compares q.shape[-1] with v.shape[-1] "
-    "before validating ranks, so a 3-D q [B, T, H*D] or v [B, S, H] is reported as 'needs value "
-    "features M equal to key features D, got D=8, M=4; use implementation=None' instead of "
-    "'q must have 4 dimensions'")
-
-
 def _bad_shape_params():
     for op_id in SHAPE_OPS:
         for bad in sorted(BAD_SHAPES):
-            marks = ()
-            if op_id == "softmax_xla" and bad in ("q_ndim", "v_ndim"):
-                marks = pytest.mark.xfail(strict=True, reason=XLA_CHECK_ORDER)
-            yield pytest.param(op_id, bad, marks=marks, id=f"{op_id}-{bad}")
+            yield pytest.param(op_id, bad, id=f"{op_id}-{bad}")
 
 
 @pytest.mark.parametrize("op_id,bad", list(_bad_shape_params()))

@@ -252,6 +252,29 @@ def test_lm_loss_gradients_finite(name):
     chex.assert_trees_all_equal_shapes(grads, nnx.state(model, nnx.Param))
 
 
+def _lm_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def test_lm_causal_impls_agree_on_logits_and_parameter_gradients():
+    """Model level: the same parameters under every causal linear impl give the same loss and
+    the same gradient for every parameter (chunk_size 3 does not divide T = 7)."""
+    tokens = _tokens((B, T + 1))
+    results = {}
+    for impl in ("quadratic", "associative_scan", "chunked", "scan"):
+        options = {"impl": impl, "chunk_size": 3} if impl == "chunked" else {"impl": impl}
+        model = _lm("linear", num_layers=2, attention_options=options)
+        assert all(layer.attention.core.impl == impl for layer in model.decoder.layers)
+        results[impl] = nnx.jit(nnx.value_and_grad(_lm_loss))(model, tokens)
+    loss_ref, grads_ref = results.pop("quadratic")
+    assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads_ref))
+    for impl, (loss, grads) in results.items():
+        np.testing.assert_allclose(loss, loss_ref, rtol=1e-5, err_msg=impl)
+        chex.assert_trees_all_close(grads, grads_ref, atol=1e-5, rtol=1e-4)
+
+
 # --- authors' config names ------------------------------------------------------------------------
 
 def test_from_kwargs_authors_names():

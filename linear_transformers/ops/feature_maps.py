@@ -108,7 +108,8 @@ class FavorFeatureMap(FeatureMap):
         return jnp.exp(e) / math.sqrt(f)
 
     def __repr__(self):
-        return f"FavorFeatureMap(num_features={self.projection_FD.shape[0]}, head_dim={self.projection_FD.shape[1]})"
+        f, d = self.projection_FD.shape
+        return f"FavorFeatureMap(num_features={f}, head_dim={d})"
 
 
 def favor_projection(key, num_features: int, head_dim: int, *, orthogonal: bool = True,
@@ -125,7 +126,10 @@ def favor_projection(key, num_features: int, head_dim: int, *, orthogonal: bool 
     num_blocks = -(-num_features // head_dim)
     block_key, norm_key = jax.random.split(key)
     gaussians = jax.random.normal(block_key, (num_blocks, head_dim, head_dim), jnp.float32)
-    q_blocks, _ = jnp.linalg.qr(gaussians)
+    q_blocks, r_blocks = jnp.linalg.qr(gaussians)
+    # Householder QR fixes sign(diag(R)), which biases Q; flipping columns by that sign makes
+    # Q Haar-distributed, so every row is marginally isotropic and the estimator stays unbiased.
+    q_blocks = q_blocks * jnp.sign(jnp.diagonal(r_blocks, axis1=-2, axis2=-1))[..., None, :]
     rows = jnp.swapaxes(q_blocks, -1, -2).reshape(num_blocks * head_dim, head_dim)[:num_features]
     norms = jnp.linalg.norm(
         jax.random.normal(norm_key, (num_features, head_dim), jnp.float32), axis=-1)

@@ -95,6 +95,8 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"softmax_attention: unknown implementation {implementation!r}; "
                          f"expected one of {IMPLEMENTATIONS}.")
+    key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal,
+                                          key_lengths=key_lengths)
     same_dims = q_BTHD.shape[-1] == v_BSHM.shape[-1]
     if implementation in ("xla", "cudnn") and not same_dims:
         raise ValueError(
@@ -104,8 +106,6 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
     if implementation == "reference" or (implementation is None and not same_dims):
         return softmax_attention_reference(q_BTHD, k_BSHD, v_BSHM, causal=causal,
                                            key_lengths=key_lengths, mask=mask, scale=scale)
-    key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal,
-                                          key_lengths=key_lengths)
     if mask is not None:
         B, T, H, _ = q_BTHD.shape
         mask = _build_mask_BHTS(B, H, T, k_BSHD.shape[1], causal=False, key_lengths=None, mask=mask)
