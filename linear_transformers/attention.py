@@ -45,6 +45,7 @@ def register_attention(name: str):
 
 
 def registered_attention_kinds() -> list[str]:
+    """Names accepted by `attention=` / `kind=`, sorted."""
     return sorted(_KINDS)
 
 
@@ -57,6 +58,7 @@ def attention_options(kind: str) -> list[str]:
 
 
 def attention_class(kind: str) -> type["AttentionCore"]:
+    """The core class registered as `kind`; an unknown kind lists the registered ones."""
     if kind not in _KINDS:
         raise ValueError(f"unknown attention kind {kind!r}; registered kinds: "
                          f"{registered_attention_kinds()}.")
@@ -93,18 +95,23 @@ class AttentionCore(nnx.Module):
         self.value_dim = value_dim
 
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
+        """Parallel form: [B, T, H, D] queries over [B, S, H, *] keys/values -> [B, T, H, M]."""
         raise NotImplementedError
 
     def init_state(self, batch: int, max_length: int | None, dtype=jnp.float32):
+        """Empty recurrent state for causal self-attention (`max_length` steps at most)."""
         raise NotImplementedError
 
     def step(self, state, q_BHD, k_BHD, v_BHM):
+        """One token of causal self-attention: (state, q_t, k_t, v_t) -> (state, out_t [B, H, M])."""
         raise NotImplementedError
 
     def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
+        """Precompute what cross-attention over a fixed memory needs, once per sequence."""
         raise NotImplementedError
 
     def attend_memory(self, memory, q_BHD):
+        """Cross-attention of one query step over the memory from `init_memory` -> [B, H, M]."""
         raise NotImplementedError
 
     def _require_causal(self, what: str):
@@ -164,6 +171,7 @@ class SoftmaxAttention(AttentionCore):
         return out_BTHM.astype(v_BSHM.dtype)
 
     def init_state(self, batch, max_length, dtype=jnp.float32):
+        """A preallocated KV cache of `max_length` slots."""
         self._require_causal("init_state")
         if max_length is None:
             raise ValueError("softmax attention keeps a KV cache and needs max_length, the "
@@ -172,13 +180,16 @@ class SoftmaxAttention(AttentionCore):
                                  self.value_dim, dtype)
 
     def step(self, state, q_BHD, k_BHD, v_BHM):
+        """Append k_t, v_t to the cache and attend over the filled slots."""
         self._require_causal("step")
         return ops.softmax_attention_step(state, q_BHD, k_BHD, v_BHM, scale=self.softmax_temp)
 
     def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
+        """The memory's projected keys and values, kept whole."""
         return SoftmaxMemory(k_BSHD, v_BSHM, key_lengths)
 
     def attend_memory(self, memory, q_BHD):
+        """Softmax over all valid memory keys for one query step."""
         out_B1HM = ops.softmax_attention_reference(
             q_BHD[:, None], memory.k_BSHD, memory.v_BSHM, key_lengths=memory.key_lengths,
             scale=self.softmax_temp)
@@ -266,15 +277,18 @@ class LinearAttention(AttentionCore):
                                      jnp.promote_types(dtype, jnp.float32))
 
     def step(self, state, q_BHD, k_BHD, v_BHM):
+        """S += phi(k_t) v_t^T, z += phi(k_t); out_t = phi(q_t)^T S / phi(q_t)^T z."""
         self._require_causal("step")
         return ops.linear_attention_step(state, q_BHD, k_BHD, v_BHM,
                                          feature_map=self.feature_map, eps=self.eps)
 
     def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
+        """Reduce the memory to one (S, z) summary: O(D*M) per head whatever its length."""
         return ops.linear_state_from_keys(k_BSHD, v_BSHM, feature_map=self.feature_map,
                                           key_lengths=key_lengths)
 
     def attend_memory(self, memory, q_BHD):
+        """Read one query step out of the (S, z) summary."""
         return ops.linear_attention_from_state(memory, q_BHD, feature_map=self.feature_map,
                                                eps=self.eps)
 

@@ -172,6 +172,8 @@ class _Residual(nnx.Module):
 
 
 class FeedForward(nnx.Module):
+    """Position-wise Linear(model_dim -> hidden_dim), activation, dropout, Linear back."""
+
     def __init__(self, config: TransformerConfig, rngs):
         self.linear1 = nnx.Linear(config.model_dim, config.hidden_dim, rngs=rngs)
         self.linear2 = nnx.Linear(config.hidden_dim, config.model_dim, rngs=rngs)
@@ -205,9 +207,11 @@ class EncoderLayer(nnx.Module):
         return self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
 
     def init_state(self, batch: int, max_length: int | None = None, dtype=jnp.float32):
+        """The self-attention's recurrent state (linear: (S, z); softmax: a KV cache)."""
         return self.attention.init_state(batch, max_length, dtype)
 
     def step(self, state, x_BE):
+        """One token through the layer: (state, x_t [B, E]) -> (state, y_t [B, E])."""
         state, y_BE = self.attention.step(state, x_BE)
         x_BE = self.attention_residual(x_BE, y_BE)
         return state, self.feed_forward_residual(x_BE, self.feed_forward(x_BE))
@@ -242,6 +246,7 @@ class DecoderLayer(nnx.Module):
                                  self.cross_attention.init_memory(memory_BSE, memory_lengths))
 
     def step(self, state: DecoderLayerState, x_BE):
+        """One token: causal self-attention step, cross-attention over the memory, feed-forward."""
         self_state, y_BE = self.self_attention.step(state.self_attention, x_BE)
         x_BE = self.self_attention_residual(x_BE, y_BE)
         x_BE = self.cross_attention_residual(
@@ -281,6 +286,7 @@ class Encoder(_Stack):
         return tuple(layer.init_state(batch, max_length, dtype) for layer in self.layers)
 
     def step(self, state, x_BE):
+        """One token through every layer; usable as a `lax.scan` body (see `generation`)."""
         _check_inference_mode(self)
         new_state = []
         for layer, layer_state in zip(self.layers, state, strict=True):
@@ -309,12 +315,14 @@ class Decoder(_Stack):
 
     def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None,
                    dtype=jnp.float32):
+        """Per-layer states; each layer projects the memory's keys/values here, once."""
         _check_inference_mode(self)
         return tuple(layer.init_state(batch, max_length, memory_BSE,
                                       memory_lengths=memory_lengths, dtype=dtype)
                      for layer in self.layers)
 
     def step(self, state, x_BE):
+        """One decoder token through every layer -> (state, y_t [B, E])."""
         _check_inference_mode(self)
         new_state = []
         for layer, layer_state in zip(self.layers, state, strict=True):

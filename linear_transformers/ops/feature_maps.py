@@ -28,9 +28,11 @@ class FeatureMap:
         raise NotImplementedError
 
     def query(self, x):
+        """phi for queries; may differ from `key` by a per-query factor that cancels."""
         return self(x)
 
     def key(self, x):
+        """phi for keys."""
         return self(x)
 
     def num_features(self, head_dim: int) -> int:
@@ -83,6 +85,7 @@ class FavorFeatureMap(FeatureMap):
         self.projection_FD = projection_FD
 
     def num_features(self, head_dim: int) -> int:
+        """F, the projection's row count; raises if it was drawn for another head_dim."""
         if head_dim != self.projection_FD.shape[1]:
             raise ValueError(
                 f"FAVOR+ projection was drawn for head_dim={self.projection_FD.shape[1]}, "
@@ -101,6 +104,8 @@ class FavorFeatureMap(FeatureMap):
         return jnp.exp(self._exponent(x)) / math.sqrt(f)
 
     def query(self, x):
+        """phi(x) divided by exp(max_f exponent): the factor cancels in the normaliser, and
+        large queries no longer overflow."""
         self.num_features(x.shape[-1])
         f = self.projection_FD.shape[0]
         e = self._exponent(x)
@@ -175,6 +180,7 @@ def _make_favor(*, key=None, head_dim=None, num_features=None, orthogonal=True, 
 
 
 def registered_feature_maps() -> list[str]:
+    """Names `make_feature_map` accepts, sorted."""
     return sorted(_REGISTRY)
 
 
