@@ -259,6 +259,14 @@ class _Stack(nnx.Module):
     def _final(self, x):
         return self.final_norm(x) if self.final_norm is not None else x
 
+    def _step_layers(self, state, x_BE):
+        _check_inference_mode(self)
+        new_state = []
+        for layer, layer_state in zip(self.layers, state, strict=True):
+            layer_state, x_BE = layer.step(layer_state, x_BE)
+            new_state.append(layer_state)
+        return tuple(new_state), self._final(x_BE)
+
 
 class Encoder(_Stack):
     """A stack of `EncoderLayer`s; causal=True gives a decoder-only stack with a recurrent form.
@@ -287,12 +295,7 @@ class Encoder(_Stack):
 
     def step(self, state, x_BE):
         """One token through every layer; usable as a `lax.scan` body (see `generation`)."""
-        _check_inference_mode(self)
-        new_state = []
-        for layer, layer_state in zip(self.layers, state, strict=True):
-            layer_state, x_BE = layer.step(layer_state, x_BE)
-            new_state.append(layer_state)
-        return tuple(new_state), self._final(x_BE)
+        return self._step_layers(state, x_BE)
 
 
 class Decoder(_Stack):
@@ -323,9 +326,4 @@ class Decoder(_Stack):
 
     def step(self, state, x_BE):
         """One decoder token through every layer -> (state, y_t [B, E])."""
-        _check_inference_mode(self)
-        new_state = []
-        for layer, layer_state in zip(self.layers, state, strict=True):
-            layer_state, x_BE = layer.step(layer_state, x_BE)
-            new_state.append(layer_state)
-        return tuple(new_state), self._final(x_BE)
+        return self._step_layers(state, x_BE)

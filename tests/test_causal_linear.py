@@ -3,7 +3,6 @@
 Legend: B batch, T time, H heads, D key/query features, F feature-map features, M value features.
 """
 
-import contextlib
 import functools
 
 import chex
@@ -20,32 +19,6 @@ F_FAVOR = 10  # != D and not a multiple of D: the last orthogonal block is parti
 # (T, chunk_size): T a multiple of C, T not a multiple of C, T < C, T == 1, C == 1, default C.
 LENGTHS_AND_CHUNKS = [(1, 4), (5, 8), (16, 8), (37, 8), (13, 1), (70, 64)]
 FEATURE_MAPS = ["elu", "relu", "favor", "softplus"]
-
-
-def _enable_x64():
-    """Context manager turning on float64 for the duration of a test, across jax versions."""
-    if hasattr(jax, "enable_x64"):  # jax >= 0.8 (jax.experimental.enable_x64 is gone in 0.10)
-        return jax.enable_x64(True)
-    try:
-        from jax.experimental import enable_x64  # older jax
-        return enable_x64()
-    except ImportError:
-        @contextlib.contextmanager
-        def _update():
-            old = jax.config.jax_enable_x64
-            jax.config.update("jax_enable_x64", True)
-            try:
-                yield
-            finally:
-                jax.config.update("jax_enable_x64", old)
-        return _update()
-
-
-@pytest.fixture
-def x64():
-    with _enable_x64():
-        assert jnp.zeros((), jnp.float64).dtype == jnp.float64
-        yield
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,6 @@ Legend: B batch, T query time, S key time, H heads, D key/query features, F feat
 M value features.
 """
 
-import contextlib
 import functools
 import math
 
@@ -14,36 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import enable_x64
 from linear_transformers import ops
 
 B, T, S, H, D, M = 2, 5, 9, 2, 4, 6
 EPS = 1e-6
-
-
-def _enable_x64():
-    """Context manager turning on float64 for the duration of a test, across jax versions."""
-    if hasattr(jax, "enable_x64"):  # jax >= 0.8 (jax.experimental.enable_x64 is gone in 0.10)
-        return jax.enable_x64(True)
-    try:
-        from jax.experimental import enable_x64  # older jax
-        return enable_x64()
-    except ImportError:
-        @contextlib.contextmanager
-        def _update():
-            old = jax.config.jax_enable_x64
-            jax.config.update("jax_enable_x64", True)
-            try:
-                yield
-            finally:
-                jax.config.update("jax_enable_x64", old)
-        return _update()
-
-
-@pytest.fixture
-def x64():
-    with _enable_x64():
-        assert jnp.zeros((), jnp.float64).dtype == jnp.float64
-        yield
 
 
 def _qkv(seed, *, t=T, s=S, d=D, m=M, dtype=np.float64, scale=1.0):
@@ -322,7 +296,7 @@ def test_softmax_attention_under_jit():
 def _favor_fm():
     """FAVOR+ with F = 10 != D = 4 (the last orthogonal block is partial). Drawn once: the QR runs
     op by op and every new shape compiles."""
-    with _enable_x64():  # every eager FAVOR draw in this file runs in x64: one set of compiles
+    with enable_x64():  # every eager FAVOR draw in this file runs in x64: one set of compiles
         return ops.make_feature_map("favor", key=jax.random.key(5), head_dim=D, num_features=10)
 
 
