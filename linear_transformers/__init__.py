@@ -5,10 +5,14 @@ re-exported here.
 """
 
 from linear_transformers import ops
+from linear_transformers import mixture
 from linear_transformers.attention import (AttentionCore, FeatureProjection,
                                            register_attention, registered_attention_kinds)
 from linear_transformers.generation import generate, make_step_fn, scan_steps
+from linear_transformers.image_generator import (ImageGenerator, sample_images,
+                                                 sample_images_full_recompute)
 from linear_transformers.lm import CausalLM, LMState
+from linear_transformers.mixture import bits_per_dim, mol_log_prob, mol_probs, mol_sample
 from linear_transformers.multi_head_attention import MultiHeadAttention
 from linear_transformers.transformer import (Decoder, DecoderLayer, Encoder, EncoderLayer,
                                              TransformerConfig)
@@ -18,4 +22,6 @@ __all__ = [
     "registered_attention_kinds", "generate", "make_step_fn", "scan_steps", "CausalLM", "LMState",
     "MultiHeadAttention", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer",
     "TransformerConfig",
+    "mixture", "ImageGenerator", "sample_images", "sample_images_full_recompute", "bits_per_dim",
+    "mol_log_prob", "mol_probs", "mol_sample",
 ]

@@ -5,7 +5,8 @@ import inspect
 import pytest
 
 import linear_transformers as lt
-from linear_transformers import attention, generation, lm, multi_head_attention, ops, transformer
+from linear_transformers import (attention, generation, image_generator, lm, mixture,
+                                 multi_head_attention, ops, transformer)
 
 PROMISED_OPS = [
     "softmax_attention", "softmax_attention_reference", "linear_attention",
@@ -13,7 +14,8 @@ PROMISED_OPS = [
     "linear_attention_step", "init_kv_cache", "softmax_attention_step", "make_feature_map",
     "register_feature_map", "registered_feature_maps", "favor_projection", "elu_plus_one",
 ]
-MODULES = [lt, ops, attention, generation, lm, multi_head_attention, transformer]
+MODULES = [lt, ops, attention, generation, image_generator, lm, mixture, multi_head_attention,
+           transformer]
 
 
 @pytest.mark.parametrize("name", PROMISED_OPS)

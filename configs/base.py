@@ -1,0 +1,58 @@
+"""Every key the image-generation trainer reads, with its default.
+
+The experiment configs (`digits.py`, `mnist.py`, `cifar10.py`) start from `get_config()` here and
+change what differs; the trainer rejects keys that are not in this file, so a typo in a config
+or an override fails loudly instead of being ignored.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    # Data: a name from experiments.data, where prepared data lives, where raw files are.
+    c.dataset = "digits"
+    c.data_dir = "~/tensorflow_datasets"
+    c.manual_dir = ""            # raw files (IDX .gz, cifar-10-batches-py); "" = <data_dir>/downloads/manual
+    c.download = False           # fetch raw files with the TFDS download manager when missing
+    c.train_split = "train"      # "train", "test", or a slice such as "test[:9000]"
+    c.eval_split = "test"
+    c.max_train_examples = 0     # 0 = all; >0 keeps the first N (quick runs)
+    c.max_eval_examples = 0      # 0 = the whole test split
+
+    # Model: the paper's image generator (embedding ++ positions, causal transformer, mixture).
+    c.attention = "linear"       # any registered kind: linear, causal-linear, softmax
+    c.attention_options = ml_collections.ConfigDict()
+    c.num_layers = 8
+    c.num_heads = 8
+    c.model_dim = 256
+    c.feed_forward_dim = 1024
+    c.dropout = 0.1
+    c.attention_dropout = 0.0
+    c.softmax_temp = 0.0         # 0 = 1/sqrt(head dim); softmax only
+    c.num_mixtures = 10
+
+    # Optimisation.
+    c.optimizer = "radam"        # radam | adamw
+    c.learning_rate = 1e-4
+    c.schedule = "constant"      # constant | cosine (to 0 at num_steps)
+    c.warmup_steps = 0
+    c.weight_decay = 0.01
+    c.grad_clip = 1.0            # global norm; 0 = off
+    c.batch_size = 16
+    c.num_steps = 1000
+
+    # Bookkeeping (0 = never, except at the end of the run).
+    c.log_every = 50
+    c.eval_every = 500
+    c.eval_batch_size = 64
+    c.checkpoint_every = 500
+    c.keep_checkpoints = 2
+    c.sample_every = 500
+    c.num_samples = 16
+    c.progress_bar = True
+
+    c.distributed = False        # jax.distributed.initialize() for multi-host runs
+    return c

@@ -1,0 +1,50 @@
+"""`configs/X.py:variant,key=value` strings shared by every experiment config."""
+
+import ml_collections
+
+
+def smoke(c: ml_collections.ConfigDict) -> None:
+    """A tiny model and a handful of steps: for tests and a quick check of an install."""
+    c.num_layers = 1
+    c.num_heads = 2
+    c.model_dim = 16
+    c.feed_forward_dim = 32
+    c.num_mixtures = 2
+    c.dropout = 0.0
+    c.batch_size = 8
+    c.num_steps = 6
+    c.warmup_steps = 0
+    c.log_every = 2
+    c.eval_every = 3
+    c.eval_batch_size = 16
+    c.max_eval_examples = 20
+    c.checkpoint_every = 3
+    c.sample_every = 6
+    c.num_samples = 4
+    c.progress_bar = False
+
+
+VARIANTS = {"smoke": smoke}
+
+
+def apply(c: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
+    """Apply comma-separated variants: a name from VARIANTS, or `key=value` (value parsed like
+    the field's current type), e.g. "smoke,attention=softmax"."""
+    for item in filter(None, (part.strip() for part in arg.split(","))):
+        if "=" in item:
+            key, value = item.split("=", 1)
+            if key not in c:
+                raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: {sorted(c)}.")
+            current = c[key]
+            if isinstance(current, bool):
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(f"config variant {item!r}: {key} needs true or false.")
+                c[key] = value.lower() == "true"
+            else:
+                c[key] = type(current)(value)
+        elif item in VARIANTS:
+            VARIANTS[item](c)
+        else:
+            raise ValueError(f"unknown config variant {item!r}; variants: {sorted(VARIANTS)} or "
+                             f"key=value.")
+    return c

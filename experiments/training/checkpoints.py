@@ -1,0 +1,52 @@
+"""Orbax checkpoints of the whole training state, with clear errors for unusable ones."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Save and restore `{"params", "opt_state", "rest"}` pytrees by step in `directory`.
+
+    Saves are synchronous: a checkpoint on disk is complete before training goes on, so an
+    interrupt or a NaN never leaves only a half-written latest checkpoint.
+    """
+
+    def __init__(self, directory, *, max_to_keep: int = 2):
+        self.directory = pathlib.Path(directory).expanduser().absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                                 enable_async_checkpointing=False))
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state) -> None:
+        """Write `state` as checkpoint `step` (a no-op if that step is already saved)."""
+        if step in self._manager.all_steps():
+            return
+        self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+        self._manager.wait_until_finished()
+
+    def restore(self, target, step: int | None = None):
+        """Restore checkpoint `step` (default: latest) into the structure, shapes and shardings
+        of `target`; a checkpoint that does not fit (another model, a corrupt file) raises."""
+        step = self.latest_step() if step is None else step
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        try:
+            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        except Exception as e:  # orbax raises many types; the user needs the path and the cause
+            raise ValueError(
+                f"cannot restore checkpoint step {step} from {self.directory}: {e}. It is "
+                f"corrupt or was written by a different model/optimizer config; use another "
+                f"workdir, or delete {self.directory / str(step)} to fall back to an older "
+                f"checkpoint.") from e
+
+    def close(self) -> None:
+        """Release the manager's resources."""
+        self._manager.close()

@@ -1,0 +1,36 @@
+"""Sample grids as PNG files (Pillow)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import numpy as np
+
+
+def image_grid(images_NHWC: np.ndarray, num_classes: int, *, pad: int = 1) -> np.ndarray:
+    """Tile class-valued images [N, H, W, C] into one uint8 grid image, nearly square."""
+    images = np.asarray(images_NHWC)
+    n, h, w, c = images.shape
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    grid = np.zeros((rows * (h + pad) + pad, cols * (w + pad) + pad, c), np.uint8)
+    pixels = np.round(images.astype(np.float64) * 255.0 / (num_classes - 1)).astype(np.uint8)
+    for i in range(n):
+        r, q = divmod(i, cols)
+        top, left = pad + r * (h + pad), pad + q * (w + pad)
+        grid[top:top + h, left:left + w] = pixels[i]
+    return grid
+
+
+def save_image_grid(path, images_NHWC, num_classes: int, *, scale: int = 1) -> pathlib.Path:
+    """Write a PNG grid of the images; `scale` enlarges small images (nearest neighbour)."""
+    from PIL import Image
+
+    grid = image_grid(images_NHWC, num_classes)
+    if scale > 1:
+        grid = grid.repeat(scale, axis=0).repeat(scale, axis=1)
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid).save(path)
+    return path

@@ -1,0 +1,273 @@
+"""`train_and_evaluate(config, workdir)`: the paper's autoregressive image generator, end to end.
+
+Data parallel over every device (`jax.sharding`: parameters replicated, batch split on "data");
+the batch of step s is a pure function of (seed, s) and dropout keys are folded from s, so a
+resumed run replays exactly what an uninterrupted one would have done.
+
+Legend: B batch, L sub-pixels per image (H*W*C), P mixture parameters per sub-pixel.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from experiments.data import pipeline
+from experiments.training import images
+from experiments.training.checkpoints import Checkpointer
+from experiments.training.config_checks import check_config
+from experiments.training.metrics import MetricsWriter
+from experiments.training.optimizer import make_optimizer, make_schedule
+from linear_transformers import mixture
+from linear_transformers.image_generator import ImageGenerator, sample_images
+from linear_transformers.transformer import TransformerConfig
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a NaN/Inf loss or gradient; the checkpoints on disk are all good."""
+
+
+def transformer_config(config: ml_collections.ConfigDict) -> TransformerConfig:
+    """The model part of a trainer config."""
+    return TransformerConfig(
+        num_layers=config.num_layers, num_heads=config.num_heads, model_dim=config.model_dim,
+        feed_forward_dim=config.feed_forward_dim, dropout=config.dropout,
+        attention_dropout=config.attention_dropout,
+        softmax_temp=config.softmax_temp or None, attention=config.attention,
+        attention_options=dict(config.attention_options))
+
+
+def build_model(config: ml_collections.ConfigDict, info) -> ImageGenerator:
+    """The image generator for data set `info`, initialised from config.seed."""
+    return ImageGenerator(
+        transformer_config(config), num_classes=info.num_classes,
+        num_mixtures=config.num_mixtures, max_length=math.prod(info.image_shape),
+        rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1))
+
+
+def nll_per_example(model: ImageGenerator, x_BL, num_classes: int):
+    """Negative log-likelihood in nats, summed over the L sub-pixels: [B]."""
+    return -jnp.sum(mixture.mol_log_prob(model(x_BL), x_BL, num_classes), axis=-1)
+
+
+_SPLIT_SPEC = re.compile(r"^(\w+)(?:\[(\d*):(\d*)\])?$")
+
+
+def load_split(config, spec: str) -> np.ndarray:
+    """Flattened images [N, L] of a split spec: "train", "test", or a slice like "test[:9000]"
+    or "test[9000:]" (to train on part of a split when only that split is at hand)."""
+    match = _SPLIT_SPEC.match(spec)
+    if match is None or match.group(1) not in pipeline.SPLITS:
+        raise ValueError(f"split {spec!r} is not one of {pipeline.SPLITS}, optionally sliced as "
+                         f"'test[:9000]'.")
+    name, start, stop = match.groups()
+    images = pipeline.load_images(config.dataset, name, data_dir=config.data_dir,
+                                  manual_dir=config.manual_dir or None, download=config.download)
+    x = pipeline.flatten_images(images)[int(start) if start else None:int(stop) if stop else None]
+    if not len(x):
+        raise ValueError(f"split {spec!r} of {config.dataset!r} is empty.")
+    return x
+
+
+def _load_data(config):
+    train = load_split(config, config.train_split)
+    test = load_split(config, config.eval_split)
+    if config.max_train_examples:
+        train = train[:config.max_train_examples]
+    if config.max_eval_examples:
+        test = test[:config.max_eval_examples]
+    if len(train) < config.batch_size:
+        raise ValueError(f"config.batch_size={config.batch_size} exceeds the {len(train)} "
+                         f"training images of {config.dataset!r} {config.train_split!r}.")
+    return train, test
+
+
+class _Trainer:
+    """Holds the compiled steps and shardings of one run; `train_and_evaluate` drives it."""
+
+    def __init__(self, config, info, mesh):
+        self.config, self.info, self.mesh = config, info, mesh
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.data_sharded = NamedSharding(mesh, PartitionSpec("data"))
+        model = build_model(config, info)
+        self.graphdef, params, self.rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+        model.eval()  # Dropout off: a second graph for evaluation and sampling, same variables.
+        self.eval_graphdef = nnx.split(model, nnx.Param, nnx.RngState, ...)[0]
+        self.tx = make_optimizer(config)
+        self.schedule = make_schedule(config)
+        state = {"params": params, "opt_state": self.tx.init(params), "rest": rest}
+        self.state = jax.device_put(state, self.replicated)
+        self.dropout_key = jax.random.key(config.seed + 2)
+        self.train_step = jax.jit(self._train_step, donate_argnums=0)
+        self.eval_step = jax.jit(self._eval_step)
+
+    def _train_step(self, state, rng_state, x_BL, step):
+        model = nnx.merge(self.graphdef, state["params"], rng_state, state["rest"])
+        # Dropout keys are a function of the step alone, so a resumed run replays them.
+        nnx.reseed(model, dropout=jax.random.fold_in(self.dropout_key, step))
+
+        def loss_fn(model):
+            return jnp.mean(nll_per_example(model, x_BL, self.info.num_classes)) / x_BL.shape[1]
+
+        # nnx.value_and_grad: dropout advances its RNG count inside the differentiated function.
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        finite = jnp.isfinite(loss) & jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        # A non-finite step changes nothing, so the state in memory stays the last good one.
+        new_state = {"params": params, "opt_state": opt_state, "rest": state["rest"]}
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+        metrics = {"loss": loss, "bits_per_dim": mixture.bits_per_dim(loss),
+                   "grad_norm": optax.tree.norm(grads), "finite": finite}
+        return new_state, metrics
+
+    def _eval_step(self, state, x_BL, weight_B):
+        model = nnx.merge(self.eval_graphdef, state["params"], self.rng_state, state["rest"])
+        return jnp.sum(nll_per_example(model, x_BL, self.info.num_classes) * weight_B)
+
+    def shard_batch(self, x_BL: np.ndarray) -> jax.Array:
+        """This process's rows of a global batch, laid out over the "data" axis of all hosts."""
+        rows = np.array_split(x_BL, jax.process_count())[jax.process_index()]
+        return jax.make_array_from_process_local_data(self.data_sharded, rows, x_BL.shape)
+
+    def evaluate(self, test_BL: np.ndarray) -> float:
+        """Test bits/dim over every test image (the last batch padded, padding weighted 0)."""
+        bs = self.config.eval_batch_size
+        bs += (-bs) % self.mesh.size
+        total = 0.0
+        for start in range(0, len(test_BL), bs):
+            x = test_BL[start:start + bs]
+            weight = np.zeros(bs, np.float32)
+            weight[:len(x)] = 1.0
+            x = np.concatenate([x, np.zeros((bs - len(x), x.shape[1]), x.dtype)])
+            total += float(self.eval_step(self.state, self.shard_batch(x),
+                                          self.shard_batch(weight)))
+        return float(mixture.bits_per_dim(total / (len(test_BL) * test_BL.shape[1])))
+
+    def eval_model(self) -> ImageGenerator:
+        """The current parameters in evaluation mode (for sampling)."""
+        return nnx.merge(self.eval_graphdef, self.state["params"], self.rng_state,
+                         self.state["rest"])
+
+    def write_samples(self, path, step: int) -> pathlib.Path:
+        """Sample config.num_samples images with the recurrent form; write a PNG grid."""
+        key = jax.random.fold_in(jax.random.key(self.config.seed + 3), step)
+        x_NL = np.asarray(sample_images(self.eval_model(), key, self.config.num_samples))
+        scale = max(1, 128 // self.info.image_shape[0])
+        return images.save_image_grid(path, x_NL.reshape(-1, *self.info.image_shape),
+                                      self.info.num_classes, scale=scale)
+
+
+def data_mesh(devices=None) -> jax.sharding.Mesh:
+    """A 1-D "data" mesh over `devices` (default: all), with automatic (GSPMD) sharding so the
+    model code needs no sharding annotations."""
+    devices = jax.devices() if devices is None else devices
+    return jax.make_mesh((len(devices),), ("data",), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
+                       *, step_callback: Callable[[int, dict], None] | None = None) -> dict:
+    """Train (resuming from the latest checkpoint in `workdir`), evaluate, sample; return the
+    final metrics {"step", "train_bits_per_dim", "test_bits_per_dim", "steps_per_sec"}.
+
+    `step_callback(step, metrics)` runs after every step (tests use it to interrupt a run). An
+    interrupt (KeyboardInterrupt) saves a checkpoint of the last finished step and re-raises.
+    """
+    check_config(config)
+    if config.distributed:
+        jax.distributed.initialize()
+    workdir = pathlib.Path(workdir).expanduser()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    info = pipeline.dataset_info(config.dataset)
+    train_BL, test_BL = _load_data(config)
+    if config.batch_size % jax.device_count():
+        raise ValueError(f"config.batch_size={config.batch_size} must be a multiple of the "
+                         f"{jax.device_count()} devices it is split over.")
+    mesh = data_mesh()
+    trainer = _Trainer(config, info, mesh)
+    batches = pipeline.Batches(train_BL, config.batch_size, seed=config.seed)
+    checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
+    writer = MetricsWriter(workdir)
+
+    step = checkpointer.latest_step() or 0
+    if step:
+        trainer.state = checkpointer.restore(trainer.state, step)
+    progress = None
+    if config.progress_bar and jax.process_index() == 0:
+        from tqdm import tqdm
+        progress = tqdm(total=config.num_steps, initial=step, desc=f"{config.dataset} "
+                        f"{config.attention}", dynamic_ncols=True)
+    result = {"step": step}
+    window_start, window_steps, window_loss = time.perf_counter(), 0, []
+    try:
+        while step < config.num_steps:
+            x_BL = trainer.shard_batch(batches.batch(step))
+            trainer.state, metrics = trainer.train_step(trainer.state, trainer.rng_state, x_BL,
+                                                        np.int32(step))
+            if not bool(metrics["finite"]):
+                raise NonFiniteLossError(
+                    f"non-finite loss or gradient at step {step} (loss={float(metrics['loss'])}); "
+                    f"training stopped. The update was not applied and no checkpoint was "
+                    f"written after it: the latest checkpoint ({checkpointer.latest_step()}) in "
+                    f"{checkpointer.directory} is intact. Lower config.learning_rate or raise "
+                    f"config.warmup_steps.")
+            step += 1
+            window_steps += 1
+            window_loss.append(metrics["loss"])
+            if step_callback is not None:
+                step_callback(step, metrics)
+            if _due(step, config.log_every) or step == config.num_steps:
+                loss = float(np.mean(jax.device_get(window_loss)))
+                rate = window_steps / (time.perf_counter() - window_start)
+                scalars = {"loss": loss, "train_bits_per_dim": loss / math.log(2),
+                           "grad_norm": float(metrics["grad_norm"]), "steps_per_sec": rate,
+                           "learning_rate": float(trainer.schedule(step - 1))}
+                writer.write(step, scalars)
+                result.update(step=step, train_bits_per_dim=scalars["train_bits_per_dim"],
+                              steps_per_sec=rate)
+                if progress is not None:
+                    progress.set_postfix(loss=f"{loss:.4f}", bpd=f"{loss / math.log(2):.4f}",
+                                         steps_s=f"{rate:.1f}")
+                window_start, window_steps, window_loss = time.perf_counter(), 0, []
+            if progress is not None:
+                progress.update(1)
+            if _due(step, config.checkpoint_every):
+                checkpointer.save(step, trainer.state)
+            if _due(step, config.eval_every) or step == config.num_steps:
+                test_bpd = trainer.evaluate(test_BL)
+                writer.write(step, {"test_bits_per_dim": test_bpd})
+                result["test_bits_per_dim"] = test_bpd
+            if (_due(step, config.sample_every) or step == config.num_steps) and \
+                    jax.process_index() == 0:
+                trainer.write_samples(workdir / "samples" / f"step_{step:07d}.png", step)
+        checkpointer.save(step, trainer.state)
+    except KeyboardInterrupt:
+        checkpointer.save(step, trainer.state)
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+        writer.close()
+        checkpointer.close()
+    if "test_bits_per_dim" not in result:  # resumed at the end: nothing trained this time
+        result["test_bits_per_dim"] = trainer.evaluate(test_BL)
+    result["step"] = step
+    return result

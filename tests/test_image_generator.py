@@ -1,0 +1,218 @@
+"""ImageGenerator: shapes, exact causality, every sub-pixel scored (START), recurrent = parallel,
+recurrent and full-recompute samplers agree draw for draw, prefixes, training lowers the NLL, errors.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from scipy import stats
+
+from linear_transformers import TransformerConfig, generation
+from linear_transformers.image_generator import (ImageGenerator, sample_images,
+                                                 sample_images_full_recompute)
+from linear_transformers.mixture import mol_log_prob, mol_probs
+
+B, T, C, K, E = 2, 12, 17, 3, 16
+
+
+def _model(kind="linear", seed=0, **overrides):
+    kwargs = dict(num_layers=2, num_heads=2, model_dim=E, feed_forward_dim=32, dropout=0.0,
+                  attention=kind)
+    kwargs.update(overrides)
+    return ImageGenerator(TransformerConfig(**kwargs), num_classes=C, num_mixtures=K, max_length=T,
+                          rngs=nnx.Rngs(seed))
+
+
+def _images(shape=(B, T), seed=1):
+    return np.random.default_rng(seed).integers(0, C, size=shape).astype(np.int32)
+
+
+# Compiled once per module structure and reused (eager dispatch is slow on CPU).
+_call = nnx.jit(lambda m, x: m(x))
+_nll = nnx.jit(lambda m, x: m.nll(x))
+_log_prob = nnx.jit(lambda m, x: m.log_prob(x))
+
+
+def test_shapes_and_dtypes():
+    model = _model()
+    x = _images()
+    params = _call(model, x)
+    chex.assert_shape(params, (B, T, 3 * K))
+    chex.assert_tree_all_finite(params)
+    chex.assert_shape(_call(model, x[:, :5]), (B, 5, 3 * K))
+    log_prob = _log_prob(model, x)
+    chex.assert_shape(log_prob, (B,))
+    nll = _nll(model, x)
+    chex.assert_shape(nll, ())
+    assert nll.dtype == jnp.float32
+    np.testing.assert_allclose(nll, -np.sum(log_prob) / (B * T), rtol=1e-5)
+    np.testing.assert_array_equal(model.shifted_inputs(x),
+                                  np.concatenate([np.full((B, 1), C), x[:, :-1]], axis=1))
+
+
+@pytest.mark.parametrize("kind", ["linear", "softmax"])
+def test_params_at_t_depend_only_on_earlier_sub_pixels(kind):
+    model = _model(kind)
+    x = _images((1, T))
+    # Row t changes x_t, ..., x_{T-1}: params at positions <= t must not move.
+    variants = np.repeat(x, T, axis=0)
+    noise = _images((T, T), seed=7)
+    future = np.arange(T)[None, :] >= np.arange(T)[:, None]
+    variants = np.where(future, (variants + 1 + noise % (C - 1)) % C, variants)
+    assert np.all((variants != x) == future)
+    base = np.asarray(_call(model, x))[0]
+    changed = np.asarray(_call(model, variants))
+    for t in range(T):
+        np.testing.assert_allclose(changed[t, :t + 1], base[:t + 1], atol=1e-5, rtol=1e-5)
+        if t + 1 < T:  # and the test has teeth: position t + 1 sees the change.
+            assert not np.allclose(changed[t, t + 1], base[t + 1], atol=1e-4)
+
+
+def test_nll_gradient_wrt_inputs_after_t_is_zero():
+    """nanodo's causality test on embedded inputs: the loss at t ignores inputs after t."""
+    model = _model()
+    x = _images((1, T))
+    inputs = model.shifted_inputs(x)
+    x_BTE = model._inputs(inputs, jnp.arange(T))
+
+    def log_prob_at(x_BTE, t):
+        params = model.head(model.decoder(x_BTE))
+        return mol_log_prob(params, jnp.asarray(x), C)[0, t]
+
+    jacobian = jax.jit(jax.vmap(jax.grad(log_prob_at), in_axes=(None, 0)))(x_BTE, jnp.arange(T))
+    norms = np.abs(np.asarray(jacobian)[:, 0]).sum(-1)  # [t, input position]
+    after = np.arange(T)[None, :] > np.arange(T)[:, None]
+    assert np.all(norms[after] == 0.0)
+    assert np.all(norms[~after] > 0.0)
+
+
+def test_first_sub_pixel_is_scored_from_start_alone():
+    model = _model()
+    x = _images((4, T), seed=3)
+    params = np.asarray(_call(model, x))
+    np.testing.assert_allclose(params[:, 0], np.broadcast_to(params[0, 0], params[:, 0].shape),
+                               atol=1e-6)
+    # ...and it counts: the loss changes when only the first sub-pixel changes.
+    y = x.copy()
+    y[:, 0] = (y[:, 0] + 5) % C
+    assert not np.allclose(_log_prob(model, x), _log_prob(model, y))
+
+
+@pytest.mark.parametrize("kind", ["linear", "softmax", "causal-linear"])
+def test_recurrent_steps_equal_parallel(kind):
+    model = _model(kind)
+    model.eval()
+    x = _images()
+    inputs = model.shifted_inputs(x)
+    state, params_rec = generation.scan_steps(model, model.init_state(B), inputs)
+    np.testing.assert_allclose(params_rec, _call(model, x), atol=2e-5, rtol=2e-5)
+    assert int(state.position) == T
+    # The plain Python loop of single steps, for the first few positions.
+    step = nnx.jit(lambda m, s, tok: m.step(s, tok))
+    state = model.init_state(B)
+    for t in range(3):
+        state, params_t = step(model, state, inputs[:, t])
+        np.testing.assert_allclose(params_t, params_rec[:, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "softmax"])
+def test_samplers_agree_and_honour_prefix(kind):
+    model = _model(kind, seed=2)
+    model.eval()
+    key = jax.random.key(11)
+    images = sample_images(model, key, 3)
+    chex.assert_shape(images, (3, T))
+    assert images.dtype == jnp.int32
+    assert int(images.min()) >= 0 and int(images.max()) < C
+    np.testing.assert_array_equal(images, sample_images(model, key, 3))
+    assert not np.array_equal(images, sample_images(model, jax.random.key(12), 3))
+    np.testing.assert_array_equal(images, sample_images_full_recompute(model, key, 3))
+    # Conditional completion: the prefix is kept verbatim, the rest still agrees across samplers.
+    prefix = _images((3, 5), seed=4)
+    completed = sample_images(model, key, 3, prefix=prefix)
+    np.testing.assert_array_equal(completed[:, :5], prefix)
+    np.testing.assert_array_equal(completed, sample_images_full_recompute(model, key, 3,
+                                                                          prefix=prefix))
+    # A full-length prefix is returned unchanged; an empty one is unconditional sampling.
+    full = _images((3, T), seed=5)
+    np.testing.assert_array_equal(sample_images(model, key, 3, prefix=full), full)
+    np.testing.assert_array_equal(sample_images(model, key, 3, prefix=full[:, :0]), images)
+
+
+def test_first_sampled_sub_pixel_follows_the_model():
+    """The sampler draws from the distribution the loss scores (here at position 0)."""
+    model = _model(seed=3)
+    model.eval()
+    n = 4000
+    images = np.asarray(sample_images(model, jax.random.key(0), n))
+    probs = np.asarray(mol_probs(_call(model, images[:1])[0, 0], C), np.float64)
+    observed = np.bincount(images[:, 0], minlength=C).astype(np.float64)
+    expected = probs * n / probs.sum()
+    keep = expected >= 5  # pool rare classes so the chi-square approximation holds
+    expected = np.append(expected[keep], expected[~keep].sum())
+    observed = np.append(observed[keep], observed[~keep].sum())
+    if expected[-1] == 0:
+        expected, observed = expected[:-1], observed[:-1]
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_nll_gradient_finite_and_training_lowers_nll():
+    model = _model(seed=4)
+    data = _images((8, T), seed=6)
+    data[:, ::2] = np.arange(T // 2) % C  # some structure to learn
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: m.nll(x))(model)
+        optimizer.update(model, grads)
+        return loss, grads
+
+    first, grads = train_step(model, optimizer, data)
+    chex.assert_tree_all_finite(grads)
+    for _ in range(40):
+        last, _ = train_step(model, optimizer, data)
+    last = float(_nll(model, data))
+    assert np.isfinite(last) and last < float(first) - 0.3, (float(first), last)
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = _model()
+    with pytest.raises(ValueError, match=r"max_length=12, got shape \(2, 13\)"):
+        model(_images((B, T + 1)))
+    with pytest.raises(ValueError, match="got shape"):
+        model.nll(_images((T,)))
+    with pytest.raises(ValueError, match="must be integers"):
+        model(np.zeros((B, T), np.float32))
+    with pytest.raises(ValueError, match="model_dim=18 splits into a 9-wide embedding and a 9-wide"):
+        _model(model_dim=18, num_heads=2)
+    with pytest.raises(ValueError, match="num_classes must be >= 2"):
+        ImageGenerator(TransformerConfig(model_dim=E, num_heads=2), num_classes=1, num_mixtures=K,
+                       max_length=T, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_mixtures must be >= 1"):
+        ImageGenerator(TransformerConfig(model_dim=E, num_heads=2), num_classes=C, num_mixtures=0,
+                       max_length=T, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="max_length must be >= 1"):
+        ImageGenerator(TransformerConfig(model_dim=E, num_heads=2), num_classes=C, num_mixtures=K,
+                       max_length=0, rngs=nnx.Rngs(0))
+
+
+def test_sampling_errors():
+    model = _model(dropout=0.1)
+    with pytest.raises(ValueError, match="call model.eval"):
+        sample_images(model, jax.random.key(0), 2)
+    with pytest.raises(ValueError, match="call model.eval"):
+        sample_images_full_recompute(model, jax.random.key(0), 2)
+    model.eval()
+    with pytest.raises(ValueError, match=r"prefix must be .* \[batch=2, k\]"):
+        sample_images(model, jax.random.key(0), 2, prefix=_images((3, 4)))
+    with pytest.raises(ValueError, match=r"k <= max_length=12"):
+        sample_images(model, jax.random.key(0), 2, prefix=_images((2, T + 1)))
+    with pytest.raises(ValueError, match=r"prefix values must be in \[0, 17\)"):
+        sample_images(model, jax.random.key(0), 2, prefix=np.full((2, 3), C, np.int32))
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        sample_images(model, jax.random.key(0), 0)

@@ -1,0 +1,149 @@
+"""The image-generation trainer on the smoke variant of the digits config (real data, tiny model)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs import digits
+from experiments.training import loop
+from experiments.training.metrics import read_metrics
+from experiments.training.sampling import sample_from_workdir
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    # Prepared once for the module (the digits ship with scikit-learn: no download).
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def _smoke(data_dir, extra=""):
+    config = digits.get_config("smoke" + ("," + extra if extra else ""))
+    config.data_dir = data_dir
+    return config
+
+
+def _losses(workdir):
+    return [r["loss"] for r in read_metrics(workdir) if "loss" in r]
+
+
+def test_smoke_run_trains_evaluates_samples_and_checkpoints(data_dir, tmp_path):
+    config = _smoke(data_dir, "num_steps=40,log_every=10,eval_every=40,sample_every=40,"
+                              "checkpoint_every=20,learning_rate=0.003")
+    result = loop.train_and_evaluate(config, tmp_path)
+    assert result["step"] == 40
+    losses = _losses(tmp_path)
+    assert len(losses) == 4 and all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert np.isfinite(result["test_bits_per_dim"]) and 0 < result["test_bits_per_dim"] < 8
+    assert (tmp_path / "samples" / "step_0000040.png").stat().st_size > 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) \
+        == ["20", "40"]
+    assert json.loads((tmp_path / "config.json").read_text())["num_steps"] == 40
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(data_dir, tmp_path):
+    config = _smoke(data_dir, "num_steps=6,log_every=1,checkpoint_every=0,eval_every=0,"
+                              "sample_every=0,dropout=0.1")
+    straight = []
+    loop.train_and_evaluate(config, tmp_path / "straight",
+                            step_callback=lambda s, m: straight.append(float(m["loss"])))
+
+    resumed = []
+
+    def interrupt_at_3(step, metrics):
+        resumed.append(float(metrics["loss"]))
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_and_evaluate(config, tmp_path / "resumed", step_callback=interrupt_at_3)
+    assert (tmp_path / "resumed" / "checkpoints" / "3").is_dir()
+    loop.train_and_evaluate(config, tmp_path / "resumed",
+                            step_callback=lambda s, m: resumed.append(float(m["loss"])))
+    assert len(straight) == 6
+    assert resumed == straight  # bit-identical: same batches, dropout keys and optimizer state
+
+
+def test_non_finite_loss_stops_with_intact_checkpoint(data_dir, tmp_path):
+    config = _smoke(data_dir, "num_steps=30,learning_rate=1e30,grad_clip=0.0,checkpoint_every=1,"
+                              "eval_every=0,sample_every=0,log_every=1")
+    with pytest.raises(loop.NonFiniteLossError, match="non-finite loss .* at step") as error:
+        loop.train_and_evaluate(config, tmp_path)
+    bad_step = int(str(error.value).split("at step ")[1].split()[0])
+    latest = int(str(error.value).split("latest checkpoint (")[1].split(")")[0])
+    assert latest == bad_step  # the last finished (finite) step was saved; nothing after it
+    # The last good checkpoint restores and holds finite parameters.
+    from experiments.data import pipeline
+    from experiments.training.checkpoints import Checkpointer
+    import jax
+    trainer = loop._Trainer(config, pipeline.dataset_info("digits"),
+                            loop.data_mesh())
+    restored = Checkpointer(tmp_path / "checkpoints").restore(trainer.state)
+    assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(restored))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learning_rate=-1.0", "learning_rate must be > 0"),
+    ("attention=quadratic", "registered attention kind"),
+    ("num_heads=0", "num_heads must be >= 1"),
+    ("schedule=linear", "schedule must be one of"),
+    ("model_dim=18", "model_dim must be a multiple of 4"),
+    ("train_split=validation", "is not one of"),
+])
+def test_bad_config_values_rejected(data_dir, tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        loop.train_and_evaluate(_smoke(data_dir, override), tmp_path)
+
+
+def test_split_slices_train_on_part_of_a_split(data_dir, tmp_path):
+    config = _smoke(data_dir, "train_split=test[:200],eval_split=test[200:],num_steps=2,"
+                              "max_eval_examples=0,"
+                              "sample_every=0")
+    train, test = loop._load_data(config)
+    assert train.shape == (200, 64) and test.shape == (97, 64)
+    assert np.isfinite(loop.train_and_evaluate(config, tmp_path)["test_bits_per_dim"])
+
+
+def test_unknown_config_key_rejected(data_dir, tmp_path):
+    config = _smoke(data_dir)
+    config.learning_rat = 0.1
+    with pytest.raises(ValueError, match=r"not understood: \['learning_rat'\]"):
+        loop.train_and_evaluate(config, tmp_path)
+    with pytest.raises(ValueError, match="unknown key 'learnin_rate'"):
+        digits.get_config("learnin_rate=3")
+    with pytest.raises(ValueError, match="unknown config variant 'smok'"):
+        digits.get_config("smok")
+
+
+def test_sampling_from_a_workdir_recurrent_equals_recompute(data_dir, tmp_path):
+    loop.train_and_evaluate(_smoke(data_dir), tmp_path)
+    rec = sample_from_workdir(tmp_path, num_images=3, method="recurrent", seed=1)
+    full = sample_from_workdir(tmp_path, num_images=3, method="recompute", seed=1)
+    np.testing.assert_array_equal(rec["images"], full["images"])
+    assert rec["images"].shape == (3, 64) and rec["images"].max() <= 16
+    assert pathlib.Path(rec["path"]).stat().st_size > 0
+    completed = sample_from_workdir(tmp_path, num_images=3, prefix_pixels=20, seed=1)
+    from experiments.data import pipeline
+    test = pipeline.flatten_images(pipeline.load_images("digits", "test", data_dir=data_dir))
+    np.testing.assert_array_equal(completed["images"][:, :20], test[:3, :20])
+
+
+def test_four_devices_give_the_same_losses_as_one(data_dir, tmp_path):
+    one = tmp_path / "one"
+    loop.train_and_evaluate(_smoke(data_dir, "num_steps=4,log_every=1,sample_every=0"), one)
+    script = ("import sys, jax; from configs import digits; from experiments.training import loop\n"
+              "assert jax.device_count() == 4, jax.devices()\n"
+              "c = digits.get_config('smoke,num_steps=4,log_every=1,sample_every=0')\n"
+              f"c.data_dir = {data_dir!r}\n"
+              f"loop.train_and_evaluate(c, {str(tmp_path / 'four')!r})\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, env=env, timeout=600)
+    np.testing.assert_allclose(_losses(tmp_path / "four"), _losses(one), rtol=1e-5)
