@@ -10,7 +10,7 @@ parallel model over the whole prefix for every sub-pixel (how softmax generation
 without a cache). Writes a PNG grid and prints images/s.
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from experiments.training.sampling import sample_from_workdir
 
@@ -27,6 +27,8 @@ _OUT = flags.DEFINE_string("out", None, "PNG path (default: <workdir>/samples/sa
 
 def main(argv):
     del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # Orbax logs every save and restore at INFO
     result = sample_from_workdir(_WORKDIR.value, num_images=_NUM.value,
                                  prefix_pixels=_PREFIX.value, method=_METHOD.value,
                                  seed=_SEED.value, step=_STEP.value, out=_OUT.value)
@@ -35,5 +37,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.FLAGS.set_default("verbosity", -1)  # WARNING: Orbax logs every save at INFO
     app.run(main)

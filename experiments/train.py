@@ -8,7 +8,7 @@ Re-running with the same workdir resumes from its latest checkpoint. Every confi
 in configs/base.py; `--config.key=value` overrides one.
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments.training.loop import train_and_evaluate
@@ -19,11 +19,12 @@ _WORKDIR = flags.DEFINE_string("workdir", "workdirs/default", "Checkpoints, metr
 
 def main(argv):
     del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # Orbax logs every save and restore at INFO
     result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in result.items()))
 
 
 if __name__ == "__main__":
-    flags.FLAGS.set_default("verbosity", -1)  # WARNING: Orbax logs every save at INFO
     app.run(main)

@@ -62,6 +62,7 @@ def class_centers(num_classes: int):
 @functools.partial(jax.jit, static_argnums=2)
 def _log_prob(params_P, x, num_classes: int):
     """log P(x) with x broadcastable against params_P.shape[:-1]; no argument checks."""
+    x = x.astype(jnp.int32)  # uint8 images: comparisons with C = 256 would wrap around
     logits_K, means_K, log_scales_K = split_params(params_P)
     half_width = 1.0 / (num_classes - 1)
     # Bin edges (2x - C + 2) / (C - 1) and (2x - C) / (C - 1): exact integers divided once, so

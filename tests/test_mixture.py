@@ -285,3 +285,12 @@ def test_the_same_check_rejects_the_authors_sampler_scale(seed):
     observed = np.bincount(np.asarray(samples), minlength=num_classes).astype(np.float64)
     expected, observed = _merge_small(probs * n / probs.sum(), observed)
     assert stats.chisquare(observed, expected).pvalue < 1e-6
+
+
+def test_uint8_classes_give_the_same_log_probs_as_int32():
+    """Images arrive as uint8; with C = 256 nothing may be computed in uint8 (256 wraps to 0)."""
+    params = jnp.asarray(np.random.default_rng(5).standard_normal((6, 9)), jnp.float32)
+    x = np.array([0, 1, 127, 128, 254, 255])
+    expected = mixture.mol_log_prob(params, x.astype(np.int32), 256)
+    chex.assert_tree_all_finite(expected)
+    chex.assert_trees_all_close(mixture.mol_log_prob(params, x.astype(np.uint8), 256), expected)
