@@ -6,7 +6,12 @@ Command:
       --config.manual_dir=/path/with/idx/files
   python -m experiments.train --config configs/mnist.py:attention=softmax ...
 The raw IDX files (train-images-idx3-ubyte.gz, ...) go in manual_dir, or pass
---config.download=True when online. Short runs on this machine: see README.
+--config.download=True when online.
+
+Short run on the 2-core CPU machine (jax 0.10.2) with only the real MNIST test split at hand:
+--config.train_split='test[:9000]' --config.eval_split='test[9000:]' --config.max_eval_examples=200
+--config.num_steps=60: linear ~7 s/step (0.14 steps/s), train 2.32 bits/dim after 60 steps,
+held-out 2.49. The paper's 0.644 needs ~937k steps: a GPU job.
 """
 
 from configs import base, variants
