@@ -11,7 +11,8 @@ The raw IDX files (train-images-idx3-ubyte.gz, ...) go in manual_dir, or pass
 Short run on the 2-core CPU machine (jax 0.10.2) with only the real MNIST test split at hand:
 --config.train_split='test[:9000]' --config.eval_split='test[9000:]' --config.max_eval_examples=200
 --config.num_steps=60: linear ~7 s/step (0.14 steps/s), train 2.32 bits/dim after 60 steps,
-held-out 2.49. The paper's 0.644 needs ~937k steps: a GPU job.
+held-out 2.49. Softmax in the same setup: ~16.6 s/step (0.060 steps/s), train 2.600 bits/dim
+at step 20 against linear's 2.596. The paper's 0.644 needs ~937k steps: a GPU job.
 """
 
 from configs import base, variants
