@@ -24,7 +24,7 @@ from flax import nnx
 
 from linear_transformers.lm import LMState, sinusoidal_encoding
 from linear_transformers.mixture import mol_log_prob, mol_sample, num_params
-from linear_transformers.transformer import Encoder, TransformerConfig, _check_inference_mode
+from linear_transformers.transformer import Encoder, TransformerConfig, check_inference_mode
 
 
 class ImageGenerator(nnx.Module):
@@ -125,7 +125,7 @@ def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
     if batch < 1:
         raise ValueError(f"{where}: batch must be >= 1, got {batch}.")
     # Before tracing, so the error names the fix rather than a dropout RNG.
-    _check_inference_mode(model)
+    check_inference_mode(model)
     length = model.max_length
     if prefix is None:
         return jnp.zeros((batch, length), jnp.int32), jnp.int32(0)

@@ -184,7 +184,7 @@ class FeedForward(nnx.Module):
         return self.linear2(self.dropout(ACTIVATIONS[self.activation](self.linear1(x))))
 
 
-def _check_inference_mode(module: nnx.Module):
+def check_inference_mode(module: nnx.Module):
     """Recurrent steps are for inference: refuse to run them with dropout switched on."""
     for _, m in nnx.iter_graph(module):
         if isinstance(m, nnx.Dropout) and m.rate > 0 and not m.deterministic:
@@ -260,7 +260,7 @@ class _Stack(nnx.Module):
         return self.final_norm(x) if self.final_norm is not None else x
 
     def _step_layers(self, state, x_BE):
-        _check_inference_mode(self)
+        check_inference_mode(self)
         new_state = []
         for layer, layer_state in zip(self.layers, state, strict=True):
             layer_state, x_BE = layer.step(layer_state, x_BE)
@@ -290,7 +290,7 @@ class Encoder(_Stack):
 
     def init_state(self, batch: int, max_length: int | None = None, dtype=jnp.float32):
         """Tuple of per-layer states (causal stacks only)."""
-        _check_inference_mode(self)
+        check_inference_mode(self)
         return tuple(layer.init_state(batch, max_length, dtype) for layer in self.layers)
 
     def step(self, state, x_BE):
@@ -319,7 +319,7 @@ class Decoder(_Stack):
     def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None,
                    dtype=jnp.float32):
         """Per-layer states; each layer projects the memory's keys/values here, once."""
-        _check_inference_mode(self)
+        check_inference_mode(self)
         return tuple(layer.init_state(batch, max_length, memory_BSE,
                                       memory_lengths=memory_lengths, dtype=dtype)
                      for layer in self.layers)

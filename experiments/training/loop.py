@@ -56,11 +56,6 @@ def build_model(config: ml_collections.ConfigDict, info) -> ImageGenerator:
         rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1))
 
 
-def nll_per_example(model: ImageGenerator, x_BL, num_classes: int):
-    """Negative log-likelihood in nats, summed over the L sub-pixels: [B]."""
-    return -jnp.sum(mixture.mol_log_prob(model(x_BL), x_BL, num_classes), axis=-1)
-
-
 _SPLIT_SPEC = re.compile(r"^(\w+)(?:\[(\d*):(\d*)\])?$")
 
 
@@ -118,7 +113,7 @@ class _Trainer:
         nnx.reseed(model, dropout=jax.random.fold_in(self.dropout_key, step))
 
         def loss_fn(model):
-            return jnp.mean(nll_per_example(model, x_BL, self.info.num_classes)) / x_BL.shape[1]
+            return model.nll(x_BL)
 
         # nnx.value_and_grad: dropout advances its RNG count inside the differentiated function.
         loss, grads = nnx.value_and_grad(loss_fn)(model)
@@ -129,13 +124,12 @@ class _Trainer:
         # A non-finite step changes nothing, so the state in memory stays the last good one.
         new_state = {"params": params, "opt_state": opt_state, "rest": state["rest"]}
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-        metrics = {"loss": loss, "bits_per_dim": mixture.bits_per_dim(loss),
-                   "grad_norm": optax.tree.norm(grads), "finite": finite}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite}
         return new_state, metrics
 
     def _eval_step(self, state, x_BL, weight_B):
         model = nnx.merge(self.eval_graphdef, state["params"], self.rng_state, state["rest"])
-        return jnp.sum(nll_per_example(model, x_BL, self.info.num_classes) * weight_B)
+        return -jnp.sum(model.log_prob(x_BL) * weight_B)
 
     def shard_batch(self, x_BL: np.ndarray) -> jax.Array:
         """This process's rows of a global batch, laid out over the "data" axis of all hosts."""
