@@ -144,11 +144,11 @@ def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
     return jnp.pad(prefix.astype(jnp.int32), ((0, 0), (0, length - k))), jnp.int32(k)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _sample_recurrent(graphdef, params, key, batch, prefix_BT, prefix_length):
+@functools.partial(jax.jit, static_argnums=(0, 3, 6))
+def _sample_recurrent(graphdef, params, key, batch, prefix_BT, prefix_length, num_steps):
     model = nnx.merge(graphdef, params)
     state = model.init_state(batch)
-    keys = jax.random.split(key, model.max_length)
+    keys = jax.random.split(key, model.max_length)[:num_steps]
 
     def body(carry, inputs):
         state, token_B = carry
@@ -159,27 +159,38 @@ def _sample_recurrent(graphdef, params, key, batch, prefix_BT, prefix_length):
         return (state, token_B), token_B
 
     start_B = jnp.full((batch,), model.start_token, jnp.int32)
-    _, tokens_TB = jax.lax.scan(body, (state, start_B), (jnp.arange(model.max_length), keys))
-    return tokens_TB.T
+    _, tokens_TB = jax.lax.scan(body, (state, start_B), (jnp.arange(num_steps), keys))
+    return jnp.pad(tokens_TB.T, ((0, 0), (0, model.max_length - num_steps)))
 
 
-def sample_images(model: ImageGenerator, key, batch: int, *, prefix=None):
+def sample_images(model: ImageGenerator, key, batch: int, *, prefix=None, num_steps=None):
     """Sample [batch, max_length] int32 sub-pixels with the recurrent form, in one compiled scan.
 
     `prefix` [batch, k] forces the first k sub-pixels (conditional completion, like the authors'
     demo); the rest are drawn. Step t uses `jax.random.split(key, max_length)[t]` (forced steps too),
-    so `sample_images_full_recompute` draws the same samples from the same key. The model must be in
+    so `sample_images_full_recompute` draws the same samples from the same key. `num_steps` stops
+    after that many sub-pixels (the rest are 0): previews and benchmarks. The model must be in
     eval mode.
     """
     prefix_BT, prefix_length = _check_sampling_args(model, batch, prefix, "sample_images")
+    num_steps = _check_num_steps(model, num_steps, "sample_images")
     graphdef, params = nnx.split(model)
-    return _sample_recurrent(graphdef, params, key, batch, prefix_BT, prefix_length)
+    return _sample_recurrent(graphdef, params, key, batch, prefix_BT, prefix_length, num_steps)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_length):
+def _check_num_steps(model: ImageGenerator, num_steps, where: str) -> int:
+    if num_steps is None:
+        return model.max_length
+    if not isinstance(num_steps, int) or not 1 <= num_steps <= model.max_length:
+        raise ValueError(f"{where}: num_steps must be an integer in [1, max_length="
+                         f"{model.max_length}], got {num_steps!r}.")
+    return num_steps
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 6))
+def _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_length, num_steps):
     model = nnx.merge(graphdef, params)
-    keys = jax.random.split(key, model.max_length)
+    keys = jax.random.split(key, model.max_length)[:num_steps]
 
     def body(images_BT, inputs):
         t, key_t = inputs
@@ -190,18 +201,22 @@ def _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_lengt
         return images_BT.at[:, t].set(token_B), None
 
     images_BT = jnp.zeros((batch, model.max_length), jnp.int32)
-    images_BT, _ = jax.lax.scan(body, images_BT, (jnp.arange(model.max_length), keys))
+    images_BT, _ = jax.lax.scan(body, images_BT, (jnp.arange(num_steps), keys))
     return images_BT
 
 
-def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, prefix=None):
+def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, prefix=None,
+                                 num_steps=None):
     """`sample_images` by the paper's slow baseline: the full parallel forward at every step.
 
     max_length parallel forwards per image (O(T^2) work with linear attention, O(T^3) with
     softmax); the same draws as `sample_images` for the same key, so the two return the same
-    images unless a draw lands within rounding error of a bin edge.
+    images unless a draw lands within rounding error of a bin edge. Every step runs the model
+    over the whole max_length buffer, so each costs the same. `num_steps` as in `sample_images`.
     """
     prefix_BT, prefix_length = _check_sampling_args(model, batch, prefix,
                                                     "sample_images_full_recompute")
+    num_steps = _check_num_steps(model, num_steps, "sample_images_full_recompute")
     graphdef, params = nnx.split(model)
-    return _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_length)
+    return _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_length,
+                                  num_steps)

@@ -254,3 +254,47 @@ def test_static_kwargs_via_static_argnames(x64):
     fn = jax.jit(ops.causal_linear_attention, static_argnames=("impl", "chunk_size", "feature_map"))
     chex.assert_trees_all_close(fn(q, k, v, impl="chunked", chunk_size=5, feature_map="elu"),
                                 _quadratic_expected(1, 37, "elu"), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("T,chunk_size", [(11, 4), (12, 12), (6, 1)])
+def test_chunked_gradients_match_numerical_derivatives(x64, T, chunk_size):
+    """Independent of the quadratic reference: finite differences of the chunked form itself."""
+    q, k, v = _inputs(12, T, scale=0.5)
+    jax.test_util.check_grads(
+        lambda q, k, v: ops.causal_linear_attention(q, k, v, impl="chunked", chunk_size=chunk_size),
+        (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+
+
+def test_bfloat16_gradients_are_bfloat16_and_close_to_float32():
+    T, chunk_size = 37, 8
+    q, k, v = _inputs(13, T, dtype=jnp.bfloat16)
+    w = _grad_weights(T).astype(jnp.bfloat16)
+    got = _grad_fn("chunked", chunk_size, "elu")(q, k, v, w)
+    assert all(g.dtype == jnp.bfloat16 for g in got)
+    chex.assert_tree_all_finite(got)
+    expected = _grad_fn("quadratic", chunk_size, "elu")(
+        *(x.astype(jnp.float32) for x in (q, k, v, w)))
+    for g, e in zip(got, expected):
+        scale = float(jnp.max(jnp.abs(e)))
+        chex.assert_trees_all_close(g.astype(jnp.float32), e, atol=2e-2 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("segment", [None, 8, 12, 1000])
+@pytest.mark.parametrize("T,chunk_size", [(37, 4), (1, 4), (24, 4), (9, 16)])
+def test_segmented_chunked_form_matches_quadratic(x64, monkeypatch, segment, T, chunk_size):
+    """The chunked form scanned over segments (CPU) or all at once (GPU): same values, same grads."""
+    from linear_transformers.ops import causal_linear
+    monkeypatch.setattr(causal_linear, "segment_length", lambda platform=None: segment)
+    q, k, v = _inputs(14, T)
+    w = _grad_weights(T)
+
+    def loss(q, k, v):
+        out = ops.causal_linear_attention(q, k, v, impl="chunked", chunk_size=chunk_size)
+        return jnp.sum(out * w), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    chex.assert_trees_all_close(out, _quadratic_expected(14, T, "elu"), rtol=1e-10, atol=1e-12)
+    expected = jax.grad(lambda q, k, v: jnp.sum(ops.causal_linear_attention(
+        q, k, v, impl="quadratic") * w), argnums=(0, 1, 2))(q, k, v)
+    chex.assert_trees_all_close(grads, expected, rtol=1e-8, atol=1e-10)
+

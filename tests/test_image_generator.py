@@ -141,6 +141,12 @@ def test_samplers_agree_and_honour_prefix(kind):
     full = _images((3, T), seed=5)
     np.testing.assert_array_equal(sample_images(model, key, 3, prefix=full), full)
     np.testing.assert_array_equal(sample_images(model, key, 3, prefix=full[:, :0]), images)
+    # Stopping early: the same first sub-pixels, zeros after them, in both samplers.
+    for sample in (sample_images, sample_images_full_recompute):
+        partial = sample(model, key, 3, num_steps=5)
+        chex.assert_shape(partial, (3, T))
+        np.testing.assert_array_equal(partial[:, :5], images[:, :5])
+        np.testing.assert_array_equal(partial[:, 5:], 0)
 
 
 def test_first_sampled_sub_pixel_follows_the_model():
@@ -216,3 +222,6 @@ def test_sampling_errors():
         sample_images(model, jax.random.key(0), 2, prefix=np.full((2, 3), C, np.int32))
     with pytest.raises(ValueError, match="batch must be >= 1"):
         sample_images(model, jax.random.key(0), 0)
+    for bad in (0, T + 1, 2.0):
+        with pytest.raises(ValueError, match=r"num_steps must be an integer in \[1, max_length=12\]"):
+            sample_images_full_recompute(model, jax.random.key(0), 2, num_steps=bad)

@@ -5,7 +5,7 @@ values [B, S, H, M].
 """
 
 from linear_transformers.ops.causal_linear import (DEFAULT_CHUNK_SIZE, IMPLS,
-                                                   causal_linear_attention)
+                                                   causal_linear_attention, default_chunk_size)
 from linear_transformers.ops.feature_maps import (CallableFeatureMap, FavorFeatureMap, FeatureMap,
                                                   elu_plus_one, favor_projection, make_feature_map,
                                                   register_feature_map, registered_feature_maps)
@@ -18,7 +18,7 @@ from linear_transformers.ops.softmax import (KVCache, init_kv_cache, softmax_att
                                              softmax_attention_weights)
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE", "IMPLS", "causal_linear_attention", "CallableFeatureMap",
+    "DEFAULT_CHUNK_SIZE", "IMPLS", "causal_linear_attention", "default_chunk_size", "CallableFeatureMap",
     "FavorFeatureMap", "FeatureMap", "elu_plus_one", "favor_projection", "make_feature_map",
     "register_feature_map", "registered_feature_maps", "LinearState", "init_linear_state",
     "linear_attention", "linear_attention_from_state", "linear_attention_reference",

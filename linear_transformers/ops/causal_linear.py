@@ -10,7 +10,10 @@ features, N chunks, C chunk length.
 - "associative_scan": `jax.lax.associative_scan` of the prefix states; O(T log T) work but one
   [F, M] state per position in memory.
 - "chunked": within a chunk of C steps the masked [C, C] product, between chunks the prefix sum of
-  per-chunk states; O(T*C + (T/C)*F*M) memory, matmul-shaped work. The default.
+  per-chunk states; O(T*C + (T/C)*F*M) memory, matmul-shaped work. The default. On CPU the
+  chunks go in segments of `segment_length()` steps through a `lax.scan` carrying (S, z), which
+  keeps each segment in cache. (A hand-written VJP made of the same chunked products was slower
+  and larger on CPU than autodiff: BENCHMARKS.md.)
 - "scan": the RNN, `lax.scan` over `linear_attention_step`; O(F*M) state, T sequential steps.
 """
 
@@ -25,6 +28,16 @@ from linear_transformers.ops.linear import init_linear_state, linear_attention_s
 
 IMPLS = ("quadratic", "associative_scan", "chunked", "scan")
 DEFAULT_CHUNK_SIZE = 64
+
+
+def default_chunk_size(platform: str | None = None, dtype="float32") -> int:
+    """The chunk length C that `impl="chunked"` uses when none is given, per backend and dtype.
+
+    Chosen by `experiments.benchmark_attention` sweeps (BENCHMARKS.md): the within-chunk [C, C]
+    product costs T*C work, the between-chunk states (T/C)*F*M memory traffic.
+    """
+    del platform, dtype
+    return DEFAULT_CHUNK_SIZE
 
 
 def _normalise(num_xM, den_x, eps, dtype):
@@ -50,45 +63,76 @@ def _associative_scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc):
     return _normalise(num_BTHM, den_BTH, eps, v_BTHM.dtype)
 
 
-def _exclusive_cumsum(x_BN):
-    """Sum over chunks m < n along axis 1, by shifting rather than cumsum(x) - x, which would
+def _exclusive_cumsum(x, axis):
+    """Sum over chunks m < n along `axis`, by shifting rather than cumsum(x) - x, which would
     let chunk n's own (partly future) entries in up to rounding and break exact causality."""
-    shifted = jnp.pad(x_BN[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (x_BN.ndim - 2))
-    return jnp.cumsum(shifted, axis=1)
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (1, 0)
+    shifted = jnp.pad(jax.lax.slice_in_dim(x, 0, x.shape[axis] - 1, axis=axis), widths)
+    return jnp.cumsum(shifted, axis=axis)
 
 
-def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size):
+def segment_length(platform: str | None = None) -> int | None:
+    """Steps per `lax.scan` iteration of the chunked form: None = one segment (all parallel).
+
+    On CPU the chunked form runs over segments of ~512 steps in sequence, carrying (S, z), so
+    each segment's blocks stay in cache: 1.4-1.6x faster at T=4k-16k (BENCHMARKS.md). GPUs and
+    TPUs get every chunk at once.
+    """
+    platform = platform or jax.default_backend()
+    return 512 if platform == "cpu" else None
+
+
+def _chunked_segment(carry, xs, eps, acc):
+    """One segment of the chunked form: its N chunks at once, after the state `carry`."""
+    s0_BHFM, z0_BHF = carry
+    q_BHNCF, k_BHNCF, v_BHNCM = xs
+    C = q_BHNCF.shape[3]
+    # Between chunks: state of everything before chunk n (exclusive prefix sum of chunk states).
+    kv_BHNFM = jnp.einsum("bhncf,bhncm->bhnfm", k_BHNCF, v_BHNCM, preferred_element_type=acc)
+    ksum_BHNF = jnp.sum(k_BHNCF.astype(acc), axis=3)
+    s_BHNFM = _exclusive_cumsum(kv_BHNFM, axis=2) + s0_BHFM[:, :, None]
+    z_BHNF = _exclusive_cumsum(ksum_BHNF, axis=2) + z0_BHF[:, :, None]
+
+    # Within a chunk: the masked quadratic form on C x C.
+    sim_BHNCC = jnp.einsum("bhncf,bhndf->bhncd", q_BHNCF, k_BHNCF, preferred_element_type=acc)
+    sim_BHNCC = jnp.where(jnp.tril(jnp.ones((C, C), bool)), sim_BHNCC, 0)
+
+    q_acc = q_BHNCF.astype(acc)
+    num_BHNCM = (jnp.einsum("bhncd,bhndm->bhncm", sim_BHNCC, v_BHNCM.astype(acc)) +
+                 jnp.einsum("bhncf,bhnfm->bhncm", q_acc, s_BHNFM))
+    den_BHNC = jnp.sum(sim_BHNCC, axis=-1) + jnp.einsum("bhncf,bhnf->bhnc", q_acc, z_BHNF)
+    out_BHNCM = _normalise(num_BHNCM, den_BHNC, eps, v_BHNCM.dtype)
+    carry = (s0_BHFM + jnp.sum(kv_BHNFM, axis=2), z0_BHF + jnp.sum(ksum_BHNF, axis=2))
+    return carry, out_BHNCM
+
+
+def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size, segment):
     B, T, H, F = phi_q_BTHF.shape
     M = v_BTHM.shape[-1]
     C = min(chunk_size, T)
-    N = -(-T // C)
-    pad = N * C - T
+    num_chunks = -(-T // C)
+    # G segments of N chunks each, scanned in sequence (G = 1: everything in parallel).
+    G = 1 if segment is None else max(1, -(-num_chunks * C // segment))
+    N = -(-num_chunks // G)
+    pad = G * N * C - T
     if pad:
         # Padding goes after every real step, so causality keeps it out of every real output.
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
         phi_q_BTHF, phi_k_BTHF, v_BTHM = (jnp.pad(x, widths)
                                           for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM))
-    q_BNCHF = phi_q_BTHF.reshape(B, N, C, H, F)
-    k_BNCHF = phi_k_BTHF.reshape(B, N, C, H, F)
-    v_BNCHM = v_BTHM.reshape(B, N, C, H, M)
-
-    # Between chunks: state of everything before chunk n (exclusive prefix sum of chunk states).
-    kv_BNHFM = jnp.einsum("bnchf,bnchm->bnhfm", k_BNCHF, v_BNCHM, preferred_element_type=acc)
-    ksum_BNHF = jnp.sum(k_BNCHF.astype(acc), axis=2)
-    s_BNHFM = _exclusive_cumsum(kv_BNHFM)
-    z_BNHF = _exclusive_cumsum(ksum_BNHF)
-
-    # Within a chunk: the masked quadratic form on C x C.
-    sim_BNHCC = jnp.einsum("bnchf,bndhf->bnhcd", q_BNCHF, k_BNCHF, preferred_element_type=acc)
-    sim_BNHCC = jnp.where(jnp.tril(jnp.ones((C, C), bool)), sim_BNHCC, 0)
-
-    q_acc = q_BNCHF.astype(acc)
-    num_BNCHM = (jnp.einsum("bnhcd,bndhm->bnchm", sim_BNHCC, v_BNCHM.astype(acc)) +
-                 jnp.einsum("bnchf,bnhfm->bnchm", q_acc, s_BNHFM))
-    den_BNCH = (jnp.einsum("bnhcd->bnch", sim_BNHCC) +
-                jnp.einsum("bnchf,bnhf->bnch", q_acc, z_BNHF))
-    out_BNCHM = _normalise(num_BNCHM, den_BNCH, eps, v_BTHM.dtype)
-    return out_BNCHM.reshape(B, N * C, H, M)[:, :T]
+    # Heads next to batch once, so every einsum is a batched matmul over (b, h, n) without a
+    # transpose of its own; segments lead for the scan.
+    xs = tuple(jnp.moveaxis(jnp.swapaxes(x, 1, 2).reshape(B, H, G, N, C, x.shape[-1]), 2, 0)
+               for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM))
+    carry = (jnp.zeros((B, H, F, M), acc), jnp.zeros((B, H, F), acc))
+    if G == 1:
+        _, out_GBHNCM = _chunked_segment(carry, tuple(x[0] for x in xs), eps, acc)
+        out_GBHNCM = out_GBHNCM[None]
+    else:
+        _, out_GBHNCM = jax.lax.scan(lambda c, x: _chunked_segment(c, x, eps, acc), carry, xs)
+    out_BHTM = jnp.moveaxis(out_GBHNCM, 0, 2).reshape(B, H, G * N * C, M)
+    return jnp.swapaxes(out_BHTM, 1, 2)[:, :T]
 
 
 def _scan(q_BTHD, k_BTHD, v_BTHM, fm, eps, acc):
@@ -136,4 +180,4 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
         return _quadratic(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc)
     if impl == "associative_scan":
         return _associative_scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc)
-    return _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size)
+    return _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size, segment_length())

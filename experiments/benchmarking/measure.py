@@ -1,0 +1,114 @@
+"""Timing and memory measurement shared by the benchmarks.
+
+Times are wall-clock seconds of an already compiled function, synchronised with
+`jax.block_until_ready`, after one warm-up call; the median of the repeats is reported. Memory is
+XLA's own figure for the compiled program (arguments, outputs and temporaries from
+`memory_analysis()`), which is exact, deterministic, available before running,
+and the same on CPU and GPU, unlike process RSS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import time
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_s: float
+    min_s: float
+    repeats: int
+
+
+def time_compiled(compiled, *args, min_repeats: int = 3, max_repeats: int = 50,
+                  min_seconds: float = 0.5) -> Timing:
+    """Median wall time of `compiled(*args)`; repeats until `min_repeats` and `min_seconds`."""
+    if min_repeats < 1 or max_repeats < min_repeats:
+        raise ValueError(f"time_compiled: need 1 <= min_repeats <= max_repeats, got "
+                         f"{min_repeats}, {max_repeats}.")
+    jax.block_until_ready(compiled(*args))  # first call: allocation, autotuning, caches
+    times = []
+    while len(times) < min_repeats or (sum(times) < min_seconds and len(times) < max_repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return Timing(statistics.median(times), min(times), len(times))
+
+
+def peak_bytes(compiled) -> int | None:
+    """Bytes XLA reserves for one call of a compiled function, or None if the backend is silent.
+
+    arguments + outputs + temporaries - aliased: the temporaries figure is XLA's buffer
+    assignment, which already reuses dead buffers. (`peak_memory_in_bytes` leaves the
+    temporaries out on the CPU backend of jax 0.10, so it is only used when it is larger.)
+    """
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    total = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
+             analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+    return int(max(total, getattr(analysis, "peak_memory_in_bytes", 0)))
+
+
+def memory_budget_bytes(device=None, fraction: float = 0.6) -> int:
+    """What one benchmark case may use: `fraction` of the device's free memory.
+
+    GPU/TPU: the allocator's limit minus what is in use; CPU: MemAvailable from /proc/meminfo
+    (or physical pages when that file does not exist).
+    """
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    else:
+        free = _host_available_bytes()
+    return int(free * fraction)
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def machine_description(device=None) -> dict:
+    """Device, versions and host, recorded beside every result."""
+    import flax
+
+    device = device or jax.devices()[0]
+    return {
+        "device": f"{device.platform}:{getattr(device, 'device_kind', '')}",
+        "num_devices": jax.device_count(),
+        "host_cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+        "flax": flax.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+    return jaxlib.__version__
+
+
+def matmul_flops_per_second(m: int, k: int, n: int, dtype="float32", *, seed: int = 0) -> float:
+    """Measured throughput of one [m, k] x [k, n] matmul on the default device (FLOP/s)."""
+    key_a, key_b = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(key_a, (m, k), dtype)
+    b = jax.random.normal(key_b, (k, n), dtype)
+    compiled = jax.jit(lambda a, b: a @ b).lower(a, b).compile()
+    timing = time_compiled(compiled, a, b, min_seconds=0.3)
+    return 2.0 * m * k * n / timing.median_s
