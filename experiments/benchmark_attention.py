@@ -24,7 +24,7 @@ _PASSES = flags.DEFINE_list("passes", ["forward", "forward+backward"], "forward,
 _CHUNK = flags.DEFINE_integer("chunk_size", None, "Chunk length of the chunked form "
                               "(default: the library's choice for the device and dtype).")
 _MEMORY = flags.DEFINE_float("memory_fraction", 0.6, "Fraction of free device memory per case.")
-_MAX_CALL = flags.DEFINE_float("max_call_seconds", 10.0,
+_MAX_CALL = flags.DEFINE_float("max_call_seconds", 5.0,
                                "Stop growing N for a kind once one call takes longer.")
 _MIN_SECONDS = flags.DEFINE_float("min_seconds", 0.5, "Repeat each case for at least this long.")
 _DEVICE = flags.DEFINE_enum("device", None, ["cpu", "gpu", "tpu"], "Backend (default: JAX's).")

@@ -20,8 +20,8 @@ _METHODS = flags.DEFINE_list("methods", ["linear/recurrent", "softmax/kv-cache",
                              "linear/recurrent, softmax/kv-cache, softmax/recompute, "
                              "linear/recompute.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "16"], "Batch sizes.")
-_TIMED = flags.DEFINE_integer("timed_steps", 512, "Sub-pixels timed per image (0: all).")
-_RECOMPUTE = flags.DEFINE_integer("recompute_steps", 4, "Sub-pixels timed for recompute methods.")
+_TIMED = flags.DEFINE_integer("timed_steps", 128, "Sub-pixels timed per image (0: all).")
+_RECOMPUTE = flags.DEFINE_integer("recompute_steps", 1, "Sub-pixels timed for recompute methods.")
 _MEM_LENGTHS = flags.DEFINE_list("memory_lengths", ["256", "1024", "4096", "16384", "65536"],
                                  "Generated lengths for the memory table (compile only).")
 _MIN_SECONDS = flags.DEFINE_float("min_seconds", 1.0, "Repeat each case for at least this long.")

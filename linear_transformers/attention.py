@@ -212,7 +212,7 @@ class LinearAttention(AttentionCore):
         layer's `params` RNG stream and kept fixed until `redraw_features`), or a callable.
       num_features: F for "favor" (default head_dim).
       impl: causal implementation, one of `ops.IMPLS` (default "chunked").
-      chunk_size: chunk length for impl="chunked".
+      chunk_size: chunk length for impl="chunked" (None: `ops.default_chunk_size`).
       eps: added to the normaliser.
 
     Arbitrary [T, S] masks cannot be honoured without the T x S matrix; key_lengths is the
@@ -221,14 +221,14 @@ class LinearAttention(AttentionCore):
     """
 
     def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, feature_map="elu",
-                 num_features=None, impl="chunked", chunk_size=ops.DEFAULT_CHUNK_SIZE, eps=1e-6):
+                 num_features=None, impl="chunked", chunk_size=None, eps=1e-6):
         super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
                          value_dim=value_dim, rngs=rngs)
         if impl not in ops.IMPLS:
             raise ValueError(f"linear attention: unknown impl {impl!r}; expected one of "
                              f"{ops.IMPLS}.")
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"linear attention: chunk_size must be an integer >= 1, got "
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"linear attention: chunk_size must be None or an integer >= 1, got "
                              f"{chunk_size!r}.")
         self.impl = impl
         self.chunk_size = chunk_size
@@ -298,7 +298,7 @@ class CausalLinearAttention(LinearAttention):
     """`"linear"` that insists on the causal form (the authors' name for it)."""
 
     def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, feature_map="elu",
-                 num_features=None, impl="chunked", chunk_size=ops.DEFAULT_CHUNK_SIZE, eps=1e-6):
+                 num_features=None, impl="chunked", chunk_size=None, eps=1e-6):
         if not causal:
             raise ValueError("attention kind 'causal-linear' is causal by definition but was "
                              "built for non-causal attention (an encoder or cross-attention); "

@@ -77,7 +77,7 @@ def test_unknown_feature_map_and_bad_linear_options():
         _mha(kind="linear", attention_options={"feature_map": "tanh"})
     with pytest.raises(ValueError, match=r"unknown impl 'fast'"):
         _mha(kind="linear", attention_options={"impl": "fast"})
-    with pytest.raises(ValueError, match=r"chunk_size must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"chunk_size must be None or an integer >= 1"):
         _mha(kind="linear", attention_options={"chunk_size": 0})
     with pytest.raises(ValueError, match=r"unknown implementation 'flash'"):
         _mha(kind="softmax", attention_options={"implementation": "flash"})

@@ -36,7 +36,7 @@ class AttentionBenchOptions:
     passes: tuple[str, ...] = PASSES
     chunk_size: int = ops.DEFAULT_CHUNK_SIZE
     memory_fraction: float = 0.6  # of the device's free memory, per case
-    max_call_seconds: float = 10.0  # a kind slower than this at N skips the longer lengths
+    max_call_seconds: float = 5.0  # a kind slower than this at N skips the longer lengths
     min_repeats: int = 3
     min_seconds: float = 0.5
     seed: int = 0
@@ -96,7 +96,10 @@ def _inputs(opts: AttentionBenchOptions, batch: int, n: int):
                  for key, shape in zip(keys, (shape_q, shape_q, shape_v, shape_v)))
 
 
-def run_case(opts: AttentionBenchOptions, kind: str, pass_: str, n: int, budget: int) -> dict:
+def run_case(opts: AttentionBenchOptions, kind: str, pass_: str, n: int, budget: int, *,
+             skip_reason: str | None = None) -> dict:
+    """Compile one case, read its peak memory, and time it unless it is over the budget or
+    `skip_reason` says why not (then only the memory figure is kept)."""
     batch = max(1, opts.tokens // n)
     row = {"kind": kind, "pass": pass_, "n": n, "batch": batch, "heads": opts.heads,
            "head_dim": opts.head_dim, "value_dim": opts.value_dim, "dtype": opts.dtype,
@@ -120,6 +123,9 @@ def run_case(opts: AttentionBenchOptions, kind: str, pass_: str, n: int, budget:
             row["status"] = (f"skipped: needs {peak / 2**30:.1f} GiB, budget "
                              f"{budget / 2**30:.1f} GiB")
             return row
+    if skip_reason:
+        row["status"] = skip_reason
+        return row
     timing = measure.time_compiled(compiled, *_inputs(opts, batch, n),
                                    min_repeats=opts.min_repeats, min_seconds=opts.min_seconds)
     row.update(time_ms=timing.median_s * 1e3, time_per_sample_ms=timing.median_s * 1e3 / batch,
@@ -137,24 +143,15 @@ def run(opts: AttentionBenchOptions, *, log=print) -> list[dict]:
     for n in sorted(opts.lengths):
         for kind in kinds:
             for pass_ in opts.passes:
-                if (kind, pass_) in too_slow:
-                    row = run_case_skipped(opts, kind, pass_, n, too_slow[(kind, pass_)])
-                else:
-                    row = run_case(opts, kind, pass_, n, budget)
+                row = run_case(opts, kind, pass_, n, budget,
+                               skip_reason=too_slow.get((kind, pass_)))
+                if (kind, pass_) not in too_slow:
                     if row["time_ms"] / 1e3 > opts.max_call_seconds:
                         too_slow[(kind, pass_)] = (f"skipped: {row['time_ms'] / 1e3:.1f} s per call "
                                                    f"at N={n} > max_call_seconds")
                 rows.append(row)
                 log(format_row(row))
     return rows
-
-
-def run_case_skipped(opts, kind, pass_, n, status) -> dict:
-    return {"kind": kind, "pass": pass_, "n": n, "batch": max(1, opts.tokens // n),
-            "heads": opts.heads, "head_dim": opts.head_dim, "value_dim": opts.value_dim,
-            "dtype": opts.dtype, "chunk_size": None, "time_ms": math.nan,
-            "time_per_sample_ms": math.nan, "peak_mib": math.nan, "peak_per_sample_mib": math.nan,
-            "repeats": 0, "status": status}
 
 
 def format_row(row: dict) -> str:

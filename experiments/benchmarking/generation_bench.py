@@ -46,12 +46,13 @@ class GenerationBenchOptions:
     archs: tuple[str, ...] = ARCHS
     methods: tuple[str, ...] = DEFAULT_METHODS
     batches: tuple[int, ...] = (1, 16)
-    timed_steps: int = 512          # at most this many sub-pixels timed per image (0 = all)
-    recompute_steps: int = 4        # ... for the recompute methods
+    timed_steps: int = 128          # at most this many sub-pixels timed per image (0 = all)
+    recompute_steps: int = 1        # ... for the recompute methods
     memory_lengths: tuple[int, ...] = (256, 1024, 4096, 16384, 65536)
     memory_batch: int = 1
     min_repeats: int = 3
     min_seconds: float = 1.0
+    memory_fraction: float = 0.6    # of free memory; a case needing more is skipped
     seed: int = 0
 
     def __post_init__(self):
@@ -111,15 +112,21 @@ def time_method(opts: GenerationBenchOptions, arch: str, method: str, batch: int
     limit = opts.recompute_steps if method.endswith("recompute") else opts.timed_steps
     steps = min(length, limit) if limit else length
     compiled, args = _compiled_sampler(model, sample, batch, steps)
+    row = {"arch": arch, "method": method, "batch": batch, "length": length,
+           "timed_steps": steps, "peak_mib": (measure.peak_bytes(compiled) or math.nan) / 2 ** 20}
+    budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
+    if row["peak_mib"] * 2 ** 20 > budget:
+        row.update(images_per_s=math.nan, seconds_per_image=math.nan, ms_per_step=math.nan,
+                   repeats=0, status=f"skipped: needs {row['peak_mib'] / 1024:.1f} GiB, budget "
+                                     f"{budget / 2**30:.1f} GiB")
+        return row
     timing = measure.time_compiled(compiled, *args, min_repeats=opts.min_repeats,
                                    min_seconds=opts.min_seconds)
     seconds_per_step = timing.median_s / steps
     seconds_per_batch = seconds_per_step * length
-    row = {"arch": arch, "method": method, "batch": batch, "length": length,
-           "timed_steps": steps, "images_per_s": batch / seconds_per_batch,
-           "seconds_per_image": seconds_per_batch / batch, "ms_per_step": seconds_per_step * 1e3,
-           "peak_mib": (measure.peak_bytes(compiled) or math.nan) / 2 ** 20,
-           "repeats": timing.repeats}
+    row.update(images_per_s=batch / seconds_per_batch,
+               seconds_per_image=seconds_per_batch / batch, ms_per_step=seconds_per_step * 1e3,
+               repeats=timing.repeats, status="ok")
     if not method.endswith("recompute"):
         flops = step_flops(model, batch)
         row["step_gflop"] = flops / 1e9 if flops else math.nan
@@ -149,7 +156,7 @@ def run(opts: GenerationBenchOptions, *, log=print) -> tuple[list[dict], list[di
                 speed.append(row)
                 log(f"{arch:<8} B={batch:<5} {method:<18} {row['images_per_s']:>10.3f} images/s "
                     f"{row['ms_per_step']:>9.3f} ms/step (timed {row['timed_steps']}/"
-                    f"{row['length']} steps) {row['peak_mib']:>9.1f} MiB")
+                    f"{row['length']} steps) {row['peak_mib']:>9.1f} MiB {row['status']}")
     memory = []
     for method in opts.methods:
         if method.endswith("recompute"):
@@ -166,7 +173,7 @@ def ratios(speed: list[dict], baseline: str = "linear/recurrent") -> list[dict]:
     out = []
     for (arch, batch, method), ips in by_key.items():
         base = by_key.get((arch, batch, baseline))
-        if base and method != baseline:
+        if base and method != baseline and math.isfinite(ips):
             out.append({"arch": arch, "batch": batch, "method": method,
                         f"{baseline}_speedup": base / ips})
     return out
@@ -213,7 +220,7 @@ def run_and_report(opts: GenerationBenchOptions, out_dir, *, matmul_reference: b
         title=f"{machine['device']}, float32, untrained paper architectures; jax {machine['jax']}")
     log("\n" + report.markdown_table(speed, [c for c in (
         "arch", "batch", "method", "images_per_s", "seconds_per_image", "ms_per_step",
-        "timed_steps", "peak_mib", "achieved_gflops") if any(c in r for r in speed)]))
+        "timed_steps", "peak_mib", "achieved_gflops", "status") if any(c in r for r in speed)]))
     if extra["ratios"]:
         log("\n" + report.markdown_table(extra["ratios"], list(extra["ratios"][0])))
     if memory:

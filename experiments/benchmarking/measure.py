@@ -28,11 +28,18 @@ class Timing:
 
 def time_compiled(compiled, *args, min_repeats: int = 3, max_repeats: int = 50,
                   min_seconds: float = 0.5) -> Timing:
-    """Median wall time of `compiled(*args)`; repeats until `min_repeats` and `min_seconds`."""
+    """Median wall time of `compiled(*args)`; repeats until `min_repeats` and `min_seconds`.
+
+    A call whose warm-up takes over 2 * min_seconds (and over a second) is timed once more only:
+    seconds-long calls vary little, and repeating them would dominate a benchmark's run time.
+    """
     if min_repeats < 1 or max_repeats < min_repeats:
         raise ValueError(f"time_compiled: need 1 <= min_repeats <= max_repeats, got "
                          f"{min_repeats}, {max_repeats}.")
+    start = time.perf_counter()
     jax.block_until_ready(compiled(*args))  # first call: allocation, autotuning, caches
+    if time.perf_counter() - start > max(2 * min_seconds, 1.0):
+        min_repeats = 1
     times = []
     while len(times) < min_repeats or (sum(times) < min_seconds and len(times) < max_repeats):
         start = time.perf_counter()

@@ -19,6 +19,8 @@ features, N chunks, C chunk length.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -34,7 +36,8 @@ def default_chunk_size(platform: str | None = None, dtype="float32") -> int:
     """The chunk length C that `impl="chunked"` uses when none is given, per backend and dtype.
 
     Chosen by `experiments.benchmark_attention` sweeps (BENCHMARKS.md): the within-chunk [C, C]
-    product costs T*C work, the between-chunk states (T/C)*F*M memory traffic.
+    product costs T*C work, the between-chunk states (T/C)*F*M memory traffic. 64 won on CPU
+    (C = 32..256, float32); no GPU measurement yet, so every backend and dtype gets 64.
     """
     del platform, dtype
     return DEFAULT_CHUNK_SIZE
@@ -130,7 +133,10 @@ def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size, segment):
         _, out_GBHNCM = _chunked_segment(carry, tuple(x[0] for x in xs), eps, acc)
         out_GBHNCM = out_GBHNCM[None]
     else:
-        _, out_GBHNCM = jax.lax.scan(lambda c, x: _chunked_segment(c, x, eps, acc), carry, xs)
+        # Rematerialised: the backward pass recomputes a segment's blocks while they are in
+        # cache instead of storing them all (less memory, and faster at T >= 16k on CPU).
+        segment_fn = jax.checkpoint(functools.partial(_chunked_segment, eps=eps, acc=acc))
+        _, out_GBHNCM = jax.lax.scan(segment_fn, carry, xs)
     out_BHTM = jnp.moveaxis(out_GBHNCM, 0, 2).reshape(B, H, G * N * C, M)
     return jnp.swapaxes(out_BHTM, 1, 2)[:, :T]
 
@@ -148,7 +154,7 @@ def _scan(q_BTHD, k_BTHD, v_BTHM, fm, eps, acc):
 
 
 def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="chunked",
-                            chunk_size=DEFAULT_CHUNK_SIZE, eps=1e-6):
+                            chunk_size=None, eps=1e-6):
     """Causal linear attention: query t attends to keys s <= t.
 
     Args:
@@ -156,7 +162,8 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
       feature_map: registered name, FeatureMap or callable (see `feature_maps`).
       impl: one of "quadratic", "associative_scan", "chunked", "scan" (see the module docstring);
         all give the same result for every T.
-      chunk_size: chunk length C for impl="chunked" (>= 1); T need not be a multiple of it.
+      chunk_size: chunk length C for impl="chunked" (>= 1; None: `default_chunk_size` for the
+        default backend and the dtype of v); T need not be a multiple of it.
       eps: added to the normaliser.
 
     Returns:
@@ -164,8 +171,8 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
     """
     if impl not in IMPLS:
         raise ValueError(f"causal_linear_attention: unknown impl {impl!r}; expected one of {IMPLS}.")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"causal_linear_attention: chunk_size must be an integer >= 1, "
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"causal_linear_attention: chunk_size must be None or an integer >= 1, "
                          f"got {chunk_size!r}.")
     _checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name="causal_linear_attention")
     if q_BTHD.shape[1] != k_BTHD.shape[1]:
@@ -180,4 +187,6 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
         return _quadratic(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc)
     if impl == "associative_scan":
         return _associative_scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(jax.default_backend(), v_BTHM.dtype)
     return _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size, segment_length())
