@@ -18,7 +18,8 @@ Short runs on the 2-core CPU machine (jax 0.10.2) with only the real MNIST test 
 
 Same curve (the paper's gap, 0.644 vs 0.621, appears only near convergence). Linear shared the
 CPU with other work during this run (alone, an earlier run did 0.14 steps/s): 1.9-2.3x softmax's
-training speed at N=784 on this CPU, with less than half its memory. The paper's numbers need ~937k steps: a GPU job.
+training speed at N=784 on this CPU, with less than half its memory. The paper's numbers need
+~937k steps: a GPU job.
 """
 
 from configs import base, variants
