@@ -10,6 +10,7 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
+    c.task = "image_generation"  # which trainer runs the config (configs/copy.py: "copy")
     c.seed = 0
 
     # Data: a name from experiments.data, where prepared data lives, where raw files are.
@@ -37,7 +38,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Optimisation.
     c.optimizer = "radam"        # radam | adamw
     c.learning_rate = 1e-4
-    c.schedule = "constant"      # constant | cosine (to 0 at num_steps)
+    c.schedule = "constant"      # constant | cosine (to 0 at num_steps) | step
+    c.decay_steps = 0            # schedule "step": multiply the rate by decay_factor from here
+    c.decay_factor = 0.1
     c.warmup_steps = 0
     c.weight_decay = 0.01
     c.grad_clip = 1.0            # global norm; 0 = off

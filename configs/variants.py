@@ -27,9 +27,11 @@ def smoke(c: ml_collections.ConfigDict) -> None:
 VARIANTS = {"smoke": smoke}
 
 
-def apply(c: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
-    """Apply comma-separated variants: a name from VARIANTS, or `key=value` (value parsed like
-    the field's current type), e.g. "smoke,attention=softmax"."""
+def apply(c: ml_collections.ConfigDict, arg: str, variants=None) -> ml_collections.ConfigDict:
+    """Apply comma-separated variants, left to right: a name from `variants` (default the image
+    VARIANTS), or `key=value` (value parsed like the field's current type), e.g.
+    "smoke,attention=softmax"."""
+    variants = VARIANTS if variants is None else variants
     for item in filter(None, (part.strip() for part in arg.split(","))):
         if "=" in item:
             key, value = item.split("=", 1)
@@ -42,9 +44,9 @@ def apply(c: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
                 c[key] = value.lower() == "true"
             else:
                 c[key] = type(current)(value)
-        elif item in VARIANTS:
-            VARIANTS[item](c)
+        elif item in variants:
+            variants[item](c)
         else:
-            raise ValueError(f"unknown config variant {item!r}; variants: {sorted(VARIANTS)} or "
+            raise ValueError(f"unknown config variant {item!r}; variants: {sorted(variants)} or "
                              f"key=value.")
     return c

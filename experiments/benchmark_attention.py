@@ -19,7 +19,8 @@ _HEADS = flags.DEFINE_integer("heads", 8, "Heads H.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Query/key features per head D.")
 _VALUE_DIM = flags.DEFINE_integer("value_dim", 64, "Value features per head M.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Input dtype.")
-_KINDS = flags.DEFINE_list("kinds", [], "Kinds to run (default: all this device can run).")
+_KINDS = flags.DEFINE_list("kinds", [], "Kinds to run (default: all this device can run, but the "
+                           "opt-in LSH baselines lsh-1, lsh-4, lsh-8).")
 _PASSES = flags.DEFINE_list("passes", ["forward", "forward+backward"], "forward, forward+backward.")
 _CHUNK = flags.DEFINE_integer("chunk_size", None, "Chunk length of the chunked form "
                               "(default: the library's choice for the device and dtype).")

@@ -1,17 +1,19 @@
-"""Train the paper's autoregressive image generator.
+"""Train any experiment: the paper's autoregressive image generator or the copy task.
 
   python -m experiments.train --config configs/digits.py --workdir workdirs/digits
   python -m experiments.train --config configs/mnist.py:attention=softmax --workdir workdirs/m \
       --config.manual_dir=/path/to/idx --config.num_steps=2000
+  python -m experiments.train --config configs/copy.py:attention=linear --workdir workdirs/copy
 
+`config.task` picks the trainer (experiments/training/tasks.py).
 Re-running with the same workdir resumes from its latest checkpoint. Every config key is listed
-in configs/base.py; `--config.key=value` overrides one.
+in configs/base.py (images) or configs/copy.py; `--config.key=value` overrides one.
 """
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.training.loop import train_and_evaluate
+from experiments.training.tasks import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/digits.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/default", "Checkpoints, metrics, samples.")

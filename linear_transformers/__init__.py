@@ -6,7 +6,7 @@ re-exported here.
 
 from linear_transformers import ops
 from linear_transformers import mixture
-from linear_transformers.attention import (AttentionCore, FeatureProjection,
+from linear_transformers.attention import (AttentionCore, FeatureProjection, HashRotations,
                                            register_attention, registered_attention_kinds)
 from linear_transformers.generation import generate, make_step_fn, scan_steps
 from linear_transformers.image_generator import (ImageGenerator, sample_images,
@@ -14,14 +14,15 @@ from linear_transformers.image_generator import (ImageGenerator, sample_images,
 from linear_transformers.lm import CausalLM, LMState
 from linear_transformers.mixture import bits_per_dim, mol_log_prob, mol_probs, mol_sample
 from linear_transformers.multi_head_attention import MultiHeadAttention
+from linear_transformers.seq2seq import EncoderDecoder, Seq2SeqState, greedy_decode
 from linear_transformers.transformer import (Decoder, DecoderLayer, Encoder, EncoderLayer,
                                              TransformerConfig)
 
 __all__ = [
-    "ops", "AttentionCore", "FeatureProjection", "register_attention",
+    "ops", "AttentionCore", "FeatureProjection", "HashRotations", "register_attention",
     "registered_attention_kinds", "generate", "make_step_fn", "scan_steps", "CausalLM", "LMState",
     "MultiHeadAttention", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer",
     "TransformerConfig",
     "mixture", "ImageGenerator", "sample_images", "sample_images_full_recompute", "bits_per_dim",
-    "mol_log_prob", "mol_probs", "mol_sample",
+    "mol_log_prob", "mol_probs", "mol_sample", "EncoderDecoder", "Seq2SeqState", "greedy_decode",
 ]

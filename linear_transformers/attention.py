@@ -83,9 +83,17 @@ def make_attention_core(kind: str, *, causal: bool, num_heads: int, head_dim: in
 
 
 class AttentionCore(nnx.Module):
-    """Attention after the projections: [B, T, H, D] queries to [B, T, H, M] outputs."""
+    """Attention after the projections: [B, T, H, D] queries to [B, T, H, M] outputs.
+
+    Class attributes a kind may override:
+      has_recurrent_form: `init_state`/`step` reproduce the causal parallel form token by token.
+      shares_query_key: the keys are derived from the queries (self-attention only), so
+        `MultiHeadAttention` builds no key projection and passes the queries as `k`.
+    """
 
     kind = "abstract"
+    has_recurrent_form = False
+    shares_query_key = False
 
     def __init__(self, *, causal: bool, num_heads: int, head_dim: int, value_dim: int,
                  rngs: nnx.Rngs):
@@ -98,21 +106,33 @@ class AttentionCore(nnx.Module):
         """Parallel form: [B, T, H, D] queries over [B, S, H, *] keys/values -> [B, T, H, M]."""
         raise NotImplementedError
 
+    # Kinds without a recurrent form say why here; it ends up in the error message.
+    no_recurrent_form_reason = "it does not implement one"
+
     def init_state(self, batch: int, max_length: int | None, dtype=jnp.float32):
         """Empty recurrent state for causal self-attention (`max_length` steps at most)."""
-        raise NotImplementedError
+        raise self._no_recurrent_form("init_state")
 
     def step(self, state, q_BHD, k_BHD, v_BHM):
         """One token of causal self-attention: (state, q_t, k_t, v_t) -> (state, out_t [B, H, M])."""
-        raise NotImplementedError
+        raise self._no_recurrent_form("step")
 
     def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
         """Precompute what cross-attention over a fixed memory needs, once per sequence."""
-        raise NotImplementedError
+        raise self._no_memory_form("init_memory")
 
     def attend_memory(self, memory, q_BHD):
         """Cross-attention of one query step over the memory from `init_memory` -> [B, H, M]."""
-        raise NotImplementedError
+        raise self._no_memory_form("attend_memory")
+
+    def _no_memory_form(self, what: str) -> ValueError:
+        return ValueError(f"attention kind {self.kind!r} cannot attend over a fixed memory "
+                          f"({what}); use 'softmax', 'linear' or 'linformer' for cross-attention.")
+
+    def _no_recurrent_form(self, what: str) -> ValueError:
+        return ValueError(f"attention kind {self.kind!r} has no recurrent form ({what}): "
+                          f"{self.no_recurrent_form_reason}. Kinds with one: "
+                          f"{[k for k in registered_attention_kinds() if _KINDS[k].has_recurrent_form]}.")
 
     def _require_causal(self, what: str):
         if not self.causal:
@@ -137,6 +157,8 @@ class SoftmaxAttention(AttentionCore):
       sow_weights: record the probabilities [B, H, T, S] as `nnx.Intermediate`
         "attention_weights" (read them with `nnx.capture`); uses the explicit-weights path.
     """
+
+    has_recurrent_form = True
 
     def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, softmax_temp=None,
                  attention_dropout=0.0, implementation=None, sow_weights=False):
@@ -219,6 +241,8 @@ class LinearAttention(AttentionCore):
     supported padding mask. In causal form, right-padded keys never reach a valid position, so
     key_lengths needs no work there.
     """
+
+    has_recurrent_form = True
 
     def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, feature_map="elu",
                  num_features=None, impl="chunked", chunk_size=None, eps=1e-6):
@@ -306,3 +330,125 @@ class CausalLinearAttention(LinearAttention):
         super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
                          value_dim=value_dim, rngs=rngs, feature_map=feature_map,
                          num_features=num_features, impl=impl, chunk_size=chunk_size, eps=eps)
+
+
+class HashRotations(nnx.Variable):
+    """The fixed random rotations of LSH attention: state, not a trained parameter."""
+
+
+@register_attention("reformer")
+class ReformerAttention(AttentionCore):
+    """Reformer's LSH attention, the paper's baseline (see `ops.lsh` for the exact definition).
+
+    Queries and keys are shared: the keys are the unit-normalised queries, so this kind is
+    self-attention only and `MultiHeadAttention` builds no key projection for it. Causal or not;
+    key_lengths padding is honoured; arbitrary masks are not.
+
+    Options:
+      num_buckets: U, 1 or even (default 8).
+      num_rounds: R hashing rounds (default 4; the paper compares 1, 4 and 8).
+      chunk_size: C, each query sees its chunk and the previous one in sorted order (default 32).
+      softmax_temp: logit scale, default 1/sqrt(head_dim).
+
+    The rotations are drawn once from the `params` RNG stream and kept (so evaluation is
+    deterministic); `redraw_hashes(key)` draws new ones.
+    """
+
+    shares_query_key = True
+    no_recurrent_form_reason = ("which keys share a chunk depends on the hash-sorted order of the "
+                                "whole sequence, so no per-token state reproduces the parallel form")
+
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, num_buckets=8,
+                 num_rounds=4, chunk_size=32, softmax_temp=None):
+        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
+                         value_dim=value_dim, rngs=rngs)
+        ops.check_lsh_options(num_rounds=num_rounds, num_buckets=num_buckets,
+                              chunk_size=chunk_size)
+        self.chunk_size = chunk_size
+        self.softmax_temp = softmax_temp
+        self.rotations = HashRotations(ops.lsh_rotations(rngs.params(), num_rounds, head_dim,
+                                                         num_buckets))
+
+    def redraw_hashes(self, key):
+        """Draw new random rotations (same rounds and buckets)."""
+        R, D, half = self.rotations[...].shape
+        self.rotations.set_value(ops.lsh_rotations(key, R, D, max(1, 2 * half)))
+
+    def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
+        if mask is not None:
+            raise ValueError(f"{self.kind!r} attention cannot honour an arbitrary [T, S] mask; use "
+                             "key_lengths for padding and causal=True for causality.")
+        if k_BSHD is not q_BTHD:
+            raise ValueError(f"{self.kind!r} attention shares queries and keys (its keys are the "
+                             "normalised queries), so it takes k=q: self-attention only. Use "
+                             "another kind for cross-attention.")
+        return ops.lsh_attention(q_BTHD, v_BSHM, self.rotations[...], chunk_size=self.chunk_size,
+                                 causal=self.causal, key_lengths=key_lengths,
+                                 scale=self.softmax_temp)
+
+
+class LinformerMemory(NamedTuple):
+    k_BKHD: jax.Array
+    v_BKHM: jax.Array
+
+
+@register_attention("linformer")
+class LinformerAttention(AttentionCore):
+    """Linformer: keys and values projected along time to `projected_length` rows (see
+    `ops.linformer`). Non-causal only (an encoder, or cross-attention).
+
+    Options:
+      max_length: L, the most keys the layer accepts (required); shorter inputs are padded.
+      projected_length: K rows (default 64).
+      share_kv: one projection for keys and values (the paper's "shared" variant).
+      softmax_temp: logit scale, default 1/sqrt(head_dim).
+
+    As cross-attention it has a memory form: the memory is reduced once to its K projected
+    keys and values (`init_memory`), queried per decoding step (`attend_memory`).
+    """
+
+    no_recurrent_form_reason = "it is non-causal: every projected row mixes every position"
+
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, max_length=None,
+                 projected_length=64, share_kv=False, softmax_temp=None):
+        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
+                         value_dim=value_dim, rngs=rngs)
+        if causal:
+            raise ValueError("attention kind 'linformer' has no causal form (each projected row "
+                             "mixes every position, future ones included); use it in an encoder "
+                             "or for cross-attention, and 'linear' or 'softmax' for causal "
+                             "self-attention.")
+        for name, value in (("max_length", max_length), ("projected_length", projected_length)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"linformer attention: {name} must be an integer >= 1, got "
+                                 f"{value!r}" + (" (it is required: the most keys the layer "
+                                                 "accepts)" if name == "max_length" else "") + ".")
+        # fan-in L: a projected row keeps the scale of one key.
+        init = nnx.initializers.lecun_normal()
+        shape = (max_length, projected_length)
+        self.key_projection = nnx.Param(init(rngs.params(), shape))
+        self.value_projection = None if share_kv else nnx.Param(init(rngs.params(), shape))
+        self.softmax_temp = softmax_temp
+
+    def _projections(self):
+        e_LK = self.key_projection[...]
+        return e_LK, (e_LK if self.value_projection is None else self.value_projection[...])
+
+    def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
+        if mask is not None:
+            raise ValueError(f"{self.kind!r} attention cannot honour an arbitrary [T, S] mask (its "
+                             "keys are mixtures of positions); use key_lengths for padding.")
+        return ops.linformer_attention(q_BTHD, k_BSHD, v_BSHM, *self._projections(),
+                                       key_lengths=key_lengths, scale=self.softmax_temp)
+
+    def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
+        """The memory's K projected keys and values, computed once."""
+        return LinformerMemory(*ops.linformer_project(k_BSHD, v_BSHM, *self._projections(),
+                                                      key_lengths=key_lengths))
+
+    def attend_memory(self, memory, q_BHD):
+        """Softmax of one query step over the K projected rows."""
+        out_B1HM = ops.softmax_attention_reference(
+            q_BHD[:, None].astype(memory.k_BKHD.dtype), memory.k_BKHD, memory.v_BKHM,
+            scale=self.softmax_temp)
+        return out_B1HM[:, 0].astype(q_BHD.dtype)

@@ -31,7 +31,8 @@ class MultiHeadAttention(nnx.Module):
       num_heads: H.
       query_dim: D per head; default in_features // num_heads (which must then divide).
       value_dim: M per head; default query_dim.
-      kind: registered attention kind ("softmax", "linear", "causal-linear", ...).
+      kind: registered attention kind ("softmax", "linear", "causal-linear", "reformer",
+        "linformer", ...; `registered_attention_kinds()`).
       causal: whether query t sees only keys s <= t (self-attention in a decoder).
       kv_features: width of the keys'/values' input (context); default in_features.
       out_features: width of the output; default in_features.
@@ -74,7 +75,9 @@ class MultiHeadAttention(nnx.Module):
                               rngs=rngs)
 
         self.query = linear(in_features, num_heads * query_dim)
-        self.key = linear(kv_features, num_heads * query_dim)
+        # Shared-QK kinds (reformer) derive keys from the queries: a key projection would be
+        # parameters that never receive a gradient.
+        self.key = None if self.core.shares_query_key else linear(kv_features, num_heads * query_dim)
         self.value = linear(kv_features, num_heads * value_dim)
         self.out = linear(num_heads * value_dim, out_features)
 
@@ -94,9 +97,14 @@ class MultiHeadAttention(nnx.Module):
         if self.causal and context_BSE is not None:
             raise ValueError("causal attention is self-attention; got a context. Build the "
                              "cross-attention layer with causal=False.")
+        if self.key is None and context_BSE is not None:
+            raise ValueError(f"attention kind {self.core.kind!r} shares queries and keys, so it is "
+                             "self-attention only; got a context. Use another kind for "
+                             "cross-attention.")
         context_BSE = x_BTE if context_BSE is None else context_BSE
         q_BTHD = self._heads(self.query, x_BTE, self.query_dim)
-        k_BSHD = self._heads(self.key, context_BSE, self.query_dim)
+        k_BSHD = (q_BTHD if self.key is None else
+                  self._heads(self.key, context_BSE, self.query_dim))
         v_BSHM = self._heads(self.value, context_BSE, self.value_dim)
         return self._merge(self.core(q_BTHD, k_BSHD, v_BSHM, key_lengths=key_lengths, mask=mask))
 
@@ -107,13 +115,15 @@ class MultiHeadAttention(nnx.Module):
     def step(self, state, x_BE):
         """One token of causal self-attention: (state, x_t) -> (state, y_t)."""
         q_BHD = self._heads(self.query, x_BE, self.query_dim)
-        k_BHD = self._heads(self.key, x_BE, self.query_dim)
+        k_BHD = q_BHD if self.key is None else self._heads(self.key, x_BE, self.query_dim)
         v_BHM = self._heads(self.value, x_BE, self.value_dim)
         state, y_BHM = self.core.step(state, q_BHD, k_BHD, v_BHM)
         return state, self._merge(y_BHM)
 
     def init_memory(self, context_BSE, key_lengths=None):
         """Project a fixed memory once, for `attend_memory` at every decoding step."""
+        if self.key is None:
+            raise self.core._no_memory_form("init_memory")
         k_BSHD = self._heads(self.key, context_BSE, self.query_dim)
         v_BSHM = self._heads(self.value, context_BSE, self.value_dim)
         return self.core.init_memory(k_BSHD, v_BSHM, key_lengths)

@@ -25,6 +25,12 @@ from linear_transformers.multi_head_attention import MultiHeadAttention
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}
 
+# Cross-attention when only the self-attention kind is given: the non-causal relative of a
+# causal-only kind, and full softmax for reformer, whose shared query/key needs self-attention
+# (as in the Reformer's encoder-decoder).
+# (kind, whether it inherits the self-attention options)
+_DEFAULT_CROSS_KIND = {"causal-linear": ("linear", True), "reformer": ("softmax", False)}
+
 
 def _core_options(kind, options, attention_dropout, softmax_temp) -> dict[str, Any]:
     """The options MultiHeadAttention hands the core of `kind` (see its docstring)."""
@@ -53,7 +59,8 @@ class TransformerConfig:
       attention: registered kind of self-attention ("softmax", "linear", "causal-linear", ...).
       attention_options: the kind's options, e.g. {"feature_map": "favor", "impl": "chunked"}.
       cross_attention, cross_attention_options: decoder cross-attention; default the
-        self-attention kind and options ("linear" where self-attention is "causal-linear").
+        self-attention kind and options ("linear" where self-attention is "causal-linear",
+        "softmax" with default options where it is "reformer").
     """
 
     num_layers: int = 4
@@ -87,6 +94,9 @@ class TransformerConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got "
                                  f"{getattr(self, name)}.")
+        if attention_class(self.cross_kind).shares_query_key:
+            raise ValueError(f"TransformerConfig.cross_attention {self.cross_kind!r} shares queries "
+                             "and keys, so it cannot attend to a memory; choose another kind.")
         for kind, options in ((self.attention, self.attention_options),
                               (self.cross_kind, self.cross_options)):
             attention_class(kind)
@@ -109,15 +119,16 @@ class TransformerConfig:
     def cross_kind(self) -> str:
         if self.cross_attention is not None:
             return self.cross_attention
-        return "linear" if self.attention == "causal-linear" else self.attention
+        return _DEFAULT_CROSS_KIND.get(self.attention, (self.attention, True))[0]
 
     @property
     def cross_options(self) -> Mapping[str, Any]:
         if self.cross_attention_options is not None:
             return self.cross_attention_options
-        if self.cross_attention is None:
+        if self.cross_attention is None and _DEFAULT_CROSS_KIND.get(self.attention, ("", True))[1]:
             return self.attention_options
         return {}
+
 
     _AUTHORS_NAMES = {
         "n_layers": "num_layers", "n_heads": "num_heads", "query_dimensions": "query_dim",

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from experiments.benchmarking import attention_bench, generation_bench, measure, report
+from linear_transformers import ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -51,6 +52,16 @@ def test_attention_cases_agree_with_each_other():
     for kind, out in outs.items():
         np.testing.assert_allclose(out, outs["causal-linear/chunked"], atol=1e-5, rtol=1e-4,
                                    err_msg=kind)
+
+
+def test_lsh_baselines_are_opt_in_and_time_causal_lsh():
+    assert not any(k.startswith("lsh-") for k in attention_bench.default_kinds("gpu"))
+    q, k, v, _ = attention_bench._inputs(
+        attention_bench.AttentionBenchOptions(heads=2, head_dim=8, value_dim=8), 2, 70)
+    out = attention_bench.attention_fn("lsh-4", 16)(q, k, v)
+    rot = ops.lsh_rotations(jax.random.key(0), 4, 8, attention_bench.LSH_BUCKETS)
+    expected = ops.lsh_attention(q, v, rot, chunk_size=attention_bench.LSH_CHUNK, causal=True)
+    np.testing.assert_allclose(out, expected, atol=1e-6)
 
 
 def test_attention_run_writes_rows_files_and_skips_what_does_not_fit(tmp_path):

@@ -20,7 +20,10 @@ from experiments.benchmarking import measure
 from linear_transformers import ops
 
 KINDS = ("softmax", "softmax-cudnn", "causal-linear/chunked", "causal-linear/associative_scan",
-         "causal-linear/scan", "linear")
+         "causal-linear/scan", "linear", "lsh-1", "lsh-4", "lsh-8")
+# The paper's Reformer baselines (causal LSH, R rounds, chunks of 32, 8 buckets: the cost does
+# not depend on the bucket count); opt-in with --kinds, so the default run stays as documented.
+LSH_CHUNK, LSH_BUCKETS = 32, 8
 PASSES = ("forward", "forward+backward")
 
 
@@ -57,7 +60,8 @@ class AttentionBenchOptions:
 
 def default_kinds(platform: str) -> tuple[str, ...]:
     """cuDNN flash attention exists only on NVIDIA GPUs."""
-    return tuple(k for k in KINDS if k != "softmax-cudnn" or platform == "gpu")
+    return tuple(k for k in KINDS if not k.startswith("lsh-") and
+                 (k != "softmax-cudnn" or platform == "gpu"))
 
 
 def attention_fn(kind: str, chunk_size: int):
@@ -68,6 +72,11 @@ def attention_fn(kind: str, chunk_size: int):
         return lambda q, k, v: ops.softmax_attention(q, k, v, causal=True, implementation="cudnn")
     if kind == "linear":
         return ops.linear_attention
+    if kind.startswith("lsh-"):
+        rounds = int(kind.split("-")[1])
+        return lambda q, k, v: ops.lsh_attention(
+            q, v, ops.lsh_rotations(jax.random.key(0), rounds, q.shape[-1], LSH_BUCKETS),
+            chunk_size=LSH_CHUNK, causal=True)
     if kind.startswith("causal-linear/"):
         impl = kind.split("/", 1)[1]
         return lambda q, k, v: ops.causal_linear_attention(q, k, v, impl=impl,

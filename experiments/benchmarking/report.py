@@ -48,8 +48,9 @@ def _pyplot():
     return plt
 
 
-def plot_series(path, panels: list[dict], *, title: str) -> pathlib.Path:
-    """Log-log line plots side by side.
+def plot_series(path, panels: list[dict], *, title: str, log_x: bool = True,
+                marker: str | None = "o") -> pathlib.Path:
+    """Line plots side by side, log y; log-2 x unless `log_x=False`.
 
     Each panel: {"ylabel": str, "xlabel": str, "series": {label: [(x, y), ...]}}; points with a
     NaN y (skipped cases) are left out, so a line stops where its kind stopped fitting.
@@ -61,8 +62,9 @@ def plot_series(path, panels: list[dict], *, title: str) -> pathlib.Path:
             pts = [(x, y) for x, y in points if y is not None and not math.isnan(y) and y > 0]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", label=label)
-        ax.set_xscale("log", base=2)
+                ax.plot(xs, ys, marker=marker, label=label)
+        if log_x:
+            ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(panel["xlabel"])
         ax.set_ylabel(panel["ylabel"])

@@ -28,7 +28,7 @@ from experiments.training import images
 from experiments.training.checkpoints import Checkpointer
 from experiments.training.config_checks import check_config
 from experiments.training.metrics import MetricsWriter
-from experiments.training.optimizer import make_optimizer, make_schedule
+from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
 from linear_transformers import mixture
 from linear_transformers.image_generator import ImageGenerator, sample_images
 from linear_transformers.transformer import TransformerConfig
@@ -117,13 +117,7 @@ class _Trainer:
 
         # nnx.value_and_grad: dropout advances its RNG count inside the differentiated function.
         loss, grads = nnx.value_and_grad(loss_fn)(model)
-        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        finite = jnp.isfinite(loss) & jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        # A non-finite step changes nothing, so the state in memory stays the last good one.
-        new_state = {"params": params, "opt_state": opt_state, "rest": state["rest"]}
-        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+        new_state, finite = apply_if_finite(self.tx, state, loss, grads)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite}
         return new_state, metrics
 

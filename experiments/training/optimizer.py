@@ -2,24 +2,35 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "step")
 OPTIMIZERS = ("radam", "adamw")
 
 
 def make_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-    """Linear warm-up over `warmup_steps`, then constant or cosine decay to 0 at `num_steps`."""
+    """Linear warm-up over `warmup_steps`, then constant, cosine decay to 0 at `num_steps`, or
+    "step": multiplied by `decay_factor` from step `decay_steps` on (the paper's copy task:
+    1e-3, then 1e-4 after 3000 updates)."""
     if config.schedule not in SCHEDULES:
         raise ValueError(f"config.schedule must be one of {SCHEDULES}, got {config.schedule!r}.")
     lr, warmup = config.learning_rate, config.warmup_steps
     if config.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(config.num_steps, warmup + 1))
+    if config.schedule == "step":
+        if not config.decay_steps > warmup:
+            raise ValueError(f"config.schedule='step' needs config.decay_steps > warmup_steps "
+                             f"({warmup}), got {config.decay_steps}.")
+        after = optax.piecewise_constant_schedule(lr, {config.decay_steps - warmup:
+                                                       config.decay_factor})
+    else:
+        after = optax.constant_schedule(lr)
     if warmup == 0:
-        return optax.constant_schedule(lr)
-    return optax.join_schedules(
-        [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -35,3 +46,15 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
         parts.append(optax.add_decayed_weights(config.weight_decay))
     parts.append(optax.scale_by_learning_rate(make_schedule(config)))
     return optax.chain(*parts)
+
+
+def apply_if_finite(tx: optax.GradientTransformation, state: dict, loss, grads):
+    """One optimizer update of `state` {"params", "opt_state", "rest"}, applied only if the loss
+    and every gradient are finite; returns (new_state, finite). A non-finite step changes
+    nothing, so the state in memory stays the last good one."""
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    finite = jnp.isfinite(loss) & jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    new_state = {"params": params, "opt_state": opt_state, "rest": state["rest"]}
+    return jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state), finite

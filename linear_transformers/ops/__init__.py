@@ -1,4 +1,5 @@
-"""Pure-JAX attention ops (no Flax): softmax, linear, causal linear, and their recurrent steps.
+"""Pure-JAX attention ops (no Flax): softmax, linear, causal linear, and their recurrent steps;
+the baselines LSH (Reformer) and Linformer.
 
 Layout follows `jax.nn.dot_product_attention`: queries [B, T, H, D], keys [B, S, H, D],
 values [B, S, H, M].
@@ -13,6 +14,9 @@ from linear_transformers.ops.linear import (LinearState, init_linear_state, line
                                             linear_attention_from_state,
                                             linear_attention_reference, linear_attention_step,
                                             linear_state_from_keys)
+from linear_transformers.ops.linformer import linformer_attention, linformer_project
+from linear_transformers.ops.lsh import (check_lsh_options, lsh_attention, lsh_attention_reference,
+                                         lsh_hashes, lsh_rotations)
 from linear_transformers.ops.softmax import (KVCache, init_kv_cache, softmax_attention,
                                              softmax_attention_reference, softmax_attention_step,
                                              softmax_attention_weights)
@@ -24,5 +28,6 @@ __all__ = [
     "linear_attention", "linear_attention_from_state", "linear_attention_reference",
     "linear_attention_step", "linear_state_from_keys", "KVCache", "init_kv_cache",
     "softmax_attention", "softmax_attention_reference", "softmax_attention_step",
-    "softmax_attention_weights",
+    "softmax_attention_weights", "linformer_attention", "linformer_project", "check_lsh_options",
+    "lsh_attention", "lsh_attention_reference", "lsh_hashes", "lsh_rotations",
 ]

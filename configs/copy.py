@@ -1,0 +1,146 @@
+"""The copy task (paper section 4.1): copy n random symbols (of 10) after a separator.
+
+Paper setting (the default): decoder-only, sequences of 128, 4 layers, 8 heads, width 256,
+batch 64, RAdam 1e-3 dropping to 1e-4 after 3000 updates, 10,000 updates.
+
+  python -m experiments.train --config configs/copy.py:attention=linear --workdir workdirs/copy
+  python -m experiments.train --config configs/copy.py:attention=softmax --workdir workdirs/c_sm
+  python -m experiments.train --config configs/copy.py:lsh4 --workdir workdirs/c_lsh4
+  python -m experiments.train --config configs/copy.py:performer --workdir workdirs/c_favor
+
+Replication setting (`encoder_decoder`): 4 encoder + 4 decoder layers, 8 heads, width 512,
+constant 1e-3; `linformer` puts Linformer attention in the encoder (the decoder keeps
+`attention`, as Linformer has no causal form):
+
+  python -m experiments.train --config configs/copy.py:encoder_decoder,attention=linear
+  python -m experiments.train --config configs/copy.py:encoder_decoder,linformer
+
+`cpu` shrinks any of them to run in minutes on a laptop CPU (sequences of 64, 2 layers, width
+128, batch 32, 3000 steps, learning rate 3e-3 then 3e-4 from step 2000). Variants apply left
+to right, so put the model and size first: `configs/copy.py:encoder_decoder,cpu,lsh4` (lsh and
+linformer sizes follow max_length); `key=value` overrides a top-level key.
+
+Expected: linear reaches softmax's loss, LSH does not (the paper, Figure 2). Measured on the
+2-core CPU machine with the `cpu` variant: see BENCHMARKS.md ("Copy task"), made by
+`python -m experiments.copy_comparison`.
+"""
+
+import ml_collections
+
+from configs import variants
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.task = "copy"
+    c.seed = 0
+
+    # Data: n symbols, n uniform in [max_length // 4, (max_length - 1) // 2).
+    c.max_length = 128
+    c.num_symbols = 10
+
+    # Model: "decoder" (the paper's) or "encoder_decoder" (the replication's).
+    c.model = "decoder"
+    c.attention = "linear"       # decoder self-attention; encoder too unless encoder_attention
+    c.attention_options = ml_collections.ConfigDict()
+    c.encoder_attention = ""     # encoder_decoder only; "" = attention
+    c.encoder_attention_options = ml_collections.ConfigDict()
+    c.cross_attention = ""       # encoder_decoder only; "" = the default for `attention`
+    c.num_layers = 4
+    c.num_heads = 8
+    c.model_dim = 256
+    c.feed_forward_dim = 1024
+    c.dropout = 0.0
+    c.attention_dropout = 0.0
+    c.softmax_temp = 0.0         # 0 = 1/sqrt(head dim)
+
+    # Optimisation.
+    c.optimizer = "radam"
+    c.learning_rate = 1e-3
+    c.schedule = "step"
+    c.decay_steps = 3000
+    c.decay_factor = 0.1
+    c.warmup_steps = 0
+    c.weight_decay = 0.0
+    c.grad_clip = 1.0
+    c.batch_size = 64
+    c.num_steps = 10_000
+
+    # Bookkeeping (0 = never, except at the end of the run).
+    c.log_every = 100
+    c.eval_every = 1000
+    c.eval_batches = 4           # held-out batches of batch_size for the accuracies
+    c.checkpoint_every = 1000
+    c.keep_checkpoints = 2
+    c.progress_bar = True        # a line per log_every steps
+    return variants.apply(c, arg, VARIANTS)
+
+
+def encoder_decoder(c):
+    """The replication: 4 + 4 layers, 8 heads, width 512, constant learning rate 1e-3."""
+    c.model = "encoder_decoder"
+    c.model_dim = 512
+    c.feed_forward_dim = 2048
+    c.schedule = "constant"
+
+
+def linformer(c):
+    """Linformer encoder (its max_length defaults to the longest source)."""
+    c.encoder_attention = "linformer"
+    c.encoder_attention_options = ml_collections.ConfigDict(
+        {"projected_length": max(4, c.max_length // 8)})
+
+
+def performer(c):
+    """Linear attention with FAVOR+ positive orthogonal random features (Performer)."""
+    c.attention = "linear"
+    c.attention_options = ml_collections.ConfigDict({"feature_map": "favor"})
+
+
+def _lsh(rounds):
+    def apply(c):
+        c.attention = "reformer"
+        c.attention_options = ml_collections.ConfigDict(
+            {"num_rounds": rounds, "num_buckets": 8, "chunk_size": max(4, c.max_length // 8)})
+    apply.__doc__ = (f"Reformer LSH attention, {rounds} hashing round(s), 8 buckets, chunks of "
+                     f"max_length / 8.")
+    return apply
+
+
+def cpu(c):
+    """Minutes on a laptop CPU: sequences of 64, 2 layers, 4 heads, width 128, 3000 steps."""
+    c.max_length = 64
+    c.num_layers = 2
+    c.num_heads = 4
+    c.model_dim = 128
+    c.feed_forward_dim = 256
+    c.batch_size = 32
+    c.num_steps = 3000
+    c.learning_rate = 3e-3       # 1e-3 learns too slowly for 3000 steps at this size
+    c.decay_steps = 2000
+    c.log_every = 50
+    c.eval_every = 500
+    c.checkpoint_every = 1000
+
+
+def smoke(c):
+    """Seconds: short sequences, a tiny model; for tests."""
+    c.max_length = 16
+    c.num_symbols = 4
+    c.num_layers = 2
+    c.num_heads = 2
+    c.model_dim = 64
+    c.feed_forward_dim = 128
+    c.batch_size = 32
+    c.num_steps = 10
+    c.learning_rate = 3e-3
+    c.schedule = "constant"
+    c.log_every = 5
+    c.eval_every = 10
+    c.eval_batches = 2
+    c.checkpoint_every = 5
+    c.progress_bar = False
+
+
+VARIANTS = {"encoder_decoder": encoder_decoder, "linformer": linformer, "performer": performer,
+            "lsh1": _lsh(1), "lsh4": _lsh(4), "lsh8": _lsh(8), "cpu": cpu, "smoke": smoke}

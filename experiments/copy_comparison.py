@@ -1,0 +1,29 @@
+"""Copy-task comparison of attention kinds (paper section 4.1, Figure 2): table and curves.
+
+  python -m experiments.copy_comparison                       # 8 runs at the `cpu` size
+  python -m experiments.copy_comparison --runs=decoder/softmax,decoder/linear --size=cpu \
+      --overrides=num_steps=500 --out_dir=benchmark_results/copy_quick
+
+Writes copy_results.csv/.json, copy_curves.csv and copy_convergence.png to --out_dir and
+prints a markdown table. Finished runs in --out_dir are resumed (a no-op), not retrained.
+"""
+
+from absl import app, flags, logging
+
+from experiments.benchmarking.copy_comparison import RUNS, CopyComparisonOptions, run_and_report
+
+_RUNS = flags.DEFINE_list("runs", list(RUNS), f"Runs, from: {', '.join(RUNS)}.")
+_SIZE = flags.DEFINE_string("size", "cpu", "configs/copy.py variants setting the scale.")
+_OVERRIDES = flags.DEFINE_string("overrides", "", "key=value,... applied to every run last.")
+_OUT = flags.DEFINE_string("out_dir", "benchmark_results/copy", "Where runs and reports go.")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    run_and_report(CopyComparisonOptions(runs=tuple(_RUNS.value), size=_SIZE.value,
+                                         overrides=_OVERRIDES.value, out_dir=_OUT.value))
+
+
+if __name__ == "__main__":
+    app.run(main)

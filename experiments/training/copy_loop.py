@@ -1,0 +1,263 @@
+"""`train_and_evaluate(config, workdir)` for the copy task (configs/copy.py).
+
+Two models: the paper's decoder-only transformer (`CausalLM` over [0, s, 0, s]) and the
+replication's encoder-decoder (`EncoderDecoder`, source s, target s). Both train with
+cross-entropy on the copied symbols only and report, on a fixed held-out set of batches:
+
+  token_accuracy      teacher-forced argmax equals the target, over copied symbols
+  sequence_accuracy   every copied symbol right; for a causal model this is also the rate of
+                      exact copies under greedy decoding (by induction over the positions)
+  greedy_*            encoder-decoder models whose decoder has a recurrent form: the same two
+                      accuracies of `greedy_decode` (one compiled loop, memory encoded once)
+
+Batches are a function of (seed, step) and dropout keys are folded from the step, so a resumed
+run replays an uninterrupted one; `wall_time` (training seconds, evaluation excluded) carries
+over a resume through the metrics file. Single device.
+
+Legend: B batch, T time, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from configs import copy as copy_config
+from experiments.data import copy_task
+from experiments.training.checkpoints import Checkpointer
+from experiments.training.config_checks import check_attention, check_keys, check_values
+from experiments.training.loop import NonFiniteLossError
+from experiments.training.metrics import MetricsWriter, read_metrics
+from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
+from linear_transformers.attention import attention_class
+from linear_transformers.lm import CausalLM
+from linear_transformers.seq2seq import EncoderDecoder, greedy_decode
+from linear_transformers.transformer import TransformerConfig
+
+EVAL_SEED_OFFSET = 1_000_003  # held-out batches come from another stream than training's
+
+
+def check_copy_config(config: ml_collections.ConfigDict) -> None:
+    """Raise ValueError naming any unknown key or unusable value of a copy-task config."""
+    check_keys(config, copy_config.get_config(), "configs/copy.py")
+    check_values(config)
+    if config.model not in copy_task.CopyBatches.MODELS:
+        raise ValueError(f"config.model must be one of {copy_task.CopyBatches.MODELS}, got "
+                         f"{config.model!r}.")
+    copy_task.length_range(config.max_length)
+    if config.model_dim % 2:
+        raise ValueError(f"config.model_dim must be even (sine/cosine positions), got "
+                         f"{config.model_dim}.")
+    if config.model == "decoder":
+        for key in ("encoder_attention", "cross_attention"):
+            if config[key]:
+                raise ValueError(f"config.{key}={config[key]!r} applies to model="
+                                 f"'encoder_decoder' only; this config has model='decoder'.")
+    elif config.encoder_attention:
+        check_attention(config, "encoder_attention")
+
+
+def source_width(config) -> int:
+    """Most symbols an example holds: the encoder's (and decoder's) sequence length."""
+    return copy_task.length_range(config.max_length)[1] - 1
+
+
+def _options(config, kind, options) -> dict:
+    options = dict(options)
+    if kind == "linformer" and "max_length" not in options:
+        options["max_length"] = source_width(config)  # the longest source it will see
+    return options
+
+
+def _transformer_config(config, kind, options, **extra) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=config.num_layers, num_heads=config.num_heads, model_dim=config.model_dim,
+        feed_forward_dim=config.feed_forward_dim, dropout=config.dropout,
+        attention_dropout=config.attention_dropout, softmax_temp=config.softmax_temp or None,
+        attention=kind, attention_options=_options(config, kind, options), **extra)
+
+
+def build_model(config: ml_collections.ConfigDict) -> nnx.Module:
+    """The decoder-only or encoder-decoder model of `config`, initialised from config.seed."""
+    rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
+    vocab = config.num_symbols + 1
+    if config.model == "decoder":
+        return CausalLM(_transformer_config(config, config.attention, config.attention_options),
+                        vocab, rngs=rngs)
+    enc_kind = config.encoder_attention or config.attention
+    enc_options = (config.encoder_attention_options if config.encoder_attention
+                   else config.attention_options)
+    cross = {}
+    if config.cross_attention:
+        cross = dict(cross_attention=config.cross_attention,
+                     cross_attention_options=_options(config, config.cross_attention, {}))
+    encoder = _transformer_config(config, enc_kind, enc_options)
+    decoder = _transformer_config(config, config.attention, config.attention_options, **cross)
+    return EncoderDecoder(encoder, decoder, vocab, rngs=rngs)
+
+
+def _forward(model, batch):
+    """(logits [B, T, V], targets [B, T], mask [B, T]) for either layout."""
+    if isinstance(batch, copy_task.LanguageModelBatch):
+        return model(batch.inputs_BT), batch.targets_BT, batch.mask_BT
+    logits = model(batch.source_BW, batch.target_in_BW, source_lengths=batch.source_lengths_B)
+    return logits, batch.target_out_BW, batch.mask_BW
+
+
+def loss_and_counts(model, batch):
+    """Masked mean cross-entropy, and sums for the accuracies."""
+    logits_BTV, targets_BT, mask_BT = _forward(model, batch)
+    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32),
+                                                            targets_BT)
+    loss = jnp.sum(ce_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
+    return loss, accuracy_counts(jnp.argmax(logits_BTV, -1), targets_BT, mask_BT)
+
+
+def accuracy_counts(predicted_BT, targets_BT, mask_BT) -> dict:
+    """Sums over a batch: correct copied symbols, copied symbols, exact sequences, sequences."""
+    correct_BT = (predicted_BT == targets_BT) & (mask_BT > 0)
+    exact_B = jnp.all(correct_BT | (mask_BT == 0), axis=-1)
+    return {"correct": jnp.sum(correct_BT), "symbols": jnp.sum(mask_BT > 0),
+            "exact": jnp.sum(exact_B), "sequences": jnp.asarray(exact_B.shape[0])}
+
+
+class _CopyTrainer:
+    def __init__(self, config):
+        self.config = config
+        model = build_model(config)
+        self.graphdef, params, self.rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+        model.eval()
+        self.eval_graphdef = nnx.split(model, nnx.Param, nnx.RngState, ...)[0]
+        self.tx = make_optimizer(config)
+        self.schedule = make_schedule(config)
+        self.state = {"params": params, "opt_state": self.tx.init(params), "rest": rest}
+        self.dropout_key = jax.random.key(config.seed + 2)
+        self.train_step = jax.jit(self._train_step, donate_argnums=0)
+        self.eval_step = jax.jit(self._eval_step)
+        decoder_kind = attention_class(config.attention)
+        self.greedy = config.model == "encoder_decoder" and decoder_kind.has_recurrent_form
+
+    def _train_step(self, state, rng_state, batch, step):
+        model = nnx.merge(self.graphdef, state["params"], rng_state, state["rest"])
+        nnx.reseed(model, dropout=jax.random.fold_in(self.dropout_key, step))
+        (loss, counts), grads = nnx.value_and_grad(loss_and_counts, has_aux=True)(model, batch)
+        new_state, finite = apply_if_finite(self.tx, state, loss, grads)
+        return new_state, {"loss": loss, "finite": finite, **counts}
+
+    def _eval_step(self, state, batch):
+        model = nnx.merge(self.eval_graphdef, state["params"], self.rng_state, state["rest"])
+        loss, counts = loss_and_counts(model, batch)
+        return {"loss_sum": loss * counts["symbols"], **counts}
+
+    def eval_model(self):
+        return nnx.merge(self.eval_graphdef, self.state["params"], self.rng_state,
+                         self.state["rest"])
+
+    def evaluate(self) -> dict:
+        """Loss and accuracies over config.eval_batches held-out batches."""
+        c = self.config
+        batches = copy_task.CopyBatches(batch_size=c.batch_size, max_length=c.max_length,
+                                        num_symbols=c.num_symbols, model=c.model,
+                                        seed=c.seed + EVAL_SEED_OFFSET)
+        totals, greedy = {}, {}
+        for i in range(c.eval_batches):
+            batch = batches.batch(i)
+            for k, v in self.eval_step(self.state, batch).items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+            if self.greedy:
+                tokens_BW = greedy_decode(self.eval_model(), batch.source_BW,
+                                          batch.source_BW.shape[1], start_token=copy_task.SEPARATOR,
+                                          source_lengths=batch.source_lengths_B)
+                for k, v in accuracy_counts(tokens_BW, batch.target_out_BW, batch.mask_BW).items():
+                    greedy[k] = greedy.get(k, 0.0) + float(v)
+        result = {"eval_loss": totals["loss_sum"] / totals["symbols"],
+                  "token_accuracy": totals["correct"] / totals["symbols"],
+                  "sequence_accuracy": totals["exact"] / totals["sequences"]}
+        if greedy:
+            result["greedy_token_accuracy"] = greedy["correct"] / greedy["symbols"]
+            result["greedy_sequence_accuracy"] = greedy["exact"] / greedy["sequences"]
+        return result
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
+                       *, step_callback: Callable[[int, dict], None] | None = None) -> dict:
+    """Train (resuming from the latest checkpoint in `workdir`) and evaluate; return the last
+    metrics: step, loss, eval_loss, token/sequence accuracies (and greedy ones), wall_time."""
+    check_copy_config(config)
+    workdir = pathlib.Path(workdir).expanduser()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    trainer = _CopyTrainer(config)
+    batches = copy_task.CopyBatches(batch_size=config.batch_size, max_length=config.max_length,
+                                    num_symbols=config.num_symbols, model=config.model,
+                                    seed=config.seed)
+    checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
+    writer = MetricsWriter(workdir)
+    step = checkpointer.latest_step() or 0
+    wall_time = 0.0
+    if step:
+        trainer.state = checkpointer.restore(trainer.state, step)
+        wall_time = max([r["wall_time"] for r in read_metrics(workdir)
+                         if "wall_time" in r and r["step"] <= step], default=0.0)
+    result = {"step": step}
+    window, window_start = [], time.perf_counter()
+    try:
+        while step < config.num_steps:
+            trainer.state, metrics = trainer.train_step(trainer.state, trainer.rng_state,
+                                                        batches.batch(step), np.int32(step))
+            if not bool(metrics["finite"]):
+                raise NonFiniteLossError(
+                    f"non-finite loss or gradient at step {step} (loss={float(metrics['loss'])}); "
+                    f"training stopped. The update was not applied; the latest checkpoint "
+                    f"({checkpointer.latest_step()}) in {checkpointer.directory} is intact. "
+                    f"Lower config.learning_rate.")
+            step += 1
+            window.append(metrics)
+            if step_callback is not None:
+                step_callback(step, metrics)
+            if _due(step, config.log_every) or step == config.num_steps:
+                window = jax.device_get(window)
+                elapsed = time.perf_counter() - window_start
+                wall_time += elapsed
+                scalars = {"loss": float(np.mean([m["loss"] for m in window])),
+                           "train_token_accuracy": sum(float(m["correct"]) for m in window) /
+                           sum(float(m["symbols"]) for m in window),
+                           "steps_per_sec": len(window) / elapsed, "wall_time": wall_time,
+                           "learning_rate": float(trainer.schedule(step - 1))}
+                writer.write(step, scalars)
+                result.update(step=step, loss=scalars["loss"], wall_time=wall_time)
+                if config.progress_bar:
+                    print(f"step {step}: loss {scalars['loss']:.4f} train token accuracy "
+                          f"{scalars['train_token_accuracy']:.3f} ({scalars['steps_per_sec']:.1f} "
+                          f"steps/s)", flush=True)
+                window = []
+            if _due(step, config.checkpoint_every):
+                checkpointer.save(step, trainer.state)
+            if _due(step, config.eval_every) or step == config.num_steps:
+                evaluation = trainer.evaluate()
+                writer.write(step, evaluation)
+                result.update(evaluation)
+            window_start = time.perf_counter() if not window else window_start
+        checkpointer.save(step, trainer.state)
+    except KeyboardInterrupt:
+        checkpointer.save(step, trainer.state)
+        raise
+    finally:
+        writer.close()
+        checkpointer.close()
+    if "eval_loss" not in result:  # resumed at the end: nothing trained this time
+        result.update(trainer.evaluate())
+    result["step"] = step
+    return result

@@ -1,0 +1,114 @@
+"""An encoder-decoder transformer over tokens, with recurrent greedy decoding.
+
+Legend: B batch, S source time, T target time, E model width, V vocabulary.
+
+  logits_BTV = model(source_BS, target_in_BT, source_lengths=lengths_B)   parallel (training)
+  tokens_BT = greedy_decode(model, source_BS, T, start_token=0)          one compiled loop
+
+Decoding encodes the source once; each decoder layer then reduces the memory once to what its
+cross-attention needs per step (softmax: the projected keys/values; linear: one (S, z) summary;
+linformer: K projected rows), and the decoder's self-attention runs as an RNN.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linear_transformers.lm import sinusoidal_encoding
+from linear_transformers.transformer import Decoder, Encoder, TransformerConfig
+
+
+class Seq2SeqState(NamedTuple):
+    layers: Any          # per-decoder-layer (self-attention state, cross-attention memory)
+    position: jax.Array  # int32 scalar: index of the next target token
+
+
+class EncoderDecoder(nnx.Module):
+    """Shared token embedding plus sinusoidal positions, an `Encoder`, a `Decoder`, logits.
+
+    The encoder and decoder configs may use different attention kinds (e.g. a linformer encoder
+    and a linear decoder) but must share `model_dim`.
+    """
+
+    def __init__(self, encoder_config: TransformerConfig, decoder_config: TransformerConfig,
+                 vocab_size: int, *, rngs: nnx.Rngs):
+        if encoder_config.model_dim != decoder_config.model_dim:
+            raise ValueError(f"EncoderDecoder: encoder model_dim {encoder_config.model_dim} and "
+                             f"decoder model_dim {decoder_config.model_dim} must be equal.")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}.")
+        self.model_dim = encoder_config.model_dim
+        self.embed = nnx.Embed(vocab_size, self.model_dim, rngs=rngs)
+        self.encoder = Encoder(encoder_config, causal=False, rngs=rngs)
+        self.decoder = Decoder(decoder_config, rngs=rngs)
+        self.head = nnx.Linear(self.model_dim, vocab_size, rngs=rngs)
+
+    def _inputs(self, tokens, positions):
+        return self.embed(tokens) + sinusoidal_encoding(positions, self.model_dim)
+
+    def encode(self, source_BS, *, source_lengths=None):
+        """The memory [B, S, E]; source tokens at index >= source_lengths are padding."""
+        x_BSE = self._inputs(source_BS, jnp.arange(source_BS.shape[1]))
+        return self.encoder(x_BSE, key_lengths=source_lengths)
+
+    def decode(self, target_in_BT, memory_BSE, *, source_lengths=None):
+        """Teacher-forced decoder: logits [B, T, V] for the token after each input token."""
+        y_BTE = self._inputs(target_in_BT, jnp.arange(target_in_BT.shape[1]))
+        return self.head(self.decoder(y_BTE, memory_BSE, memory_lengths=source_lengths))
+
+    def __call__(self, source_BS, target_in_BT, *, source_lengths=None):
+        memory_BSE = self.encode(source_BS, source_lengths=source_lengths)
+        return self.decode(target_in_BT, memory_BSE, source_lengths=source_lengths)
+
+    def init_state(self, memory_BSE, max_length: int | None = None, *, source_lengths=None,
+                   dtype=jnp.float32) -> Seq2SeqState:
+        """Decoder state over an encoded memory (call `model.eval()` first)."""
+        layers = self.decoder.init_state(memory_BSE.shape[0], max_length, memory_BSE,
+                                         memory_lengths=source_lengths, dtype=dtype)
+        return Seq2SeqState(layers, jnp.zeros((), jnp.int32))
+
+    def step(self, state: Seq2SeqState, token_B):
+        """Consume one target token per batch element; return the logits for the next one."""
+        layers, y_BE = self.decoder.step(state.layers, self._inputs(token_B, state.position))
+        return Seq2SeqState(layers, state.position + 1), self.head(y_BE)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_lengths):
+    model = nnx.merge(graphdef, params)
+    memory_BSE = model.encode(source_BS, source_lengths=source_lengths)
+    state = model.init_state(memory_BSE, num_steps, source_lengths=source_lengths)
+
+    def body(carry, _):
+        state, token_B = carry
+        state, logits_BV = model.step(state, token_B)
+        token_B = jnp.argmax(logits_BV, axis=-1).astype(source_BS.dtype)
+        return (state, token_B), token_B
+
+    start_B = jnp.full(source_BS.shape[:1], start_token, source_BS.dtype)
+    _, tokens_TB = jax.lax.scan(body, (state, start_B), length=num_steps)
+    return tokens_TB.T
+
+
+def greedy_decode(model: EncoderDecoder, source_BS, num_steps: int, *, start_token: int,
+                  source_lengths=None):
+    """Decode `num_steps` tokens greedily after `start_token`: [B, num_steps] tokens.
+
+    Encoding, the memory reduction and every decoding step run in one compiled function; the
+    decoder's self-attention must have a recurrent form (softmax, linear) and the model must be
+    in eval mode.
+    """
+    source_BS = jnp.asarray(source_BS)
+    if source_BS.ndim != 2:
+        raise ValueError(f"greedy_decode: source must be [batch, length] tokens, got shape "
+                         f"{tuple(source_BS.shape)}.")
+    if num_steps < 1:
+        raise ValueError(f"greedy_decode: num_steps must be >= 1, got {num_steps}.")
+    graphdef, params = nnx.split(model)
+    return _greedy_decode(graphdef, params, source_BS, num_steps, int(start_token),
+                          None if source_lengths is None else jnp.asarray(source_lengths))

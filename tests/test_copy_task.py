@@ -1,0 +1,215 @@
+"""The copy task: data layouts (lengths, separators, loss masks), accuracy counting, the step
+learning-rate schedule, config checks, and end-to-end runs that learn to copy in CI time."""
+
+import subprocess
+import sys
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import copy as copy_config
+from experiments.benchmarking import copy_comparison
+from experiments.data import copy_task as ct
+from experiments.training import copy_loop, tasks
+from experiments.training.metrics import read_metrics
+from experiments.training.optimizer import make_schedule
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("max_length", [5, 8, 16, 17, 128])
+def test_examples_have_lengths_in_range_and_symbols_only_where_they_belong(max_length):
+    ex = ct.random_examples(np.random.default_rng(0), 500, max_length, 10)
+    low, high = ct.length_range(max_length)
+    assert (low, high) == (max_length // 4, (max_length - 1) // 2)
+    assert ex.lengths_B.min() >= low and ex.lengths_B.max() < high
+    if high - low > 1:
+        assert len(np.unique(ex.lengths_B)) == high - low  # every allowed length occurs
+    filled = np.arange(ex.symbols_BW.shape[1])[None] < ex.lengths_B[:, None]
+    assert np.all((ex.symbols_BW >= 1) & (ex.symbols_BW <= 10) | ~filled)
+    assert np.all(ex.symbols_BW[~filled] == 0)
+
+
+def test_decoder_only_layout_separators_and_loss_mask():
+    ex = ct.random_examples(np.random.default_rng(1), 64, 32, 10)
+    batch = ct.decoder_only_layout(ex, 32)
+    tokens = np.concatenate([batch.inputs_BT[:, :1], batch.targets_BT], 1)
+    np.testing.assert_array_equal(batch.inputs_BT[:, 1:], batch.targets_BT[:, :-1])
+    for b, n in enumerate(ex.lengths_B):
+        s = ex.symbols_BW[b, :n]
+        expected = np.zeros(32, np.int32)
+        expected[1:n + 1], expected[n + 2:2 * n + 2] = s, s
+        np.testing.assert_array_equal(tokens[b], expected)
+        assert tokens[b, 0] == ct.SEPARATOR and tokens[b, n + 1] == ct.SEPARATOR
+        masked = np.flatnonzero(batch.mask_BT[b])
+        np.testing.assert_array_equal(masked, np.arange(n + 1, 2 * n + 1))  # the copy only
+        np.testing.assert_array_equal(batch.targets_BT[b, masked], s)
+
+
+def test_encoder_decoder_layout():
+    ex = ct.random_examples(np.random.default_rng(2), 16, 32, 5)
+    batch = ct.encoder_decoder_layout(ex)
+    np.testing.assert_array_equal(batch.source_lengths_B, ex.lengths_B)
+    np.testing.assert_array_equal(batch.target_out_BW, ex.symbols_BW)
+    assert np.all(batch.target_in_BW[:, 0] == ct.SEPARATOR)
+    np.testing.assert_array_equal(batch.target_in_BW[:, 1:], ex.symbols_BW[:, :-1])
+    np.testing.assert_array_equal(batch.mask_BW.sum(1), ex.lengths_B)
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    make = lambda seed: ct.CopyBatches(batch_size=4, max_length=16, num_symbols=3,  # noqa: E731
+                                       model="decoder", seed=seed)
+    np.testing.assert_array_equal(make(0).batch(5).inputs_BT, make(0).batch(5).inputs_BT)
+    assert not np.array_equal(make(0).batch(5).inputs_BT, make(0).batch(6).inputs_BT)
+    assert not np.array_equal(make(0).batch(5).inputs_BT, make(1).batch(5).inputs_BT)
+
+
+def test_bad_task_arguments_are_named():
+    with pytest.raises(ValueError, match="max_length=4 is too short"):
+        ct.length_range(4)
+    with pytest.raises(ValueError, match="num_symbols must be >= 1"):
+        ct.random_examples(np.random.default_rng(0), 2, 16, 0)
+    with pytest.raises(ValueError, match="model must be one of"):
+        ct.CopyBatches(batch_size=2, max_length=16, num_symbols=2, model="gpt", seed=0)
+
+
+def test_accuracy_counts():
+    targets = jnp.array([[1, 2, 3, 0], [4, 4, 0, 0]])
+    mask = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
+    predicted = jnp.array([[1, 2, 3, 9], [4, 1, 0, 0]])  # unmasked position wrong: not counted
+    counts = copy_loop.accuracy_counts(predicted, targets, mask)
+    assert {k: int(v) for k, v in counts.items()} == {"correct": 4, "symbols": 5, "exact": 1,
+                                                      "sequences": 2}
+
+
+def test_step_schedule_drops_at_decay_steps():
+    c = copy_config.get_config()
+    schedule = make_schedule(c)
+    assert float(schedule(2999)) == pytest.approx(1e-3)
+    assert float(schedule(3000)) == pytest.approx(1e-4)
+    c.warmup_steps = 10
+    schedule = make_schedule(c)
+    assert float(schedule(5)) == pytest.approx(5e-4)
+    assert float(schedule(2999)) == pytest.approx(1e-3) and float(schedule(3000)) == pytest.approx(1e-4)
+    c.decay_steps = 5
+    with pytest.raises(ValueError, match="decay_steps > warmup_steps"):
+        make_schedule(c)
+
+
+@pytest.mark.parametrize("arg,match", [
+    ("smoke,encoder_attention=linear", "applies to model='encoder_decoder' only"),
+    ("smoke,attention=linformer", "'linformer' has no causal form"),
+    ("smoke,attention=sparse", "not a registered attention kind"),
+    ("smoke,max_length=4", "too short"),
+    ("smoke,model=gpt", "model must be one of"),
+])
+def test_bad_configs_fail_before_training(tmp_path, arg, match):
+    with pytest.raises(ValueError, match=match):
+        copy_loop.train_and_evaluate(copy_config.get_config(arg), tmp_path)
+
+
+def test_unknown_keys_and_tasks_are_named(tmp_path):
+    c = copy_config.get_config("smoke")
+    c.num_mixtures = 3
+    with pytest.raises(ValueError, match=r"not understood: \['num_mixtures'\]"):
+        copy_loop.train_and_evaluate(c, tmp_path)
+    c = copy_config.get_config("smoke")
+    c.task = "translation"
+    with pytest.raises(ValueError, match="config.task 'translation' is not one of"):
+        tasks.train_and_evaluate(c, tmp_path)
+    with pytest.raises(ValueError, match="unknown config variant 'big'"):
+        copy_config.get_config("big")
+
+
+@pytest.mark.parametrize("arg", ["lsh4", "performer", "encoder_decoder,smoke,linformer",
+                                 "encoder_decoder,smoke,lsh1"])
+def test_every_variant_builds_a_model_whose_loss_is_finite(arg):
+    config = copy_config.get_config(("smoke," if "smoke" not in arg else "") + arg +
+                                    ",model_dim=32")
+    copy_loop.check_copy_config(config)
+    model = copy_loop.build_model(config)
+    batch = ct.CopyBatches(batch_size=4, max_length=config.max_length,
+                           num_symbols=config.num_symbols, model=config.model, seed=0).batch(0)
+    loss, counts = copy_loop.loss_and_counts(model, batch)
+    assert np.isfinite(float(loss)) and int(counts["sequences"]) == 4
+
+
+def test_decoder_only_linear_learns_to_copy(tmp_path):
+    config = copy_config.get_config("smoke,num_steps=400,eval_every=400,log_every=100,"
+                                    "checkpoint_every=0")
+    result = tasks.train_and_evaluate(config, tmp_path)
+    assert result["step"] == 400
+    assert result["token_accuracy"] > 0.9, result
+    assert result["sequence_accuracy"] > 0.6, result
+    losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
+    assert losses[-1] < 0.25 * losses[0]
+
+
+def test_encoder_decoder_greedy_decoding_copies(tmp_path):
+    config = copy_config.get_config("encoder_decoder,smoke,num_layers=1,model_dim=64,"
+                                    "feed_forward_dim=128,num_steps=300,eval_every=300,"
+                                    "checkpoint_every=0")
+    result = tasks.train_and_evaluate(config, tmp_path)
+    assert result["greedy_sequence_accuracy"] > 0.9, result
+    # An exact teacher-forced copy and an exact greedy copy are the same event.
+    assert result["greedy_sequence_accuracy"] == result["sequence_accuracy"]
+
+
+def test_interrupted_run_resumes_exactly(tmp_path):
+    config = copy_config.get_config("smoke,num_steps=6,log_every=1,eval_every=6,"
+                                    "checkpoint_every=3,dropout=0.1")
+    straight = copy_loop.train_and_evaluate(config, tmp_path / "straight")
+
+    def interrupt(step, _):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        copy_loop.train_and_evaluate(config, tmp_path / "resumed", step_callback=interrupt)
+    resumed = copy_loop.train_and_evaluate(config, tmp_path / "resumed")
+    loss = lambda d: [r["loss"] for r in read_metrics(d) if "loss" in r]  # noqa: E731
+    np.testing.assert_allclose(loss(tmp_path / "resumed")[-2:], loss(tmp_path / "straight")[-2:],
+                               rtol=1e-6)
+    assert resumed["eval_loss"] == pytest.approx(straight["eval_loss"], rel=1e-6)
+
+
+def test_comparison_writes_table_curves_and_plot(tmp_path):
+    options = copy_comparison.CopyComparisonOptions(
+        runs=("decoder/lsh-4", "enc-dec/linformer+linear"), size="smoke",
+        overrides="num_steps=4,eval_every=4,model_dim=32", out_dir=str(tmp_path))
+    lines = []
+    rows = copy_comparison.run_and_report(options, log=lines.append)
+    assert [r["run"] for r in rows] == list(options.runs)
+    assert all(r["steps"] == 4 and np.isfinite(r["eval_loss"]) for r in rows)
+    assert np.isnan(rows[0]["greedy_sequence_accuracy"])  # reformer decoder: no recurrent form
+    assert 0 <= rows[1]["greedy_sequence_accuracy"] <= 1
+    for name in ("copy_results.csv", "copy_curves.csv", "copy_results.json",
+                 "copy_convergence.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "| decoder/lsh-4 | 4 |" in lines[-1]
+    with pytest.raises(ValueError, match="unknown copy runs"):
+        copy_comparison.CopyComparisonOptions(runs=("decoder/rnn",))
+
+
+def test_train_command_runs_the_copy_config(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--config", "configs/copy.py:smoke",
+         "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "token_accuracy=" in out.stdout and "step=10" in out.stdout
+
+
+def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
+    config = copy_config.get_config("smoke,num_steps=30,learning_rate=1e30,grad_clip=0.0,"
+                                    "checkpoint_every=1,eval_every=0,log_every=1")
+    with pytest.raises(copy_loop.NonFiniteLossError, match="non-finite loss .* at step") as error:
+        copy_loop.train_and_evaluate(config, tmp_path)
+    bad_step = int(str(error.value).split("at step ")[1].split()[0])
+    latest = int(str(error.value).split("latest checkpoint (")[1].split(")")[0])
+    assert latest == bad_step
+    from experiments.training.checkpoints import Checkpointer
+    restored = Checkpointer(tmp_path / "checkpoints").restore(copy_loop._CopyTrainer(config).state)
+    assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(restored))
