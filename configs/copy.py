@@ -20,9 +20,12 @@ constant 1e-3; `linformer` puts Linformer attention in the encoder (the decoder 
 to right, so put the model and size first: `configs/copy.py:encoder_decoder,cpu,lsh4` (lsh and
 linformer sizes follow max_length); `key=value` overrides a top-level key.
 
-Expected: linear reaches softmax's loss, LSH does not (the paper, Figure 2). Measured on the
-2-core CPU machine with the `cpu` variant: see BENCHMARKS.md ("Copy task"), made by
-`python -m experiments.copy_comparison`.
+Expected (the paper, Figure 2, full size): linear reaches softmax's loss, LSH does not. Not run
+at full size here (CPU only). Measured with the `cpu` variant, 3000 steps on one core of the
+2-core CPU machine (`python -m experiments.copy_comparison`; BENCHMARKS.md, "Copy task"),
+held-out loss / exact copies: decoder softmax 0.0002 / 100%, linear 0.004 / 95%, performer
+0.09 / 51%, lsh1 0.45 / 5%, lsh4 0.007 / 97%; encoder-decoder softmax, linear and linformer
+encoder all < 1e-5 / 100% (greedy decoding).
 """
 
 import ml_collections
