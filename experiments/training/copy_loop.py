@@ -249,7 +249,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
                 evaluation = trainer.evaluate()
                 writer.write(step, evaluation)
                 result.update(evaluation)
-            window_start = time.perf_counter() if not window else window_start
+            if not window:  # a new window starts after checkpointing and evaluation: not timed
+                window_start = time.perf_counter()
         checkpointer.save(step, trainer.state)
     except KeyboardInterrupt:
         checkpointer.save(step, trainer.state)
