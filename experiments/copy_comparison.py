@@ -1,6 +1,6 @@
 """Copy-task comparison of attention kinds (paper section 4.1, Figure 2): table and curves.
 
-  python -m experiments.copy_comparison                       # 8 runs at the `cpu` size
+  python -m experiments.copy_comparison                       # 9 runs at the `cpu` size
   python -m experiments.copy_comparison --runs=decoder/softmax,decoder/linear --size=cpu \
       --overrides=num_steps=500 --out_dir=benchmark_results/copy_quick
 

@@ -89,11 +89,13 @@ class AttentionCore(nnx.Module):
       has_recurrent_form: `init_state`/`step` reproduce the causal parallel form token by token.
       shares_query_key: the keys are derived from the queries (self-attention only), so
         `MultiHeadAttention` builds no key projection and passes the queries as `k`.
+      no_recurrent_form_reason: why a kind has none, for the error message.
     """
 
     kind = "abstract"
     has_recurrent_form = False
     shares_query_key = False
+    no_recurrent_form_reason = "it does not implement one"
 
     def __init__(self, *, causal: bool, num_heads: int, head_dim: int, value_dim: int,
                  rngs: nnx.Rngs):
@@ -105,9 +107,6 @@ class AttentionCore(nnx.Module):
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
         """Parallel form: [B, T, H, D] queries over [B, S, H, *] keys/values -> [B, T, H, M]."""
         raise NotImplementedError
-
-    # Kinds without a recurrent form say why here; it ends up in the error message.
-    no_recurrent_form_reason = "it does not implement one"
 
     def init_state(self, batch: int, max_length: int | None, dtype=jnp.float32):
         """Empty recurrent state for causal self-attention (`max_length` steps at most)."""

@@ -25,10 +25,9 @@ from linear_transformers.multi_head_attention import MultiHeadAttention
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}
 
-# Cross-attention when only the self-attention kind is given: the non-causal relative of a
-# causal-only kind, and full softmax for reformer, whose shared query/key needs self-attention
-# (as in the Reformer's encoder-decoder).
-# (kind, whether it inherits the self-attention options)
+# Cross-attention when only the self-attention kind is given, as (kind, whether it inherits the
+# self-attention options): the non-causal relative of a causal-only kind, and full softmax for
+# reformer, whose shared query/key needs self-attention (as in the Reformer's encoder-decoder).
 _DEFAULT_CROSS_KIND = {"causal-linear": ("linear", True), "reformer": ("softmax", False)}
 
 

@@ -25,6 +25,7 @@ RUNS = {
     "enc-dec/softmax": "attention=softmax",
     "enc-dec/linear": "attention=linear",
     "enc-dec/linformer+linear": "attention=linear,linformer",
+    "enc-dec/lsh-4": "lsh4",
 }
 
 TABLE_COLUMNS = ["run", "steps", "wall_time_s", "steps_per_sec", "final_train_loss",
