@@ -139,6 +139,12 @@ class AttentionCore(nnx.Module):
                              f"{self.kind!r} attention is non-causal; build it with causal=True.")
 
 
+def _softmax_one_query(q_BHD, k_BSHD, v_BSHM, *, key_lengths=None, scale=None):
+    """One query step over fixed keys/values (cross-attention memories) -> [B, H, M]."""
+    return ops.softmax_attention_reference(q_BHD[:, None], k_BSHD, v_BSHM,
+                                           key_lengths=key_lengths, scale=scale)[:, 0]
+
+
 class SoftmaxMemory(NamedTuple):
     k_BSHD: jax.Array
     v_BSHM: jax.Array
@@ -211,10 +217,8 @@ class SoftmaxAttention(AttentionCore):
 
     def attend_memory(self, memory, q_BHD):
         """Softmax over all valid memory keys for one query step."""
-        out_B1HM = ops.softmax_attention_reference(
-            q_BHD[:, None], memory.k_BSHD, memory.v_BSHM, key_lengths=memory.key_lengths,
-            scale=self.softmax_temp)
-        return out_B1HM[:, 0]
+        return _softmax_one_query(q_BHD, memory.k_BSHD, memory.v_BSHM,
+                                  key_lengths=memory.key_lengths, scale=self.softmax_temp)
 
 
 class FeatureProjection(nnx.Variable):
@@ -447,7 +451,6 @@ class LinformerAttention(AttentionCore):
 
     def attend_memory(self, memory, q_BHD):
         """Softmax of one query step over the K projected rows."""
-        out_B1HM = ops.softmax_attention_reference(
-            q_BHD[:, None].astype(memory.k_BKHD.dtype), memory.k_BKHD, memory.v_BKHM,
-            scale=self.softmax_temp)
-        return out_B1HM[:, 0].astype(q_BHD.dtype)
+        out_BHM = _softmax_one_query(q_BHD.astype(memory.k_BKHD.dtype), memory.k_BKHD,
+                                     memory.v_BKHM, scale=self.softmax_temp)
+        return out_BHM.astype(q_BHD.dtype)

@@ -34,13 +34,12 @@ from configs import copy as copy_config
 from experiments.data import copy_task
 from experiments.training.checkpoints import Checkpointer
 from experiments.training.config_checks import check_attention, check_keys, check_values
-from experiments.training.loop import NonFiniteLossError
+from experiments.training.loop import NonFiniteLossError, due, transformer_config
 from experiments.training.metrics import MetricsWriter, read_metrics
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
 from linear_transformers.attention import attention_class
 from linear_transformers.lm import CausalLM
 from linear_transformers.seq2seq import EncoderDecoder, greedy_decode
-from linear_transformers.transformer import TransformerConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out batches come from another stream than training's
 
@@ -77,21 +76,13 @@ def _options(config, kind, options) -> dict:
     return options
 
 
-def _transformer_config(config, kind, options, **extra) -> TransformerConfig:
-    return TransformerConfig(
-        num_layers=config.num_layers, num_heads=config.num_heads, model_dim=config.model_dim,
-        feed_forward_dim=config.feed_forward_dim, dropout=config.dropout,
-        attention_dropout=config.attention_dropout, softmax_temp=config.softmax_temp or None,
-        attention=kind, attention_options=_options(config, kind, options), **extra)
-
-
 def build_model(config: ml_collections.ConfigDict) -> nnx.Module:
     """The decoder-only or encoder-decoder model of `config`, initialised from config.seed."""
     rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
     vocab = config.num_symbols + 1
     if config.model == "decoder":
-        return CausalLM(_transformer_config(config, config.attention, config.attention_options),
-                        vocab, rngs=rngs)
+        return CausalLM(transformer_config(config, attention_options=_options(
+            config, config.attention, config.attention_options)), vocab, rngs=rngs)
     enc_kind = config.encoder_attention or config.attention
     enc_options = (config.encoder_attention_options if config.encoder_attention
                    else config.attention_options)
@@ -99,8 +90,9 @@ def build_model(config: ml_collections.ConfigDict) -> nnx.Module:
     if config.cross_attention:
         cross = dict(cross_attention=config.cross_attention,
                      cross_attention_options=_options(config, config.cross_attention, {}))
-    encoder = _transformer_config(config, enc_kind, enc_options)
-    decoder = _transformer_config(config, config.attention, config.attention_options, **cross)
+    encoder = transformer_config(config, enc_kind, _options(config, enc_kind, enc_options))
+    decoder = transformer_config(config, attention_options=_options(
+        config, config.attention, config.attention_options), **cross)
     return EncoderDecoder(encoder, decoder, vocab, rngs=rngs)
 
 
@@ -168,12 +160,13 @@ class _CopyTrainer:
                                         num_symbols=c.num_symbols, model=c.model,
                                         seed=c.seed + EVAL_SEED_OFFSET)
         totals, greedy = {}, {}
+        model = self.eval_model() if self.greedy else None
         for i in range(c.eval_batches):
             batch = batches.batch(i)
             for k, v in self.eval_step(self.state, batch).items():
                 totals[k] = totals.get(k, 0.0) + float(v)
             if self.greedy:
-                tokens_BW = greedy_decode(self.eval_model(), batch.source_BW,
+                tokens_BW = greedy_decode(model, batch.source_BW,
                                           batch.source_BW.shape[1], start_token=copy_task.SEPARATOR,
                                           source_lengths=batch.source_lengths_B)
                 for k, v in accuracy_counts(tokens_BW, batch.target_out_BW, batch.mask_BW).items():
@@ -185,10 +178,6 @@ class _CopyTrainer:
             result["greedy_token_accuracy"] = greedy["correct"] / greedy["symbols"]
             result["greedy_sequence_accuracy"] = greedy["exact"] / greedy["sequences"]
         return result
-
-
-def _due(step: int, every: int) -> bool:
-    return every > 0 and step % every == 0
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
@@ -227,7 +216,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
             window.append(metrics)
             if step_callback is not None:
                 step_callback(step, metrics)
-            if _due(step, config.log_every) or step == config.num_steps:
+            if due(step, config.log_every) or step == config.num_steps:
                 window = jax.device_get(window)
                 elapsed = time.perf_counter() - window_start
                 wall_time += elapsed
@@ -243,9 +232,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
                           f"{scalars['train_token_accuracy']:.3f} ({scalars['steps_per_sec']:.1f} "
                           f"steps/s)", flush=True)
                 window = []
-            if _due(step, config.checkpoint_every):
+            if due(step, config.checkpoint_every):
                 checkpointer.save(step, trainer.state)
-            if _due(step, config.eval_every) or step == config.num_steps:
+            if due(step, config.eval_every) or step == config.num_steps:
                 evaluation = trainer.evaluate()
                 writer.write(step, evaluation)
                 result.update(evaluation)

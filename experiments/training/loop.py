@@ -38,14 +38,17 @@ class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN/Inf loss or gradient; the checkpoints on disk are all good."""
 
 
-def transformer_config(config: ml_collections.ConfigDict) -> TransformerConfig:
-    """The model part of a trainer config."""
+def transformer_config(config: ml_collections.ConfigDict, attention: str | None = None,
+                       attention_options=None, **extra) -> TransformerConfig:
+    """The model part of a trainer config; `attention`/`attention_options` default to the
+    config's, `extra` sets further TransformerConfig fields (e.g. cross_attention)."""
     return TransformerConfig(
         num_layers=config.num_layers, num_heads=config.num_heads, model_dim=config.model_dim,
         feed_forward_dim=config.feed_forward_dim, dropout=config.dropout,
         attention_dropout=config.attention_dropout,
-        softmax_temp=config.softmax_temp or None, attention=config.attention,
-        attention_options=dict(config.attention_options))
+        softmax_temp=config.softmax_temp or None, attention=attention or config.attention,
+        attention_options=dict(config.attention_options if attention_options is None
+                               else attention_options), **extra)
 
 
 def build_model(config: ml_collections.ConfigDict, info) -> ImageGenerator:
@@ -166,7 +169,8 @@ def data_mesh(devices=None) -> jax.sharding.Mesh:
                          axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _due(step: int, every: int) -> bool:
+def due(step: int, every: int) -> bool:
+    """Whether a task repeated `every` steps (0 = never) falls on `step`."""
     return every > 0 and step % every == 0
 
 
@@ -222,7 +226,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
             window_loss.append(metrics["loss"])
             if step_callback is not None:
                 step_callback(step, metrics)
-            if _due(step, config.log_every) or step == config.num_steps:
+            if due(step, config.log_every) or step == config.num_steps:
                 loss = float(np.mean(jax.device_get(window_loss)))
                 rate = window_steps / (time.perf_counter() - window_start)
                 scalars = {"loss": loss, "train_bits_per_dim": loss / math.log(2),
@@ -237,13 +241,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
                 window_start, window_steps, window_loss = time.perf_counter(), 0, []
             if progress is not None:
                 progress.update(1)
-            if _due(step, config.checkpoint_every):
+            if due(step, config.checkpoint_every):
                 checkpointer.save(step, trainer.state)
-            if _due(step, config.eval_every) or step == config.num_steps:
+            if due(step, config.eval_every) or step == config.num_steps:
                 test_bpd = trainer.evaluate(test_BL)
                 writer.write(step, {"test_bits_per_dim": test_bpd})
                 result["test_bits_per_dim"] = test_bpd
-            if (_due(step, config.sample_every) or step == config.num_steps) and \
+            if (due(step, config.sample_every) or step == config.num_steps) and \
                     jax.process_index() == 0:
                 trainer.write_samples(workdir / "samples" / f"step_{step:07d}.png", step)
         checkpointer.save(step, trainer.state)

@@ -159,20 +159,21 @@ def lsh_attention(q_BNHD, v_BNHM, rotations_RDU, *, chunk_size: int, causal: boo
 
 def _window_counts(rank_RBHN, pq, pk, C, G):
     """For every (query, key) pair in a window: in how many rounds' windows the pair falls."""
-    R, B, H, Np = rank_RBHN.shape
+    R, B, H, _ = rank_RBHN.shape
+
+    def chunk_of(pos, chunk_BHN):  # chunk of each position of `pos` [R, B, H, ...] in one round
+        flat_RBHK = pos.reshape(R, B, H, -1)
+        got = jnp.take_along_axis(jnp.broadcast_to(chunk_BHN, (R,) + chunk_BHN.shape), flat_RBHK,
+                                  axis=-1)
+        return got.reshape(pos.shape)
+
     counts = 0
-    for r in range(R):
+    for r in range(R):  # one round at a time: no [R, R, ...] tensor
         chunk_BHN = rank_RBHN[r] // C
-
-        def chunk_of(pos):
-            flat = pos.reshape(pos.shape[0], B, H, -1)
-            got = jax.vmap(lambda p: jnp.take_along_axis(chunk_BHN, p, axis=-1))(flat)
-            return got.reshape(pos.shape)
-
-        cq, ck = chunk_of(jnp.broadcast_to(pq, pq.shape)), chunk_of(jnp.broadcast_to(pk, pk.shape))
-        inside = (ck == cq) | ((ck == cq - 1) if G > 1 else False)
+        cq, ck = chunk_of(pq, chunk_BHN), chunk_of(pk, chunk_BHN)
+        inside = (ck == cq) | (ck == cq - 1) if G > 1 else ck == cq
         counts = counts + inside.astype(jnp.int32)
-    return jnp.maximum(counts, 1)
+    return jnp.maximum(counts, 1)  # masked pairs (e.g. chunk 0's rolled-in half) may count 0
 
 
 def lsh_attention_reference(q_BNHD, v_BNHM, rotations_RDU, *, chunk_size: int,
