@@ -1,10 +1,14 @@
-"""Causal linear attention in four forms that compute the same thing.
+"""Causal linear attention in four forms that compute the same thing, from any starting state.
 
 Legend: B batch, T time, H heads, D key/query features, F feature-map features, M value
-features, N chunks, C chunk length.
+features, N chunks, C chunk length, P devices on the sequence axis.
 
-  out_t = phi(q_t) . S_t / (phi(q_t) . z_t + eps),  S_t = sum_{s<=t} phi(k_s) v_s^T,
-                                                     z_t = sum_{s<=t} phi(k_s)
+  out_t = phi(q_t) . S_t / (phi(q_t) . z_t + eps),  S_t = S_0 + sum_{s<=t} phi(k_s) v_s^T,
+                                                     z_t = z_0 + sum_{s<=t} phi(k_s)
+
+(S_0, z_0) is the `initial_state` (zero by default): the state the RNN form would hold after
+the tokens before this block, so a prompt, or a long sequence cut into segments, is processed in
+parallel and carried on from where it ended (`return_state=True` gives (S_T, z_T)).
 
 - "quadratic": the masked [T, T] product; O(T^2) time and memory. The reference.
 - "associative_scan": `jax.lax.associative_scan` of the prefix states; O(T log T) work but one
@@ -14,7 +18,12 @@ features, N chunks, C chunk length.
   chunks go in segments of `segment_length()` steps through a `lax.scan` carrying (S, z), which
   keeps each segment in cache. (A hand-written VJP made of the same chunked products was slower
   and larger on CPU than autodiff: BENCHMARKS.md.)
-- "scan": the RNN, `lax.scan` over `linear_attention_step`; O(F*M) state, T sequential steps.
+- "scan": the RNN, `lax.scan` of the (S, z) update; O(F*M) state, T sequential steps.
+
+With `sequence_axis`, the time axis is split over the devices of a mesh axis (LASP-2, Sun et al.
+2025): each device reduces its block to its (S, z) totals, one all-gather shares these D x M
+states, and each device finishes its own block from the exclusive prefix of the devices before
+it. The traffic is P states per device whatever the sequence length.
 """
 
 from __future__ import annotations
@@ -25,8 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from linear_transformers.ops import _checks
+from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.feature_maps import make_feature_map
-from linear_transformers.ops.linear import init_linear_state, linear_attention_step
+from linear_transformers.ops.linear import LinearState
 
 IMPLS = ("quadratic", "associative_scan", "chunked", "scan")
 DEFAULT_CHUNK_SIZE = 64
@@ -47,23 +57,36 @@ def _normalise(num_xM, den_x, eps, dtype):
     return (num_xM / (den_x + eps)[..., None]).astype(dtype)
 
 
-def _quadratic(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc):
+def _block_totals(phi_k_BTHF, v_BTHM, acc):
+    """(sum_t phi(k_t) v_t^T, sum_t phi(k_t)) of a block: what it adds to the state."""
+    return (jnp.einsum("bthf,bthm->bhfm", phi_k_BTHF, v_BTHM, preferred_element_type=acc),
+            jnp.sum(phi_k_BTHF.astype(acc), axis=1))
+
+
+def _quadratic(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chunk_size):
+    del chunk_size
     T = phi_q_BTHF.shape[1]
-    sim_BHTS = jnp.einsum("bthf,bshf->bhts", phi_q_BTHF.astype(acc), phi_k_BTHF.astype(acc))
+    phi_q = phi_q_BTHF.astype(acc)
+    sim_BHTS = jnp.einsum("bthf,bshf->bhts", phi_q, phi_k_BTHF.astype(acc))
     sim_BHTS = jnp.where(jnp.tril(jnp.ones((T, T), bool)), sim_BHTS, 0)
-    num_BTHM = jnp.einsum("bhts,bshm->bthm", sim_BHTS, v_BTHM.astype(acc))
-    den_BTH = jnp.einsum("bhts->bth", sim_BHTS)
-    return _normalise(num_BTHM, den_BTH, eps, v_BTHM.dtype)
+    num_BTHM = (jnp.einsum("bhts,bshm->bthm", sim_BHTS, v_BTHM.astype(acc)) +
+                jnp.einsum("bthf,bhfm->bthm", phi_q, s0_BHFM))
+    den_BTH = jnp.einsum("bhts->bth", sim_BHTS) + jnp.einsum("bthf,bhf->bth", phi_q, z0_BHF)
+    ds_BHFM, dz_BHF = _block_totals(phi_k_BTHF, v_BTHM, acc)
+    return _normalise(num_BTHM, den_BTH, eps, v_BTHM.dtype), (s0_BHFM + ds_BHFM, z0_BHF + dz_BHF)
 
 
-def _associative_scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc):
+def _associative_scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chunk_size):
+    del chunk_size
     kv_BTHFM = jnp.einsum("bthf,bthm->bthfm", phi_k_BTHF, v_BTHM, preferred_element_type=acc)
     s_BTHFM, z_BTHF = jax.lax.associative_scan(
         lambda a, b: jax.tree.map(jnp.add, a, b), (kv_BTHFM, phi_k_BTHF.astype(acc)), axis=1)
+    s_BTHFM = s_BTHFM + s0_BHFM[:, None]
+    z_BTHF = z_BTHF + z0_BHF[:, None]
     phi_q = phi_q_BTHF.astype(acc)
     num_BTHM = jnp.einsum("bthf,bthfm->bthm", phi_q, s_BTHFM)
     den_BTH = jnp.einsum("bthf,bthf->bth", phi_q, z_BTHF)
-    return _normalise(num_BTHM, den_BTH, eps, v_BTHM.dtype)
+    return _normalise(num_BTHM, den_BTH, eps, v_BTHM.dtype), (s_BTHFM[:, -1], z_BTHF[:, -1])
 
 
 def _exclusive_cumsum(x, axis):
@@ -110,9 +133,10 @@ def _chunked_segment(carry, xs, eps, acc):
     return carry, out_BHNCM
 
 
-def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size, segment):
+def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chunk_size):
     B, T, H, F = phi_q_BTHF.shape
     M = v_BTHM.shape[-1]
+    segment = segment_length()
     C = min(chunk_size, T)
     num_chunks = -(-T // C)
     # G segments of N chunks each, scanned in sequence (G = 1: everything in parallel).
@@ -120,7 +144,8 @@ def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size, segment):
     N = -(-num_chunks // G)
     pad = G * N * C - T
     if pad:
-        # Padding goes after every real step, so causality keeps it out of every real output.
+        # Padding goes after every real step, and its phi(k) is 0, so it reaches neither a real
+        # output nor the final state.
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
         phi_q_BTHF, phi_k_BTHF, v_BTHM = (jnp.pad(x, widths)
                                           for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM))
@@ -128,34 +153,97 @@ def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size, segment):
     # transpose of its own; segments lead for the scan.
     xs = tuple(jnp.moveaxis(jnp.swapaxes(x, 1, 2).reshape(B, H, G, N, C, x.shape[-1]), 2, 0)
                for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM))
-    carry = (jnp.zeros((B, H, F, M), acc), jnp.zeros((B, H, F), acc))
+    carry = (s0_BHFM, z0_BHF)
     if G == 1:
-        _, out_GBHNCM = _chunked_segment(carry, tuple(x[0] for x in xs), eps, acc)
+        carry, out_GBHNCM = _chunked_segment(carry, tuple(x[0] for x in xs), eps, acc)
         out_GBHNCM = out_GBHNCM[None]
     else:
         # Rematerialised: the backward pass recomputes a segment's blocks while they are in
         # cache instead of storing them all (less memory, and faster at T >= 16k on CPU).
         segment_fn = jax.checkpoint(functools.partial(_chunked_segment, eps=eps, acc=acc))
-        _, out_GBHNCM = jax.lax.scan(segment_fn, carry, xs)
+        carry, out_GBHNCM = jax.lax.scan(segment_fn, carry, xs)
     out_BHTM = jnp.moveaxis(out_GBHNCM, 0, 2).reshape(B, H, G * N * C, M)
-    return jnp.swapaxes(out_BHTM, 1, 2)[:, :T]
+    return jnp.swapaxes(out_BHTM, 1, 2)[:, :T], carry
 
 
-def _scan(q_BTHD, k_BTHD, v_BTHM, fm, eps, acc):
-    B, _, H, D = q_BTHD.shape
-    state = init_linear_state(B, H, fm.num_features(D), v_BTHM.shape[-1], dtype=acc)
+def _scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chunk_size):
+    del chunk_size
 
-    def step(state, qkv_t):
-        return linear_attention_step(state, *qkv_t, feature_map=fm, eps=eps)
+    def step(carry, xs):
+        s_BHFM, z_BHF = carry
+        phi_q_BHF, phi_k_BHF, v_BHM = (x.astype(acc) for x in xs)
+        s_BHFM = s_BHFM + jnp.einsum("bhf,bhm->bhfm", phi_k_BHF, v_BHM)
+        z_BHF = z_BHF + phi_k_BHF
+        out_BHM = _normalise(jnp.einsum("bhf,bhfm->bhm", phi_q_BHF, s_BHFM),
+                             jnp.einsum("bhf,bhf->bh", phi_q_BHF, z_BHF), eps, v_BTHM.dtype)
+        return (s_BHFM, z_BHF), out_BHM
 
-    time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q_BTHD, k_BTHD, v_BTHM))
-    _, out_TBHM = jax.lax.scan(step, state, time_major)
-    return jnp.swapaxes(out_TBHM, 0, 1)
+    time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM))
+    carry, out_TBHM = jax.lax.scan(step, (s0_BHFM, z0_BHF), time_major)
+    return jnp.swapaxes(out_TBHM, 0, 1), carry
+
+
+_FORMS = {"quadratic": _quadratic, "associative_scan": _associative_scan, "chunked": _chunked,
+          "scan": _scan}
+
+
+def _features(q_BTHD, k_BTHD, v_BTHM, fm, key_lengths, offset):
+    """phi(q), phi(k) and v, with keys at global index >= key_lengths zeroed (they add nothing).
+
+    `where`, not a product: padded values may hold inf or NaN.
+    """
+    phi_q_BTHF, phi_k_BTHF = fm.query(q_BTHD), fm.key(k_BTHD)
+    if key_lengths is not None:
+        valid_BT11 = (offset + jnp.arange(k_BTHD.shape[1])[None, :] <
+                      key_lengths[:, None])[:, :, None, None]
+        phi_k_BTHF = jnp.where(valid_BT11, phi_k_BTHF, 0)
+        v_BTHM = jnp.where(valid_BT11, v_BTHM, 0)
+    return phi_q_BTHF, phi_k_BTHF, v_BTHM
+
+
+def _one_device(q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state, *, fm, form, acc, **kw):
+    phi_q, phi_k, v = _features(q_BTHD, k_BTHD, v_BTHM, fm, key_lengths, 0)
+    out_BTHM, (s_BHFM, z_BHF) = form(phi_q, phi_k, v, *initial_state, acc=acc, **kw)
+    return out_BTHM, LinearState(s_BHFM, z_BHF)
+
+
+def _sequence_parallel(q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state, *, axis, fm, form,
+                       acc, **kw):
+    """The local form: this device's block, after the blocks of the devices before it."""
+    offset = sp.device_offset(axis, q_BTHD.shape[1])
+    phi_q, phi_k, v = _features(q_BTHD, k_BTHD, v_BTHM, fm, key_lengths, offset)
+    totals = _block_totals(phi_k, v, acc)
+    before = sp.exclusive_prefix(jax.lax.all_gather(totals, axis), axis)
+    s0_BHFM, z0_BHF = (x0 + b for x0, b in zip(initial_state, before))
+    out_BTHM, _ = form(phi_q, phi_k, v, s0_BHFM, z0_BHF, acc=acc, **kw)
+    # psum rather than the sum of the gathered totals: the same on every device by construction,
+    # which shard_map can verify for a replicated output.
+    final = LinearState(*(x0 + jax.lax.psum(t, axis) for x0, t in zip(initial_state, totals)))
+    return out_BTHM, final
+
+
+def check_linear_state(state, expected_BHFM, *, name: str) -> LinearState:
+    """Raise a ValueError unless `state` is a LinearState of shapes S [B, H, F, M], z [B, H, F]."""
+    if not isinstance(state, LinearState):
+        raise ValueError(f"{name}: initial_state must be an ops.LinearState (init_linear_state, "
+                         f"or the state a call with return_state=True returned), got "
+                         f"{type(state).__name__}.")
+    if (tuple(state.s_BHFM.shape) != tuple(expected_BHFM) or
+            tuple(state.z_BHF.shape) != tuple(expected_BHFM[:3])):
+        raise ValueError(
+            f"{name}: initial_state shapes S {tuple(state.s_BHFM.shape)}, z "
+            f"{tuple(state.z_BHF.shape)} do not fit the inputs, which need S {tuple(expected_BHFM)} "
+            f"and z {tuple(expected_BHFM[:3])} (init_linear_state(batch, heads, F, M)).")
+    for part in state:
+        if not jnp.issubdtype(part.dtype, jnp.floating):
+            raise ValueError(f"{name}: initial_state must be floating point, got {part.dtype}.")
+    return state
 
 
 def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="chunked",
-                            chunk_size=None, eps=1e-6):
-    """Causal linear attention: query t attends to keys s <= t.
+                            chunk_size=None, eps=1e-6, initial_state=None, return_state=False,
+                            key_lengths=None, sequence_axis=None):
+    """Causal linear attention: query t attends to keys s <= t (and to the initial state).
 
     Args:
       q_BTHD, k_BTHD: [B, T, H, D]; v_BTHM: [B, T, H, M].
@@ -165,28 +253,73 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
       chunk_size: chunk length C for impl="chunked" (>= 1; None: `default_chunk_size` for the
         default backend and the dtype of v); T need not be a multiple of it.
       eps: added to the normaliser.
+      initial_state: an `ops.LinearState` (S [B, H, F, M], z [B, H, F]) the sequence continues
+        from: `init_linear_state`, the state of `linear_attention_step`, or the state a previous
+        call returned. None: zeros. Gradients flow into it.
+      return_state: also return the state after the last step.
+      key_lengths: int [B]; keys at index >= key_lengths[b] add nothing, so a right-padded
+        prompt returns the state after its real tokens (outputs at padded positions are those of
+        the state so far and are not meaningful).
+      sequence_axis: name of a mesh axis the time axis is split over. Inside `jax.shard_map`
+        over it, pass this device's [B, T/P, ...] block: the result is the exact global result
+        for it, `initial_state` is the global one, the returned state the global final state
+        (the same on every device) and key_lengths are global indices. Outside `shard_map`,
+        under `jax.set_mesh(mesh)`, the op wraps itself in one (T must split evenly over the
+        axis). Under a mesh with explicit axis types, inputs whose time axis is sharded on a
+        mesh axis run this way without being asked.
 
     Returns:
-      [B, T, H, M] in the dtype of v. States and normalisers are accumulated in float32 or wider.
+      out [B, T, H, M] in the dtype of v, or (out, LinearState) with return_state=True. States
+      and normalisers are accumulated in float32 or wider.
     """
+    name = "causal_linear_attention"
     if impl not in IMPLS:
-        raise ValueError(f"causal_linear_attention: unknown impl {impl!r}; expected one of {IMPLS}.")
+        raise ValueError(f"{name}: unknown impl {impl!r}; expected one of {IMPLS}.")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"causal_linear_attention: chunk_size must be None or an integer >= 1, "
-                         f"got {chunk_size!r}.")
-    _checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name="causal_linear_attention")
-    if q_BTHD.shape[1] != k_BTHD.shape[1]:
-        raise ValueError(f"causal_linear_attention: queries and keys must have the same length, "
-                         f"got T={q_BTHD.shape[1]} and S={k_BTHD.shape[1]}.")
+        raise ValueError(f"{name}: chunk_size must be None or an integer >= 1, got "
+                         f"{chunk_size!r}.")
+    if not isinstance(return_state, bool):
+        raise ValueError(f"{name}: return_state must be a bool, got {return_state!r}.")
+    _checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
+    B, T, H, D = q_BTHD.shape
+    if T != k_BTHD.shape[1]:
+        raise ValueError(f"{name}: queries and keys must have the same length, got T={T} and "
+                         f"S={k_BTHD.shape[1]}.")
     fm = make_feature_map(feature_map)
+    M = v_BTHM.shape[-1]
     acc = _checks.accumulation_dtype(v_BTHM.dtype)
-    if impl == "scan":
-        return _scan(q_BTHD, k_BTHD, v_BTHM, fm, eps, acc)
-    phi_q_BTHF, phi_k_BTHF = fm.query(q_BTHD), fm.key(k_BTHD)
-    if impl == "quadratic":
-        return _quadratic(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc)
-    if impl == "associative_scan":
-        return _associative_scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc)
+    key_lengths = _checks.check_key_lengths(key_lengths, B, name=name)
+    if initial_state is None:
+        initial_state = LinearState(jnp.zeros((B, H, fm.num_features(D), M), acc),
+                                    jnp.zeros((B, H, fm.num_features(D)), acc))
+    else:
+        check_linear_state(initial_state, (B, H, fm.num_features(D), M), name=name)
+        acc = jnp.promote_types(acc, jnp.result_type(*initial_state))
+        initial_state = LinearState(*(x.astype(acc) for x in initial_state))
     if chunk_size is None:
         chunk_size = default_chunk_size(jax.default_backend(), v_BTHM.dtype)
-    return _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, eps, acc, chunk_size, segment_length())
+    kw = dict(fm=fm, form=_FORMS[impl], acc=acc, eps=eps, chunk_size=chunk_size)
+    if sequence_axis is None:
+        sequence_axis = _explicit_axis(q_BTHD, k_BTHD, v_BTHM)
+    if sequence_axis is None:
+        initial_state = sp.match_batch_sharding(initial_state, q_BTHD)
+        out, state = _one_device(q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state, **kw)
+    else:
+        if not sp.is_manual(sequence_axis):
+            sp.check_sequence_axis(sequence_axis, T, name=name)
+        else:
+            sp.axis_size(sequence_axis)
+        local = functools.partial(_sequence_parallel, axis=sequence_axis, **kw)
+        out, state = sp.call_over_sequence(
+            local, sequence_axis, (q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state),
+            (sp.TIME, sp.TIME, sp.TIME, sp.BATCH, sp.BATCH), (sp.TIME, sp.BATCH), batch=B)
+    return (out, state) if return_state else out
+
+
+def _explicit_axis(*arrays_BTx):
+    """The one mesh axis the time axes of `arrays` are sharded on (explicit axis types)."""
+    axes = {sp.explicit_time_axis(x) for x in arrays_BTx} - {None}
+    if len(axes) > 1:
+        raise ValueError(f"causal_linear_attention: q, k and v have their time axes sharded on "
+                         f"different mesh axes {sorted(axes)}; shard them alike.")
+    return axes.pop() if axes else None

@@ -11,12 +11,14 @@ float32 (or wider) whatever the input dtype.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from linear_transformers.ops import _checks
+from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.feature_maps import make_feature_map
 
 
@@ -41,25 +43,45 @@ def _normalise(num_xM, den_x, eps, dtype):
     return (num_xM / (den_x + eps)[..., None]).astype(dtype)
 
 
-def linear_state_from_keys(k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None) -> LinearState:
-    """The summary (S, z) of all keys and values; padded keys (index >= key_lengths[b]) add 0.
-
-    This is the whole memory a non-causal linear attention needs: cross-attention over a fixed
-    memory computes it once and reuses it for every query.
-    """
-    fm = make_feature_map(feature_map)
+def _local_state(k_BSHD, v_BSHM, key_lengths, *, fm, offset):
     acc = _checks.accumulation_dtype(v_BSHM.dtype)
     phi_k_BSHF = fm.key(k_BSHD)
     if key_lengths is not None:
-        key_lengths = _checks.check_key_lengths(key_lengths, k_BSHD.shape[0],
-                                                name="linear_attention")
-        valid_BS11 = _checks.key_padding_mask(key_lengths, k_BSHD.shape[1])[:, :, None, None]
+        valid_BS11 = (offset + jnp.arange(k_BSHD.shape[1])[None, :] <
+                      key_lengths[:, None])[:, :, None, None]
         # where, not multiply: padded values may hold inf or NaN.
         phi_k_BSHF = jnp.where(valid_BS11, phi_k_BSHF, 0)
         v_BSHM = jnp.where(valid_BS11, v_BSHM, 0)
     s_BHFM = jnp.einsum("bshf,bshm->bhfm", phi_k_BSHF, v_BSHM, preferred_element_type=acc)
     z_BHF = jnp.sum(phi_k_BSHF.astype(acc), axis=1)
     return LinearState(s_BHFM, z_BHF)
+
+
+def _sequence_parallel_state(k_BSHD, v_BSHM, key_lengths, *, fm, axis):
+    local = _local_state(k_BSHD, v_BSHM, key_lengths, fm=fm,
+                         offset=sp.device_offset(axis, k_BSHD.shape[1]))
+    return LinearState(*(jax.lax.psum(x, axis) for x in local))
+
+
+def linear_state_from_keys(k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None,
+                           sequence_axis=None) -> LinearState:
+    """The summary (S, z) of all keys and values; padded keys (index >= key_lengths[b]) add 0.
+
+    This is the whole memory a non-causal linear attention needs: cross-attention over a fixed
+    memory computes it once and reuses it for every query. With `sequence_axis` (a mesh axis the
+    key time axis is split over; see `causal_linear_attention`) each device sums its block and
+    one psum gives every device the global summary; key_lengths are global indices.
+    """
+    fm = make_feature_map(feature_map)
+    key_lengths = _checks.check_key_lengths(key_lengths, k_BSHD.shape[0],
+                                            name="linear_attention")
+    if sequence_axis is None:
+        return _local_state(k_BSHD, v_BSHM, key_lengths, fm=fm, offset=0)
+    if not sp.is_manual(sequence_axis):
+        sp.check_sequence_axis(sequence_axis, k_BSHD.shape[1], name="linear_state_from_keys")
+    local = functools.partial(_sequence_parallel_state, fm=fm, axis=sequence_axis)
+    return sp.call_over_sequence(local, sequence_axis, (k_BSHD, v_BSHM, key_lengths),
+                                 (sp.TIME, sp.TIME, sp.BATCH), sp.BATCH, batch=k_BSHD.shape[0])
 
 
 def linear_attention_from_state(state: LinearState, q_xHD, *, feature_map="elu", eps=1e-6,
@@ -76,7 +98,8 @@ def linear_attention_from_state(state: LinearState, q_xHD, *, feature_map="elu",
     return _normalise(num, den, eps, out_dtype or q_xHD.dtype)
 
 
-def linear_attention(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, eps=1e-6):
+def linear_attention(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, eps=1e-6,
+                     sequence_axis=None):
     """Non-causal linear attention in O(T + S) time and memory.
 
     Args:
@@ -85,13 +108,27 @@ def linear_attention(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=N
         or a callable.
       key_lengths: int [B]; keys at index >= key_lengths[b] contribute nothing.
       eps: added to the normaliser.
+      sequence_axis: mesh axis the time axes of queries and keys are split over (inside
+        `jax.shard_map`, or under `jax.set_mesh` where the op wraps itself; see
+        `causal_linear_attention`): the (S, z) summary is summed over the devices with one psum.
 
     Arbitrary [T, S] masks cannot be honoured without forming the T x S matrix, so there is no
     mask argument; key padding is the only mask this form supports.
     """
     _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
+    key_lengths = _checks.check_key_lengths(key_lengths, q_BTHD.shape[0], name="linear_attention")
+    if sequence_axis is not None and not sp.is_manual(sequence_axis):
+        # The global view: queries and keys split over the axis, the summary made inside.
+        sp.check_sequence_axis(sequence_axis, q_BTHD.shape[1], name="linear_attention")
+        sp.check_sequence_axis(sequence_axis, k_BSHD.shape[1], name="linear_attention")
+        local = functools.partial(linear_attention, feature_map=feature_map, eps=eps,
+                                  sequence_axis=sequence_axis)
+        return sp.call_over_sequence(
+            lambda q, k, v, lengths: local(q, k, v, key_lengths=lengths), sequence_axis,
+            (q_BTHD, k_BSHD, v_BSHM, key_lengths), (sp.TIME, sp.TIME, sp.TIME, sp.BATCH), sp.TIME,
+            batch=q_BTHD.shape[0])
     state = linear_state_from_keys(k_BSHD, v_BSHM, feature_map=feature_map,
-                                   key_lengths=key_lengths)
+                                   key_lengths=key_lengths, sequence_axis=sequence_axis)
     return linear_attention_from_state(state, q_BTHD, feature_map=feature_map, eps=eps,
                                        out_dtype=v_BSHM.dtype)
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from linear_transformers.ops import _checks
+from linear_transformers.ops import sequence_parallel as sp
 
 IMPLEMENTATIONS = (None, "xla", "cudnn", "reference")
 
@@ -76,7 +77,7 @@ def softmax_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_len
 
 
 def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None, mask=None,
-                      scale=None, implementation=None):
+                      scale=None, implementation=None, sequence_axis=None):
     """Softmax attention softmax(q k^T * scale) v.
 
     Args:
@@ -88,6 +89,11 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
       implementation: None (jax.nn.dot_product_attention where it applies, i.e. D == M, else the
         reference), "xla" or "cudnn" (jax.nn.dot_product_attention with that implementation;
         "cudnn" is flash attention on NVIDIA GPUs), or "reference" (explicit weights).
+      sequence_axis: mesh axis the time axes of queries and keys are split over. Each device
+        all-gathers the keys and values (the whole sequence's, O(S) per device: the baseline to
+        compare with linear attention's states) and attends its own queries, offset to their
+        global positions for the causal mask. Inside `jax.shard_map` over the axis, or under
+        `jax.set_mesh` where the op wraps itself; key_lengths are global; `mask` is refused.
 
     Returns:
       [B, T, H, M] in the dtype of v.
@@ -97,6 +103,10 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
                          f"expected one of {IMPLEMENTATIONS}.")
     key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal,
                                           key_lengths=key_lengths)
+    if sequence_axis is not None:
+        return _sequence_parallel_softmax(q_BTHD, k_BSHD, v_BSHM, causal=causal,
+                                          key_lengths=key_lengths, mask=mask, scale=scale,
+                                          implementation=implementation, axis=sequence_axis)
     same_dims = q_BTHD.shape[-1] == v_BSHM.shape[-1]
     if implementation in ("xla", "cudnn") and not same_dims:
         raise ValueError(
@@ -113,6 +123,32 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
     return jax.nn.dot_product_attention(
         q_BTHD.astype(dtype), k_BSHD.astype(dtype), v_BSHM.astype(dtype), mask=mask, scale=scale,
         is_causal=causal, key_value_seq_lengths=key_lengths, implementation=implementation)
+
+
+def _sequence_parallel_softmax(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, scale,
+                               implementation, axis):
+    name = "softmax_attention"
+    if mask is not None:
+        raise ValueError(f"{name}: an explicit mask cannot be combined with sequence_axis (its "
+                         "[T, S] layout is the global one); use causal and key_lengths.")
+    if not sp.is_manual(axis):
+        sp.check_sequence_axis(axis, q_BTHD.shape[1], name=name)
+        sp.check_sequence_axis(axis, k_BSHD.shape[1], name=name)
+
+    def local(q_BTHD, k_BSHD, v_BSHM, key_lengths):
+        T = q_BTHD.shape[1]
+        k_all = jax.lax.all_gather(k_BSHD, axis, axis=1, tiled=True)
+        v_all = jax.lax.all_gather(v_BSHM, axis, axis=1, tiled=True)
+        causal_mask = None
+        if causal:
+            position_T = sp.device_offset(axis, T) + jnp.arange(T)
+            causal_mask = (jnp.arange(k_all.shape[1])[None, :] <= position_T[:, None])[None, None]
+        return softmax_attention(q_BTHD, k_all, v_all, key_lengths=key_lengths, mask=causal_mask,
+                                 scale=scale, implementation=implementation)
+
+    return sp.call_over_sequence(local, axis, (q_BTHD, k_BSHD, v_BSHM, key_lengths),
+                                 (sp.TIME, sp.TIME, sp.TIME, sp.BATCH), sp.TIME,
+                                 batch=q_BTHD.shape[0])
 
 
 class KVCache(NamedTuple):
@@ -165,3 +201,41 @@ def softmax_attention_step(cache: KVCache, q_BHD, k_BHD, v_BHM, *, scale=None):
     out_BHM = jnp.einsum("bhs,bshm->bhm", w_BHTS[:, :, 0], v_cache.astype(w_BHTS.dtype))
     out_BHM = jnp.where(pos < capacity, out_BHM, jnp.nan).astype(v_BHM.dtype)
     return KVCache(k_cache, v_cache, pos + 1), out_BHM
+
+
+def softmax_attention_prefill(cache: KVCache, q_BTHD, k_BTHD, v_BTHM, *, scale=None):
+    """A block of T causal steps at once: write (k, v) into the cache after its `length` filled
+    slots and attend each query to every slot up to its own.
+
+    Equal to T calls of `softmax_attention_step`, in one parallel pass (the prompt of a
+    generation). Returns (cache with length + T, out_BTHM). Past `max_length`: an eager call
+    raises, and under `jit` the outputs are NaN, as for the step.
+    """
+    name = "softmax_attention_prefill"
+    _checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
+    B, T, H, D = q_BTHD.shape
+    if k_BTHD.shape[1] != T:
+        raise ValueError(f"{name}: queries and keys must have the same length, got T={T} and "
+                         f"S={k_BTHD.shape[1]}.")
+    capacity = cache.k_BSHD.shape[1]
+    if (cache.k_BSHD.shape != (B, capacity, H, D) or
+            cache.v_BSHM.shape != (B, capacity) + v_BTHM.shape[2:]):
+        raise ValueError(
+            f"{name}: cache shapes k {tuple(cache.k_BSHD.shape)}, v {tuple(cache.v_BSHM.shape)} "
+            f"do not fit q {tuple(q_BTHD.shape)}, v {tuple(v_BTHM.shape)}.")
+    if _checks.is_concrete(cache.length) and int(cache.length) + T > capacity:
+        raise ValueError(f"{name}: {T} more steps do not fit the KV cache ({int(cache.length)} of "
+                         f"{capacity} slots filled); allocate a larger max_length.")
+    pos = cache.length
+    k_cache = jax.lax.dynamic_update_slice_in_dim(cache.k_BSHD, k_BTHD.astype(cache.k_BSHD.dtype),
+                                                  pos, axis=1)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(cache.v_BSHM, v_BTHM.astype(cache.v_BSHM.dtype),
+                                                  pos, axis=1)
+    # Query t sits at slot pos + t and sees slots <= pos + t: the history and its block's past.
+    visible_TS = jnp.arange(capacity)[None, :] <= pos + jnp.arange(T)[:, None]
+    w_BHTS = softmax_attention_weights(q_BTHD.astype(k_cache.dtype), k_cache,
+                                       mask=visible_TS[None, None], scale=scale)
+    out_BTHM = jnp.einsum("bhts,bshm->bthm", w_BHTS, v_cache.astype(w_BHTS.dtype))
+    # dynamic_update_slice clamps an overflowing start, which would overwrite history.
+    out_BTHM = jnp.where(pos + T <= capacity, out_BTHM, jnp.nan).astype(v_BTHM.dtype)
+    return KVCache(k_cache, v_cache, pos + T), out_BTHM
