@@ -7,7 +7,8 @@ re-exported here.
 from linear_transformers import ops
 from linear_transformers import mixture
 from linear_transformers.attention import (AttentionCore, FeatureProjection, HashRotations,
-                                           register_attention, registered_attention_kinds)
+                                           register_attention, registered_attention_kinds,
+                                           sequence_parallel_kinds)
 from linear_transformers.generation import generate, make_step_fn, scan_steps
 from linear_transformers.image_generator import (ImageGenerator, sample_images,
                                                  sample_images_full_recompute)
@@ -20,7 +21,8 @@ from linear_transformers.transformer import (Decoder, DecoderLayer, Encoder, Enc
 
 __all__ = [
     "ops", "AttentionCore", "FeatureProjection", "HashRotations", "register_attention",
-    "registered_attention_kinds", "generate", "make_step_fn", "scan_steps", "CausalLM", "LMState",
+    "registered_attention_kinds", "sequence_parallel_kinds", "generate", "make_step_fn",
+    "scan_steps", "CausalLM", "LMState",
     "MultiHeadAttention", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer",
     "TransformerConfig",
     "mixture", "ImageGenerator", "sample_images", "sample_images_full_recompute", "bits_per_dim",

@@ -9,9 +9,19 @@ and, where the kind allows, a recurrent form:
 
   core(q_BTHD, k_BSHD, v_BSHM, key_lengths=, mask=)   parallel
   core.init_state(batch, max_length, dtype)           causal self-attention state
-  core.step(state, q_BHD, k_BHD, v_BHM)               -> (state, out_BHM)
+  core.step(state, q_BHD, k_BHD, v_BHM)               -> (state, out_BHM), one token
+  core.prefill(state, q_BTHD, k_BTHD, v_BTHM)         -> (state, out_BTHM), a block of T tokens
+                                                      in parallel form, from and to a state
   core.init_memory(k_BSHD, v_BSHM, key_lengths)       cross-attention over a fixed memory,
-  core.attend_memory(memory, q_BHD)                   computed once, queried per step
+  core.attend_memory(memory, q_BHD or q_BTHD)         computed once, queried per step or block
+
+`prefill` equals T calls of `step` and leaves the same state, so a prompt is read in one
+parallel pass and decoding goes on token by token (or block by block: streaming).
+
+Sequence parallelism: a kind with `has_sequence_parallel_form` (softmax, linear, causal-linear)
+built with `sequence_axis="name"` runs its parallel form with the time axis split over mesh axis
+`name` (the ops wrap themselves in `jax.shard_map` under `jax.set_mesh(mesh)`; model code stays
+in the global view).
 
 New kinds subclass `AttentionCore` and register with `@register_attention("name")`; their
 keyword-only constructor arguments are the options a config may set.
@@ -53,7 +63,7 @@ def attention_options(kind: str) -> list[str]:
     """The options (keyword-only constructor arguments) that attention `kind` accepts."""
     cls = attention_class(kind)
     params = inspect.signature(cls.__init__).parameters.values()
-    common = {"causal", "num_heads", "head_dim", "value_dim", "rngs"}
+    common = {"causal", "num_heads", "head_dim", "value_dim", "rngs", "sequence_axis"}
     return sorted(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in common)
 
 
@@ -74,19 +84,81 @@ def check_attention_options(kind: str, options: Mapping[str, Any]) -> None:
                          f"its options are {allowed}.")
 
 
+def sequence_parallel_kinds() -> list[str]:
+    """Registered kinds with a sequence-parallel form (`has_sequence_parallel_form`), sorted."""
+    return [k for k in registered_attention_kinds() if _KINDS[k].has_sequence_parallel_form]
+
+
+def check_sequence_axis(kind: str, sequence_axis) -> None:
+    """Raise a ValueError unless `sequence_axis` is None, or a mesh axis name and attention
+    `kind` has a sequence-parallel form."""
+    _check_sequence_axis(attention_class(kind), sequence_axis)
+
+
+def _check_sequence_axis(cls: type["AttentionCore"], sequence_axis) -> None:
+    if sequence_axis is None:
+        return
+    kind = cls.kind
+    if not isinstance(sequence_axis, str) or not sequence_axis:
+        raise ValueError(f"sequence_axis must be a mesh axis name (str) or None, got "
+                         f"{sequence_axis!r}.")
+    if not cls.has_sequence_parallel_form:
+        raise ValueError(f"attention kind {kind!r} has no sequence-parallel form, so it cannot "
+                         f"run with sequence_axis={sequence_axis!r}; kinds with one: "
+                         f"{sequence_parallel_kinds()} (or use sequence_axis=None).")
+
+
 def make_attention_core(kind: str, *, causal: bool, num_heads: int, head_dim: int,
-                        value_dim: int, rngs: nnx.Rngs, **options) -> "AttentionCore":
-    """Build the registered core `kind`, rejecting options it does not accept."""
+                        value_dim: int, rngs: nnx.Rngs, sequence_axis: str | None = None,
+                        **options) -> "AttentionCore":
+    """Build the registered core `kind`, rejecting options it does not accept.
+
+    `sequence_axis` (a mesh axis name) is handed to the core only when set, so kinds written
+    before it existed still build; a kind without a sequence-parallel form rejects it.
+    """
     check_attention_options(kind, options)
+    check_sequence_axis(kind, sequence_axis)
+    if sequence_axis is not None:
+        options["sequence_axis"] = sequence_axis
     return attention_class(kind)(causal=causal, num_heads=num_heads, head_dim=head_dim,
                                  value_dim=value_dim, rngs=rngs, **options)
+
+
+def check_inference_mode(module: nnx.Module):
+    """Recurrent steps are for inference: refuse to run them with dropout switched on."""
+    for _, m in nnx.iter_graph(module):
+        if isinstance(m, nnx.Dropout) and m.rate > 0 and not m.deterministic:
+            raise ValueError("recurrent inference with dropout active: call model.eval() "
+                             "before init_state/step/prefill (and model.train() to train "
+                             "again).")
+
+
+def _prefill_axis(axis: str | None, length: int) -> str | None:
+    """The sequence axis for a prefill block of `length` steps, or None to run it unsplit.
+
+    Prefill is inference on prompts of any length, often outside any mesh: it splits time over
+    `axis` only where that can work -- a mesh with the axis is set (or we are inside
+    `jax.shard_map` over it) and `length` divides over its devices -- and otherwise runs on the
+    arrays as they are, which gives the same result.
+    """
+    if axis is None:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in mesh.axis_names:
+        return None
+    if axis in mesh.manual_axes:
+        return axis  # Inside shard_map the caller has split time already.
+    return axis if length % mesh.shape[axis] == 0 else None
 
 
 class AttentionCore(nnx.Module):
     """Attention after the projections: [B, T, H, D] queries to [B, T, H, M] outputs.
 
     Class attributes a kind may override:
-      has_recurrent_form: `init_state`/`step` reproduce the causal parallel form token by token.
+      has_recurrent_form: `init_state`/`step`/`prefill` reproduce the causal parallel form token
+        by token (or block by block).
+      has_sequence_parallel_form: the parallel form can split time over a mesh axis
+        (`sequence_axis`); the core passes it to its ops.
       shares_query_key: the keys are derived from the queries (self-attention only), so
         `MultiHeadAttention` builds no key projection and passes the queries as `k`.
       no_recurrent_form_reason: why a kind has none, for the error message.
@@ -94,15 +166,18 @@ class AttentionCore(nnx.Module):
 
     kind = "abstract"
     has_recurrent_form = False
+    has_sequence_parallel_form = False
     shares_query_key = False
     no_recurrent_form_reason = "it does not implement one"
 
     def __init__(self, *, causal: bool, num_heads: int, head_dim: int, value_dim: int,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, sequence_axis: str | None = None):
+        _check_sequence_axis(type(self), sequence_axis)
         self.causal = causal
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.value_dim = value_dim
+        self.sequence_axis = sequence_axis
 
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
         """Parallel form: [B, T, H, D] queries over [B, S, H, *] keys/values -> [B, T, H, M]."""
@@ -116,12 +191,24 @@ class AttentionCore(nnx.Module):
         """One token of causal self-attention: (state, q_t, k_t, v_t) -> (state, out_t [B, H, M])."""
         raise self._no_recurrent_form("step")
 
+    def prefill(self, state, q_BTHD, k_BTHD, v_BTHM, *, key_lengths=None):
+        """A block of T tokens of causal self-attention in parallel form, continuing from `state`
+        (from `init_state`, `step` or an earlier `prefill`): -> (state, out [B, T, H, M]).
+
+        Equal to T calls of `step` (up to rounding), and the returned state is the one they
+        would leave. `key_lengths` int [B]: tokens at index >= key_lengths[b] are padding that
+        changes neither the state nor the outputs at valid positions (kinds that support it).
+        Inference only: dropout must be off (`model.eval()`).
+        """
+        raise self._no_recurrent_form("prefill")
+
     def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
         """Precompute what cross-attention over a fixed memory needs, once per sequence."""
         raise self._no_memory_form("init_memory")
 
-    def attend_memory(self, memory, q_BHD):
-        """Cross-attention of one query step over the memory from `init_memory` -> [B, H, M]."""
+    def attend_memory(self, memory, q):
+        """Cross-attention over the memory from `init_memory`: one query step q [B, H, D] ->
+        [B, H, M], or a block q [B, T, H, D] -> [B, T, H, M]."""
         raise self._no_memory_form("attend_memory")
 
     def _no_memory_form(self, what: str) -> ValueError:
@@ -138,11 +225,31 @@ class AttentionCore(nnx.Module):
             raise ValueError(f"{what} is the recurrent form of causal self-attention, but this "
                              f"{self.kind!r} attention is non-causal; build it with causal=True.")
 
+    def _check_prefill(self, state, q_BTHD, k_BTHD, v_BTHM):
+        self._require_causal("prefill")
+        check_inference_mode(self)
+        ops._checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=f"{self.kind} prefill")
+        if q_BTHD.shape[1] != k_BTHD.shape[1]:
+            raise ValueError(f"{self.kind} prefill: a block of causal self-attention needs as "
+                             f"many queries as keys, got T={q_BTHD.shape[1]} and "
+                             f"S={k_BTHD.shape[1]}.")
 
-def _softmax_one_query(q_BHD, k_BSHD, v_BSHM, *, key_lengths=None, scale=None):
-    """One query step over fixed keys/values (cross-attention memories) -> [B, H, M]."""
-    return ops.softmax_attention_reference(q_BHD[:, None], k_BSHD, v_BSHM,
-                                           key_lengths=key_lengths, scale=scale)[:, 0]
+
+def _memory_queries(q, name: str):
+    """q [B, H, D] (one step) or [B, T, H, D] (a block) -> ([B, T, H, D], whether one step)."""
+    if q.ndim not in (3, 4):
+        raise ValueError(f"{name}: queries must be [batch, heads, features] (one step) or "
+                         f"[batch, time, heads, features] (a block), got shape "
+                         f"{tuple(q.shape)}.")
+    return (q[:, None], True) if q.ndim == 3 else (q, False)
+
+
+def _softmax_over_memory(q, k_BSHD, v_BSHM, *, key_lengths=None, scale=None, name):
+    """Queries [B, H, D] or [B, T, H, D] over fixed keys/values (cross-attention memories)."""
+    q_BTHD, one_step = _memory_queries(q, name)
+    out_BTHM = ops.softmax_attention_reference(q_BTHD, k_BSHD, v_BSHM, key_lengths=key_lengths,
+                                               scale=scale)
+    return out_BTHM[:, 0] if one_step else out_BTHM
 
 
 class SoftmaxMemory(NamedTuple):
@@ -161,14 +268,24 @@ class SoftmaxAttention(AttentionCore):
       implementation: passed to `ops.softmax_attention` (None, "xla", "cudnn", "reference").
       sow_weights: record the probabilities [B, H, T, S] as `nnx.Intermediate`
         "attention_weights" (read them with `nnx.capture`); uses the explicit-weights path.
+
+    With `sequence_axis` each device keeps its queries and all-gathers the keys and values
+    (`ops.softmax_attention`); the explicit-weights path (sow_weights, attention dropout while
+    training) has no sequence-parallel form and is refused.
     """
 
     has_recurrent_form = True
+    has_sequence_parallel_form = True
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, softmax_temp=None,
-                 attention_dropout=0.0, implementation=None, sow_weights=False):
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
+                 softmax_temp=None, attention_dropout=0.0, implementation=None,
+                 sow_weights=False):
         super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs)
+                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis)
+        if sow_weights and sequence_axis is not None:
+            raise ValueError(f"softmax attention: sow_weights records the whole [B, H, T, S] "
+                             f"matrix, which sequence_axis={sequence_axis!r} never forms; use "
+                             f"one or the other.")
         if implementation not in ops.softmax.IMPLEMENTATIONS:
             raise ValueError(f"softmax attention: unknown implementation {implementation!r}; "
                              f"expected one of {ops.softmax.IMPLEMENTATIONS}.")
@@ -185,7 +302,13 @@ class SoftmaxAttention(AttentionCore):
             return ops.softmax_attention(q_BTHD, k_BSHD, v_BSHM, causal=self.causal,
                                          key_lengths=key_lengths, mask=mask,
                                          scale=self.softmax_temp,
-                                         implementation=self.implementation)
+                                         implementation=self.implementation,
+                                         sequence_axis=self.sequence_axis)
+        if self.sequence_axis is not None:
+            raise ValueError(f"softmax attention: attention dropout drops entries of the whole "
+                             f"[B, H, T, S] matrix, which sequence_axis={self.sequence_axis!r} "
+                             f"never forms; train with attention_dropout=0 or without a "
+                             f"sequence axis.")
         key_lengths = ops.softmax.validate_softmax_inputs(
             q_BTHD, k_BSHD, v_BSHM, causal=self.causal, key_lengths=key_lengths)
         w_BHTS = ops.softmax_attention_weights(q_BTHD, k_BSHD, causal=self.causal,
@@ -211,14 +334,32 @@ class SoftmaxAttention(AttentionCore):
         self._require_causal("step")
         return ops.softmax_attention_step(state, q_BHD, k_BHD, v_BHM, scale=self.softmax_temp)
 
+    def prefill(self, state, q_BTHD, k_BTHD, v_BTHM, *, key_lengths=None):
+        """Write the block into cache slots [length, length + T) and attend causally over the
+        filled slots (`ops.softmax_attention_prefill`).
+
+        The cache keeps one length for the whole batch, so per-example `key_lengths` cannot be
+        honoured: prefill the common prefix and `step` the rest, or use a linear kind. The block
+        runs in the global view whatever `sequence_axis` is.
+        """
+        self._check_prefill(state, q_BTHD, k_BTHD, v_BTHM)
+        if key_lengths is not None:
+            raise ValueError("softmax prefill: the KV cache keeps one length for the whole batch, "
+                             "so per-example key_lengths cannot be honoured; prefill the prefix "
+                             "every example shares and step the rest, or use a linear kind.")
+        return ops.softmax_attention_prefill(state, q_BTHD, k_BTHD, v_BTHM,
+                                             scale=self.softmax_temp)
+
     def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
         """The memory's projected keys and values, kept whole."""
         return SoftmaxMemory(k_BSHD, v_BSHM, key_lengths)
 
-    def attend_memory(self, memory, q_BHD):
-        """Softmax over all valid memory keys for one query step."""
-        return _softmax_one_query(q_BHD, memory.k_BSHD, memory.v_BSHM,
-                                  key_lengths=memory.key_lengths, scale=self.softmax_temp)
+    def attend_memory(self, memory, q):
+        """Softmax over all valid memory keys for one query step q [B, H, D] or a block
+        q [B, T, H, D]."""
+        return _softmax_over_memory(q, memory.k_BSHD, memory.v_BSHM,
+                                    key_lengths=memory.key_lengths, scale=self.softmax_temp,
+                                    name="softmax attend_memory")
 
 
 class FeatureProjection(nnx.Variable):
@@ -243,14 +384,19 @@ class LinearAttention(AttentionCore):
     Arbitrary [T, S] masks cannot be honoured without the T x S matrix; key_lengths is the
     supported padding mask. In causal form, right-padded keys never reach a valid position, so
     key_lengths needs no work there.
+
+    With `sequence_axis` each device reduces its block to an (S, z) state: the causal form
+    combines them by an exclusive prefix over devices (LASP-2), the non-causal one by a sum.
     """
 
     has_recurrent_form = True
+    has_sequence_parallel_form = True
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, feature_map="elu",
-                 num_features=None, impl="chunked", chunk_size=None, eps=1e-6):
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
+                 feature_map="elu", num_features=None, impl="chunked", chunk_size=None,
+                 eps=1e-6):
         super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs)
+                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis)
         if impl not in ops.IMPLS:
             raise ValueError(f"linear attention: unknown impl {impl!r}; expected one of "
                              f"{ops.IMPLS}.")
@@ -292,9 +438,11 @@ class LinearAttention(AttentionCore):
         if self.causal:
             return ops.causal_linear_attention(q_BTHD, k_BSHD, v_BSHM,
                                                feature_map=self.feature_map, impl=self.impl,
-                                               chunk_size=self.chunk_size, eps=self.eps)
+                                               chunk_size=self.chunk_size, eps=self.eps,
+                                               sequence_axis=self.sequence_axis)
         return ops.linear_attention(q_BTHD, k_BSHD, v_BSHM, feature_map=self.feature_map,
-                                    key_lengths=key_lengths, eps=self.eps)
+                                    key_lengths=key_lengths, eps=self.eps,
+                                    sequence_axis=self.sequence_axis)
 
     def init_state(self, batch, max_length=None, dtype=jnp.float32):
         """(S, z) zeros; `max_length` is accepted for a uniform interface and not needed."""
@@ -309,14 +457,39 @@ class LinearAttention(AttentionCore):
         return ops.linear_attention_step(state, q_BHD, k_BHD, v_BHM,
                                          feature_map=self.feature_map, eps=self.eps)
 
-    def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
-        """Reduce the memory to one (S, z) summary: O(D*M) per head whatever its length."""
-        return ops.linear_state_from_keys(k_BSHD, v_BSHM, feature_map=self.feature_map,
-                                          key_lengths=key_lengths)
+    def prefill(self, state, q_BTHD, k_BTHD, v_BTHM, *, key_lengths=None):
+        """The causal parallel form (this layer's impl) started from the state (S, z) and
+        returning the state after the block (`ops.causal_linear_attention(initial_state=,
+        return_state=True)`); with key_lengths, the state after each example's real tokens.
 
-    def attend_memory(self, memory, q_BHD):
-        """Read one query step out of the (S, z) summary."""
-        return ops.linear_attention_from_state(memory, q_BHD, feature_map=self.feature_map,
+        With `sequence_axis`, the block is split over the devices when a mesh with that axis is
+        set and T divides over it; otherwise it runs on the arrays as they are (same result).
+        """
+        self._check_prefill(state, q_BTHD, k_BTHD, v_BTHM)
+        out_BTHM, new_state = ops.causal_linear_attention(
+            q_BTHD, k_BTHD, v_BTHM, feature_map=self.feature_map, impl=self.impl,
+            chunk_size=self.chunk_size, eps=self.eps, initial_state=state, return_state=True,
+            key_lengths=key_lengths,
+            sequence_axis=_prefill_axis(self.sequence_axis, q_BTHD.shape[1]))
+        # The state keeps its dtypes, as `step` keeps them, so it stays a valid scan carry.
+        new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state)
+        return new_state, out_BTHM
+
+    def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
+        """Reduce the memory to one (S, z) summary: O(D*M) per head whatever its length.
+
+        With `sequence_axis`, summed over the devices when a mesh with that axis is set and S
+        divides over it (as the parallel form); otherwise on the arrays as they are.
+        """
+        return ops.linear_state_from_keys(
+            k_BSHD, v_BSHM, feature_map=self.feature_map, key_lengths=key_lengths,
+            sequence_axis=_prefill_axis(self.sequence_axis, k_BSHD.shape[1]))
+
+    def attend_memory(self, memory, q):
+        """Read one query step q [B, H, D], or a block q [B, T, H, D], out of the (S, z)
+        summary."""
+        _memory_queries(q, "linear attend_memory")
+        return ops.linear_attention_from_state(memory, q, feature_map=self.feature_map,
                                                eps=self.eps)
 
 
@@ -324,15 +497,17 @@ class LinearAttention(AttentionCore):
 class CausalLinearAttention(LinearAttention):
     """`"linear"` that insists on the causal form (the authors' name for it)."""
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, feature_map="elu",
-                 num_features=None, impl="chunked", chunk_size=None, eps=1e-6):
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
+                 feature_map="elu", num_features=None, impl="chunked", chunk_size=None,
+                 eps=1e-6):
         if not causal:
             raise ValueError("attention kind 'causal-linear' is causal by definition but was "
                              "built for non-causal attention (an encoder or cross-attention); "
                              "use kind='linear' there.")
         super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs, feature_map=feature_map,
-                         num_features=num_features, impl=impl, chunk_size=chunk_size, eps=eps)
+                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis,
+                         feature_map=feature_map, num_features=num_features, impl=impl,
+                         chunk_size=chunk_size, eps=eps)
 
 
 class HashRotations(nnx.Variable):
@@ -361,10 +536,12 @@ class ReformerAttention(AttentionCore):
     no_recurrent_form_reason = ("which keys share a chunk depends on the hash-sorted order of the "
                                 "whole sequence, so no per-token state reproduces the parallel form")
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, num_buckets=8,
-                 num_rounds=4, chunk_size=32, softmax_temp=None):
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
+                 num_buckets=8, num_rounds=4, chunk_size=32, softmax_temp=None):
+        # No sequence-parallel form (the hash-sorted chunks span the whole sequence): the base
+        # class rejects a sequence_axis with the list of kinds that have one.
         super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs)
+                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis)
         ops.check_lsh_options(num_rounds=num_rounds, num_buckets=num_buckets,
                               chunk_size=chunk_size)
         self.chunk_size = chunk_size
@@ -412,10 +589,11 @@ class LinformerAttention(AttentionCore):
 
     no_recurrent_form_reason = "it is non-causal: every projected row mixes every position"
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, max_length=None,
-                 projected_length=64, share_kv=False, softmax_temp=None):
+    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
+                 max_length=None, projected_length=64, share_kv=False, softmax_temp=None):
+        # No sequence-parallel form (not implemented): the base class rejects a sequence_axis.
         super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs)
+                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis)
         if causal:
             raise ValueError("attention kind 'linformer' has no causal form (each projected row "
                              "mixes every position, future ones included); use it in an encoder "
@@ -449,8 +627,9 @@ class LinformerAttention(AttentionCore):
         return LinformerMemory(*ops.linformer_project(k_BSHD, v_BSHM, *self._projections(),
                                                       key_lengths=key_lengths))
 
-    def attend_memory(self, memory, q_BHD):
-        """Softmax of one query step over the K projected rows."""
-        out_BHM = _softmax_one_query(q_BHD.astype(memory.k_BKHD.dtype), memory.k_BKHD,
-                                     memory.v_BKHM, scale=self.softmax_temp)
-        return out_BHM.astype(q_BHD.dtype)
+    def attend_memory(self, memory, q):
+        """Softmax of one query step q [B, H, D], or a block q [B, T, H, D], over the K
+        projected rows."""
+        out = _softmax_over_memory(q.astype(memory.k_BKHD.dtype), memory.k_BKHD, memory.v_BKHM,
+                                   scale=self.softmax_temp, name="linformer attend_memory")
+        return out.astype(q.dtype)

@@ -2,6 +2,10 @@
 
 `nnx.split` happens once outside `jit`; inside, `nnx.merge` rebuilds the module (the Flax
 performance guide's recommended pattern), so a whole sequence runs as one `lax.scan`.
+
+  state, ys_BT = scan_steps(module, state, xs_BT)        `step` over time, one compiled loop
+  tokens_BT = generate(model, prompt_BP, N, key=key)    prompt read by one `prefill`, then N
+                                                        tokens sampled step by step
 """
 
 from __future__ import annotations
@@ -49,8 +53,12 @@ def _generate(graphdef, params, prompt_BP, key, num_steps, temperature):
     model = nnx.merge(graphdef, params)
     B, P = prompt_BP.shape
     state = model.init_state(B, P + num_steps)
-    # The prompt is read with the same recurrent step, so prompt and continuation share state.
-    state, _ = jax.lax.scan(model.step, state, prompt_BP[:, :-1].T)
+    # All but the last prompt token in one parallel pass; the sampling loop reads the last one.
+    if P > 1:
+        if hasattr(model, "prefill"):
+            state, _ = model.prefill(state, prompt_BP[:, :-1])
+        else:  # A module with only `step`: read the prompt token by token.
+            state, _ = jax.lax.scan(model.step, state, prompt_BP[:, :-1].T)
 
     def sample_step(carry, key_t):
         state, token_B = carry
@@ -69,7 +77,9 @@ def generate(model: nnx.Module, prompt_BP, num_steps: int, *, key, temperature: 
     """Sample `num_steps` tokens after `prompt_BP` (at least one token) in one compiled loop.
 
     `model` needs `init_state(batch, max_length)` and `step(state, token_B) -> (state, logits_BV)`
-    (e.g. `CausalLM`), and must be in eval mode. temperature=0 decodes greedily.
+    (e.g. `CausalLM`), and must be in eval mode. The prompt, all but its last token, is read by
+    one `prefill(state, tokens_BT)` where the model has one (token by token otherwise); the
+    sampling loop then steps from its last token. temperature=0 decodes greedily.
     Returns [B, P + num_steps] tokens.
     """
     prompt_BP = jnp.asarray(prompt_BP)

@@ -10,7 +10,10 @@ so the output at t predicts x_t from x_{<t} and every sub-pixel, the first inclu
   params_BTP = model(x_BT)                       parallel (training, scoring)
   state = model.init_state(batch)                recurrent (after `model.eval()`)
   state, params_BP = model.step(state, token_B)  token_B: START at t = 0, then x_{t-1}
+  state, params_BTP = model.prefill(state, tokens_BT)   T such tokens at once (= T steps)
   images_BT = sample_images(model, key, batch)   one compiled `lax.scan`, constant memory per step
+  images_BT = sample_images(model, key, batch, prefix=x_BK)   the known prefix read by one
+                                                 prefill, the rest drawn step by step
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from linear_transformers.lm import LMState, sinusoidal_encoding
+from linear_transformers.lm import LMState, embed_tokens, sinusoidal_encoding
 from linear_transformers.mixture import mol_log_prob, mol_sample, num_params
 from linear_transformers.transformer import Encoder, TransformerConfig, check_inference_mode
 
@@ -65,7 +68,7 @@ class ImageGenerator(nnx.Module):
         self.head = nnx.Linear(config.model_dim, num_params(num_mixtures), rngs=rngs)
 
     def _inputs(self, tokens, positions):
-        x = self.embed(tokens)
+        x = embed_tokens(self.embed, tokens)
         encoding = sinusoidal_encoding(positions, self.position_dim, x.dtype)
         return jnp.concatenate([x, jnp.broadcast_to(encoding, x.shape[:-1] + encoding.shape[-1:])],
                                axis=-1)
@@ -117,9 +120,23 @@ class ImageGenerator(nnx.Module):
         layers, y_BE = self.decoder.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
 
+    def prefill(self, state: LMState, tokens_BT):
+        """Read T input tokens at once, as T calls of `step` would (START at position 0, else
+        the previous sub-pixel): -> (state, params [B, T, P]), the distribution of the sub-pixel
+        at each of these positions; the position advances by T.
+
+        From `init_state`, `shifted_inputs(x_BT)[:, :k]` reads the first k positions of x.
+        Positions past max_length are not checked (as in `step`).
+        """
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        T = tokens_BT.shape[1]
+        x_BTE = self._inputs(tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
+        layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)
+        return LMState(layers, state.position + T), self.head(y_BTE)
+
 
 def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
-    """Validate and pad the prefix: -> (prefix [B, max_length] int32, prefix length int32)."""
+    """Validate the prefix: -> prefix [B, k] int32 (k = 0 without one)."""
     if not isinstance(model, ImageGenerator):
         raise ValueError(f"{where}: model must be an ImageGenerator, got {type(model).__name__}.")
     if batch < 1:
@@ -128,7 +145,7 @@ def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
     check_inference_mode(model)
     length = model.max_length
     if prefix is None:
-        return jnp.zeros((batch, length), jnp.int32), jnp.int32(0)
+        return jnp.zeros((batch, 0), jnp.int32)
     prefix = jnp.asarray(prefix)
     if (prefix.ndim != 2 or prefix.shape[0] != batch or prefix.shape[1] > length
             or not jnp.issubdtype(prefix.dtype, jnp.integer)):
@@ -139,43 +156,51 @@ def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
         if low < 0 or high >= model.num_classes:
             raise ValueError(f"{where}: prefix values must be in [0, {model.num_classes}), got "
                              f"values in [{low}, {high}].")
-    k = prefix.shape[1]
-    # Padded to max_length with the length traced: one compilation serves every prefix length.
-    return jnp.pad(prefix.astype(jnp.int32), ((0, 0), (0, length - k))), jnp.int32(k)
+    return prefix.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 6))
-def _sample_recurrent(graphdef, params, key, batch, prefix_BT, prefix_length, num_steps):
+@functools.partial(jax.jit, static_argnums=(0, 3, 5))
+def _sample_recurrent(graphdef, params, key, batch, prefix_BK, num_steps):
     model = nnx.merge(graphdef, params)
+    L, k = model.max_length, prefix_BK.shape[1]
+    if num_steps <= k:  # Every requested sub-pixel is given: nothing to draw.
+        return jnp.pad(prefix_BK[:, :num_steps], ((0, 0), (0, L - num_steps)))
+    # Step t reads input t: START, then x_0, ..., x_{k-1} for the known sub-pixels.
+    start_B1 = jnp.full((batch, 1), model.start_token, jnp.int32)
+    inputs_BK1 = jnp.concatenate([start_B1, prefix_BK], axis=1)
     state = model.init_state(batch)
-    keys = jax.random.split(key, model.max_length)[:num_steps]
+    if k:
+        # The steps whose draws the prefix overrides, in one parallel pass; step k reads
+        # x_{k-1} in the scan below and draws x_k.
+        state, _ = model.prefill(state, inputs_BK1[:, :k])
+    # Step t's key is the same whatever the prefix: the draws match sample_images_full_recompute.
+    keys = jax.random.split(key, L)[k:num_steps]
 
-    def body(carry, inputs):
+    def body(carry, key_t):
         state, token_B = carry
-        t, key_t = inputs
         state, params_BP = model.step(state, token_B)
-        drawn_B = mol_sample(key_t, params_BP, model.num_classes)
-        token_B = jnp.where(t < prefix_length, prefix_BT[:, t], drawn_B)
+        token_B = mol_sample(key_t, params_BP, model.num_classes)
         return (state, token_B), token_B
 
-    start_B = jnp.full((batch,), model.start_token, jnp.int32)
-    _, tokens_TB = jax.lax.scan(body, (state, start_B), (jnp.arange(num_steps), keys))
-    return jnp.pad(tokens_TB.T, ((0, 0), (0, model.max_length - num_steps)))
+    _, drawn_TB = jax.lax.scan(body, (state, inputs_BK1[:, k]), keys)
+    images_BT = jnp.concatenate([prefix_BK, drawn_TB.T], axis=1)
+    return jnp.pad(images_BT, ((0, 0), (0, L - num_steps)))
 
 
 def sample_images(model: ImageGenerator, key, batch: int, *, prefix=None, num_steps=None):
-    """Sample [batch, max_length] int32 sub-pixels with the recurrent form, in one compiled scan.
+    """Sample [batch, max_length] int32 sub-pixels with the recurrent form, in one compiled call.
 
     `prefix` [batch, k] forces the first k sub-pixels (conditional completion, like the authors'
-    demo); the rest are drawn. Step t uses `jax.random.split(key, max_length)[t]` (forced steps too),
-    so `sample_images_full_recompute` draws the same samples from the same key. `num_steps` stops
-    after that many sub-pixels (the rest are 0): previews and benchmarks. The model must be in
-    eval mode.
+    demo): they are read in one parallel `prefill`, and the rest are drawn one `step` at a time
+    in a `lax.scan`. The prefix length k is static: each k compiles once. Step t uses
+    `jax.random.split(key, max_length)[t]` whatever k, so `sample_images_full_recompute` draws
+    the same samples from the same key. `num_steps` stops after that many sub-pixels (the rest
+    are 0): previews and benchmarks. The model must be in eval mode.
     """
-    prefix_BT, prefix_length = _check_sampling_args(model, batch, prefix, "sample_images")
+    prefix_BK = _check_sampling_args(model, batch, prefix, "sample_images")
     num_steps = _check_num_steps(model, num_steps, "sample_images")
     graphdef, params = nnx.split(model)
-    return _sample_recurrent(graphdef, params, key, batch, prefix_BT, prefix_length, num_steps)
+    return _sample_recurrent(graphdef, params, key, batch, prefix_BK, num_steps)
 
 
 def _check_num_steps(model: ImageGenerator, num_steps, where: str) -> int:
@@ -214,9 +239,12 @@ def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, pref
     images unless a draw lands within rounding error of a bin edge. Every step runs the model
     over the whole max_length buffer, so each costs the same. `num_steps` as in `sample_images`.
     """
-    prefix_BT, prefix_length = _check_sampling_args(model, batch, prefix,
-                                                    "sample_images_full_recompute")
+    prefix_BK = _check_sampling_args(model, batch, prefix, "sample_images_full_recompute")
     num_steps = _check_num_steps(model, num_steps, "sample_images_full_recompute")
+    # Padded to max_length with the length traced: one compilation serves every prefix length.
+    k = prefix_BK.shape[1]
+    prefix_BT = jnp.pad(prefix_BK, ((0, 0), (0, model.max_length - k)))
+    prefix_length = jnp.int32(k)
     graphdef, params = nnx.split(model)
     return _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_length,
                                   num_steps)

@@ -1,6 +1,11 @@
 """A decoder-only transformer over tokens with a recurrent form for generation.
 
 Legend: B batch, T time, E model width, V vocabulary.
+
+  logits_BTV = model(tokens_BT)                         parallel (training, scoring)
+  state = model.init_state(batch, max_length)           recurrent (after `model.eval()`)
+  state, logits_BTV = model.prefill(state, tokens_BT)   a prompt (or segment) in one pass
+  state, logits_BV = model.step(state, token_B)         then one token at a time
 """
 
 from __future__ import annotations
@@ -10,8 +15,18 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from linear_transformers.transformer import Encoder, TransformerConfig
+
+
+def embed_tokens(embed: nnx.Embed, tokens):
+    """`embed(tokens)`; under a mesh with explicit axis types, the embeddings keep the tokens'
+    sharding (features replicated), which the lookup cannot infer by itself."""
+    spec = getattr(getattr(jax.typeof(tokens), "sharding", None), "spec", None)
+    if spec is None or all(axis is None for axis in spec):
+        return embed(tokens)
+    return embed(tokens, out_sharding=PartitionSpec(*spec, None))
 
 
 def sinusoidal_encoding(positions, dim: int, dtype=jnp.float32):
@@ -32,7 +47,18 @@ class CausalLM(nnx.Module):
     """Token embedding plus sinusoidal positions, a causal `Encoder` stack, and logits.
 
     Parallel: logits_BTV = model(tokens_BT). Recurrent (after `model.eval()`):
-    state = model.init_state(batch, max_length); state, logits_BV = model.step(state, token_B).
+    state = model.init_state(batch, max_length); state, logits_BV = model.step(state, token_B);
+    state, logits_BTV = model.prefill(state, tokens_BT) reads T tokens at once (equal to T
+    `step`s), e.g. a prompt before generating (`generation.generate` does so).
+
+    Streaming: a sequence too long for one parallel pass goes through in segments, the state
+    carried between them, with the logits of the one pass over the whole of it (positions
+    continue across segments; linear kinds keep a constant-size state, softmax needs
+    `max_length` >= the total length):
+
+    >>> state = model.init_state(batch, max_length)
+    >>> for tokens_BT in segments:                  # consecutive [B, T_i] pieces
+    ...     state, logits_BTV = model.prefill(state, tokens_BT)
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, *, rngs: nnx.Rngs):
@@ -44,7 +70,7 @@ class CausalLM(nnx.Module):
         self.head = nnx.Linear(config.model_dim, vocab_size, rngs=rngs)
 
     def _inputs(self, tokens, positions):
-        return self.embed(tokens) + sinusoidal_encoding(positions, self.model_dim)
+        return embed_tokens(self.embed, tokens) + sinusoidal_encoding(positions, self.model_dim)
 
     def __call__(self, tokens_BT, *, key_lengths=None):
         x_BTE = self._inputs(tokens_BT, jnp.arange(tokens_BT.shape[1]))
@@ -60,3 +86,12 @@ class CausalLM(nnx.Module):
         x_BE = self._inputs(token_B, state.position)
         layers, y_BE = self.decoder.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
+
+    def prefill(self, state: LMState, tokens_BT):
+        """Consume T tokens per batch element at once, from `state`: -> (state, logits [B, T, V]),
+        where logits at t score the token after tokens_BT[:, t]. Equal to T calls of `step`;
+        the position advances by T."""
+        T = tokens_BT.shape[1]
+        x_BTE = self._inputs(tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
+        layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)
+        return LMState(layers, state.position + T), self.head(y_BTE)

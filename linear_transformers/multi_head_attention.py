@@ -8,9 +8,11 @@ The same parameters serve three uses:
   y_BTE = mha(x_BTE)                                   self-attention, parallel (training)
   y_BTE = mha(x_BTE, context_BSE, key_lengths=...)     cross-attention, parallel
   state = mha.init_state(batch, max_length)            causal self-attention as an RNN:
-  state, y_BE = mha.step(state, x_BE)                  one token at a time
+  state, y_BE = mha.step(state, x_BE)                  one token at a time,
+  state, y_BTE = mha.prefill(state, x_BTE)             or a block of T in parallel form
   memory = mha.init_memory(context_BSE, key_lengths)   cross-attention over a fixed memory:
   y_BE = mha.attend_memory(memory, x_BE)               its keys/values computed once
+                                                       (x_BTE: a block of queries)
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class MultiHeadAttention(nnx.Module):
       attention_dropout, softmax_temp: passed to the core when set; a kind that has no attention
         matrix or temperature rejects them rather than ignore them.
       attention_options: further options of the kind (e.g. {"feature_map": "favor"}).
+      sequence_axis: mesh axis to split time over in the parallel form (sequence parallelism;
+        kinds with `has_sequence_parallel_form` only), or None.
     """
 
     def __init__(self, in_features: int, num_heads: int, *, query_dim: int | None = None,
@@ -46,7 +50,8 @@ class MultiHeadAttention(nnx.Module):
                  kv_features: int | None = None, out_features: int | None = None,
                  attention_dropout: float = 0.0, softmax_temp: float | None = None,
                  attention_options: Mapping[str, Any] | None = None, use_bias: bool = True,
-                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=None, param_dtype=jnp.float32, sequence_axis: str | None = None,
+                 rngs: nnx.Rngs):
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}.")
         if query_dim is None:
@@ -68,7 +73,7 @@ class MultiHeadAttention(nnx.Module):
             options["softmax_temp"] = softmax_temp
         self.core = make_attention_core(kind, causal=causal, num_heads=num_heads,
                                         head_dim=query_dim, value_dim=value_dim, rngs=rngs,
-                                        **options)
+                                        sequence_axis=sequence_axis, **options)
 
         def linear(i, o):
             return nnx.Linear(i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
@@ -120,6 +125,20 @@ class MultiHeadAttention(nnx.Module):
         state, y_BHM = self.core.step(state, q_BHD, k_BHD, v_BHM)
         return state, self._merge(y_BHM)
 
+    def prefill(self, state, x_BTE, *, key_lengths=None):
+        """T tokens of causal self-attention at once, from `state`: -> (state, y [B, T, E]).
+
+        The parallel form over the block, continuing from the state of the tokens before it
+        (from `init_state`, `step` or `prefill`), and returning the state after it: equal to T
+        calls of `step`. key_lengths int [B] (linear kinds): tokens at index >= key_lengths[b]
+        leave the state as it was after the real ones.
+        """
+        q_BTHD = self._heads(self.query, x_BTE, self.query_dim)
+        k_BTHD = q_BTHD if self.key is None else self._heads(self.key, x_BTE, self.query_dim)
+        v_BTHM = self._heads(self.value, x_BTE, self.value_dim)
+        state, y_BTHM = self.core.prefill(state, q_BTHD, k_BTHD, v_BTHM, key_lengths=key_lengths)
+        return state, self._merge(y_BTHM)
+
     def init_memory(self, context_BSE, key_lengths=None):
         """Project a fixed memory once, for `attend_memory` at every decoding step."""
         if self.key is None:
@@ -128,7 +147,11 @@ class MultiHeadAttention(nnx.Module):
         v_BSHM = self._heads(self.value, context_BSE, self.value_dim)
         return self.core.init_memory(k_BSHD, v_BSHM, key_lengths)
 
-    def attend_memory(self, memory, x_BE):
-        """Cross-attention of one query per batch element over a memory from `init_memory`."""
+    def attend_memory(self, memory, x):
+        """Cross-attention over a memory from `init_memory` of one query per batch element,
+        x [B, E] -> [B, E_out], or of a block of queries, x [B, T, E] -> [B, T, E_out]."""
+        if x.ndim not in (2, 3):
+            raise ValueError(f"attend_memory: x must be [batch, features] (one step) or "
+                             f"[batch, time, features] (a block), got shape {tuple(x.shape)}.")
         return self._merge(self.core.attend_memory(
-            memory, self._heads(self.query, x_BE, self.query_dim)))
+            memory, self._heads(self.query, x, self.query_dim)))

@@ -4,6 +4,12 @@ Legend: B batch, S source time, T target time, E model width, V vocabulary.
 
   logits_BTV = model(source_BS, target_in_BT, source_lengths=lengths_B)   parallel (training)
   tokens_BT = greedy_decode(model, source_BS, T, start_token=0)          one compiled loop
+  tokens_BT = greedy_decode(model, source_BS, T, start_token=0, prefix=prefix_BK)
+                                                 a forced target prefix, read by one prefill
+
+Recurrently (after `model.eval()`): state = model.init_state(memory_BSE, max_length,
+source_lengths=...); state, logits_BV = model.step(state, token_B) for one target token, or
+state, logits_BTV = model.prefill(state, tokens_BT) for T of them at once (equal to T steps).
 
 Decoding encodes the source once; each decoder layer then reduces the memory once to what its
 cross-attention needs per step (softmax: the projected keys/values; linear: one (S, z) summary;
@@ -19,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.lm import sinusoidal_encoding
+from linear_transformers.lm import embed_tokens, sinusoidal_encoding
 from linear_transformers.transformer import Decoder, Encoder, TransformerConfig
 
 
@@ -49,7 +55,7 @@ class EncoderDecoder(nnx.Module):
         self.head = nnx.Linear(self.model_dim, vocab_size, rngs=rngs)
 
     def _inputs(self, tokens, positions):
-        return self.embed(tokens) + sinusoidal_encoding(positions, self.model_dim)
+        return embed_tokens(self.embed, tokens) + sinusoidal_encoding(positions, self.model_dim)
 
     def encode(self, source_BS, *, source_lengths=None):
         """The memory [B, S, E]; source tokens at index >= source_lengths are padding."""
@@ -77,12 +83,29 @@ class EncoderDecoder(nnx.Module):
         layers, y_BE = self.decoder.step(state.layers, self._inputs(token_B, state.position))
         return Seq2SeqState(layers, state.position + 1), self.head(y_BE)
 
+    def prefill(self, state: Seq2SeqState, tokens_BT):
+        """Consume T target tokens per batch element at once, from `state`: -> (state, logits
+        [B, T, V]), where logits at t score the token after tokens_BT[:, t]. Equal to T calls of
+        `step`; the position advances by T."""
+        T = tokens_BT.shape[1]
+        x_BTE = self._inputs(tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
+        layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)
+        return Seq2SeqState(layers, state.position + T), self.head(y_BTE)
+
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_lengths):
+def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_lengths,
+                   prefix_BK):
     model = nnx.merge(graphdef, params)
     memory_BSE = model.encode(source_BS, source_lengths=source_lengths)
-    state = model.init_state(memory_BSE, num_steps, source_lengths=source_lengths)
+    K = prefix_BK.shape[1]
+    # The decoder reads start, the K prefix tokens, then num_steps - 1 decoded ones.
+    state = model.init_state(memory_BSE, K + num_steps, source_lengths=source_lengths)
+    start_B1 = jnp.full(source_BS.shape[:1] + (1,), start_token, source_BS.dtype)
+    inputs_BK1 = jnp.concatenate([start_B1, prefix_BK], axis=1)
+    if K:
+        # All but the last known token in one parallel pass; the loop reads the last one.
+        state, _ = model.prefill(state, inputs_BK1[:, :K])
 
     def body(carry, _):
         state, token_B = carry
@@ -90,18 +113,21 @@ def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_l
         token_B = jnp.argmax(logits_BV, axis=-1).astype(source_BS.dtype)
         return (state, token_B), token_B
 
-    start_B = jnp.full(source_BS.shape[:1], start_token, source_BS.dtype)
-    _, tokens_TB = jax.lax.scan(body, (state, start_B), length=num_steps)
+    _, tokens_TB = jax.lax.scan(body, (state, inputs_BK1[:, K]), length=num_steps)
     return tokens_TB.T
 
 
 def greedy_decode(model: EncoderDecoder, source_BS, num_steps: int, *, start_token: int,
-                  source_lengths=None):
+                  source_lengths=None, prefix=None):
     """Decode `num_steps` tokens greedily after `start_token`: [B, num_steps] tokens.
 
-    Encoding, the memory reduction and every decoding step run in one compiled function; the
-    decoder's self-attention must have a recurrent form (softmax, linear) and the model must be
-    in eval mode.
+    `prefix` [B, K] forces the first K target tokens after `start_token` (e.g. a known start of
+    the answer): they are read in one parallel `prefill`, and the `num_steps` tokens returned
+    are the ones decoded after them (the prefix itself is not repeated). Each K compiles once.
+
+    Encoding, the memory reduction, the prefill and every decoding step run in one compiled
+    function; the decoder's self-attention must have a recurrent form (softmax, linear) and the
+    model must be in eval mode.
     """
     source_BS = jnp.asarray(source_BS)
     if source_BS.ndim != 2:
@@ -109,6 +135,18 @@ def greedy_decode(model: EncoderDecoder, source_BS, num_steps: int, *, start_tok
                          f"{tuple(source_BS.shape)}.")
     if num_steps < 1:
         raise ValueError(f"greedy_decode: num_steps must be >= 1, got {num_steps}.")
+    batch = source_BS.shape[0]
+    if prefix is None:
+        prefix_BK = jnp.zeros((batch, 0), source_BS.dtype)
+    else:
+        prefix_BK = jnp.asarray(prefix)
+        if (prefix_BK.ndim != 2 or prefix_BK.shape[0] != batch
+                or not jnp.issubdtype(prefix_BK.dtype, jnp.integer)):
+            raise ValueError(f"greedy_decode: prefix must be integer tokens of shape "
+                             f"[batch={batch}, K], got {prefix_BK.dtype} "
+                             f"{tuple(prefix_BK.shape)}.")
+        prefix_BK = prefix_BK.astype(source_BS.dtype)
     graphdef, params = nnx.split(model)
     return _greedy_decode(graphdef, params, source_BS, num_steps, int(start_token),
-                          None if source_lengths is None else jnp.asarray(source_lengths))
+                          None if source_lengths is None else jnp.asarray(source_lengths),
+                          prefix_BK)

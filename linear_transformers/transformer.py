@@ -7,8 +7,15 @@ final LayerNorm on the stack. Every stack built with causal self-attention also 
 
   state = stack.init_state(batch, max_length, ...)    one pytree for all layers
   state, y_BE = stack.step(state, x_BE)               a `lax.scan` body
+  state, y_BTE = stack.prefill(state, x_BTE)          T steps at once, in parallel form
 
-Recurrent inference is inference: call `model.eval()` first so dropout is off.
+`prefill` equals T calls of `step`: a prompt is read in one parallel pass, and decoding goes on
+from the state it returns. Recurrent inference is inference: call `model.eval()` first so dropout
+is off.
+
+`TransformerConfig(sequence_axis="seq")` makes every attention layer split time over mesh axis
+"seq" (sequence parallelism); run the model under `with jax.set_mesh(mesh):` on inputs whose
+time axis is sharded over "seq" (P(None, "seq")), in the global view as usual.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.attention import attention_class, check_attention_options
+from linear_transformers.attention import (attention_class, check_attention_options,
+                                           check_inference_mode, check_sequence_axis)
 from linear_transformers.multi_head_attention import MultiHeadAttention
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}
@@ -60,6 +68,10 @@ class TransformerConfig:
       cross_attention, cross_attention_options: decoder cross-attention; default the
         self-attention kind and options ("linear" where self-attention is "causal-linear",
         "softmax" with default options where it is "reformer").
+      sequence_axis: mesh axis name to split time over in every attention layer (sequence
+        parallelism), or None. Both kinds (self- and cross-attention) need a sequence-parallel
+        form (softmax, linear, causal-linear). Sequence lengths must divide over the axis; the
+        recurrent forms (`step`, `prefill`) run whatever the length.
     """
 
     num_layers: int = 4
@@ -77,6 +89,7 @@ class TransformerConfig:
     attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     cross_attention: str | None = None
     cross_attention_options: Mapping[str, Any] | None = None
+    sequence_axis: str | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_heads", "model_dim"):
@@ -101,6 +114,11 @@ class TransformerConfig:
             attention_class(kind)
             check_attention_options(
                 kind, _core_options(kind, options, self.attention_dropout, self.softmax_temp))
+        try:
+            for kind in dict.fromkeys((self.attention, self.cross_kind)):
+                check_sequence_axis(kind, self.sequence_axis)
+        except ValueError as e:
+            raise ValueError(f"TransformerConfig: {e}") from None
 
     @property
     def head_query_dim(self) -> int:
@@ -167,7 +185,7 @@ def _attention(config: TransformerConfig, *, cross: bool, causal: bool, rngs) ->
         value_dim=config.head_value_dim, kind=kind, causal=causal,
         attention_dropout=config.attention_dropout, softmax_temp=config.softmax_temp,
         attention_options=config.cross_options if cross else config.attention_options,
-        rngs=rngs)
+        sequence_axis=config.sequence_axis, rngs=rngs)
 
 
 class _Residual(nnx.Module):
@@ -194,14 +212,6 @@ class FeedForward(nnx.Module):
         return self.linear2(self.dropout(ACTIVATIONS[self.activation](self.linear1(x))))
 
 
-def check_inference_mode(module: nnx.Module):
-    """Recurrent steps are for inference: refuse to run them with dropout switched on."""
-    for _, m in nnx.iter_graph(module):
-        if isinstance(m, nnx.Dropout) and m.rate > 0 and not m.deterministic:
-            raise ValueError("recurrent inference with dropout active: call model.eval() "
-                             "before init_state/step (and model.train() to train again).")
-
-
 class EncoderLayer(nnx.Module):
     """Self-attention and feed-forward; causal=True makes it a decoder-only (GPT-style) layer."""
 
@@ -225,6 +235,12 @@ class EncoderLayer(nnx.Module):
         state, y_BE = self.attention.step(state, x_BE)
         x_BE = self.attention_residual(x_BE, y_BE)
         return state, self.feed_forward_residual(x_BE, self.feed_forward(x_BE))
+
+    def prefill(self, state, x_BTE):
+        """T tokens through the layer from `state`: -> (state, y [B, T, E]); equals T `step`s."""
+        state, y_BTE = self.attention.prefill(state, x_BTE)
+        x_BTE = self.attention_residual(x_BTE, y_BTE)
+        return state, self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
 
 
 class DecoderLayerState(NamedTuple):
@@ -264,18 +280,28 @@ class DecoderLayer(nnx.Module):
         x_BE = self.feed_forward_residual(x_BE, self.feed_forward(x_BE))
         return DecoderLayerState(self_state, state.memory), x_BE
 
+    def prefill(self, state: DecoderLayerState, x_BTE):
+        """T tokens: causal self-attention prefill, cross-attention of the block over the memory
+        kept in the state, feed-forward -> (state, y [B, T, E]); equals T `step`s."""
+        self_state, y_BTE = self.self_attention.prefill(state.self_attention, x_BTE)
+        x_BTE = self.self_attention_residual(x_BTE, y_BTE)
+        x_BTE = self.cross_attention_residual(
+            x_BTE, self.cross_attention.attend_memory(state.memory, x_BTE))
+        x_BTE = self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
+        return DecoderLayerState(self_state, state.memory), x_BTE
+
 
 class _Stack(nnx.Module):
     def _final(self, x):
         return self.final_norm(x) if self.final_norm is not None else x
 
-    def _step_layers(self, state, x_BE):
+    def _step_layers(self, state, x, method: str):
         check_inference_mode(self)
         new_state = []
         for layer, layer_state in zip(self.layers, state, strict=True):
-            layer_state, x_BE = layer.step(layer_state, x_BE)
+            layer_state, x = getattr(layer, method)(layer_state, x)
             new_state.append(layer_state)
-        return tuple(new_state), self._final(x_BE)
+        return tuple(new_state), self._final(x)
 
 
 class Encoder(_Stack):
@@ -284,6 +310,15 @@ class Encoder(_Stack):
     >>> config = TransformerConfig(num_layers=2, num_heads=4, model_dim=64, attention="linear")
     >>> encoder = Encoder(config, rngs=nnx.Rngs(0))
     >>> y_BTE = encoder(x_BTE, key_lengths=lengths_B)
+
+    Causal stacks also run recurrently (after `encoder.eval()`): `init_state`, then `step` one
+    token or `prefill` a block of tokens at a time. Streaming a long input through in segments
+    gives the parallel pass over the whole of it (linear kinds keep a constant-size state;
+    softmax needs a cache of `max_length` >= the total length):
+
+    >>> state = encoder.init_state(batch, max_length)
+    >>> for x_BTE in segments:                     # [B, T_i, E] pieces of one long input
+    ...     state, y_BTE = encoder.prefill(state, x_BTE)
     """
 
     def __init__(self, config: TransformerConfig, *, causal: bool = False, rngs: nnx.Rngs):
@@ -305,7 +340,12 @@ class Encoder(_Stack):
 
     def step(self, state, x_BE):
         """One token through every layer; usable as a `lax.scan` body (see `generation`)."""
-        return self._step_layers(state, x_BE)
+        return self._step_layers(state, x_BE, "step")
+
+    def prefill(self, state, x_BTE):
+        """T tokens through every layer in parallel form, from `state` (from `init_state`, `step`
+        or `prefill`): -> (state, y [B, T, E]). Equals T calls of `step`; causal stacks only."""
+        return self._step_layers(state, x_BTE, "prefill")
 
 
 class Decoder(_Stack):
@@ -313,7 +353,8 @@ class Decoder(_Stack):
 
     Parallel: decoder(x_BTE, memory_BSE, memory_lengths=...). Recurrent:
     state = decoder.init_state(batch, max_length, memory_BSE); state, y_BE = decoder.step(state,
-    x_BE), where the memory's keys/values are projected once in init_state.
+    x_BE), where the memory's keys/values are projected once in init_state; state, y_BTE =
+    decoder.prefill(state, x_BTE) reads a block of target tokens at once (a forced prefix).
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
@@ -336,4 +377,9 @@ class Decoder(_Stack):
 
     def step(self, state, x_BE):
         """One decoder token through every layer -> (state, y_t [B, E])."""
-        return self._step_layers(state, x_BE)
+        return self._step_layers(state, x_BE, "step")
+
+    def prefill(self, state, x_BTE):
+        """T decoder tokens through every layer in parallel form, cross-attending to the memory
+        kept in the state: -> (state, y [B, T, E]). Equals T calls of `step`."""
+        return self._step_layers(state, x_BTE, "prefill")
