@@ -57,5 +57,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_samples = 16
     c.progress_bar = True
 
+    # Devices: a ("data", "sequence") mesh whose sizes multiply to the device count.
+    # sequence > 1 splits every image's sub-pixel axis over that many devices (sequence
+    # parallelism: attention kinds linear, causal-linear, softmax; it must divide H*W*C);
+    # data = batch split (data parallel), -1 = the devices left over. E.g. on 8 devices
+    # --config.mesh.sequence=4 gives data=2 x sequence=4.
+    c.mesh = ml_collections.ConfigDict({"data": -1, "sequence": 1})
     c.distributed = False        # jax.distributed.initialize() for multi-host runs
     return c

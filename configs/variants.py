@@ -29,21 +29,30 @@ VARIANTS = {"smoke": smoke}
 
 def apply(c: ml_collections.ConfigDict, arg: str, variants=None) -> ml_collections.ConfigDict:
     """Apply comma-separated variants, left to right: a name from `variants` (default the image
-    VARIANTS), or `key=value` (value parsed like the field's current type), e.g.
-    "smoke,attention=softmax"."""
+    VARIANTS), or `key=value` (value parsed like the field's current type; `a.b=value` sets a
+    nested field), e.g. "smoke,attention=softmax,mesh.sequence=4"."""
     variants = VARIANTS if variants is None else variants
     for item in filter(None, (part.strip() for part in arg.split(","))):
         if "=" in item:
             key, value = item.split("=", 1)
-            if key not in c:
-                raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: {sorted(c)}.")
-            current = c[key]
+            # A dotted key ("mesh.sequence=8") sets a field of a nested ConfigDict.
+            *path, leaf = key.split(".")
+            node = c
+            for name in path:
+                if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
+                    raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: "
+                                     f"{sorted(node)}.")
+                node = node[name]
+            if leaf not in node:
+                raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: "
+                                 f"{sorted(node)}.")
+            current = node[leaf]
             if isinstance(current, bool):
                 if value.lower() not in ("true", "false"):
                     raise ValueError(f"config variant {item!r}: {key} needs true or false.")
-                c[key] = value.lower() == "true"
+                node[leaf] = value.lower() == "true"
             else:
-                c[key] = type(current)(value)
+                node[leaf] = type(current)(value)
         elif item in variants:
             variants[item](c)
         else:

@@ -213,3 +213,73 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
     from experiments.training.checkpoints import Checkpointer
     restored = Checkpointer(tmp_path / "checkpoints").restore(copy_loop._CopyTrainer(config).state)
     assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(restored))
+
+
+# ---- config.mesh: sequence parallelism (multi-device runs: tests/multidevice/) ----
+
+@pytest.mark.parametrize("arg,match", [
+    ("smoke,mesh.sequence=2,attention=reformer",
+     r"config.attention='reformer' has no sequence-parallel form"),
+    ("encoder_decoder,smoke,linformer,mesh.sequence=2",
+     r"config.encoder_attention='linformer' has no sequence-parallel form"),
+    ("smoke,mesh.sequence=0", r"config.mesh.sequence must be a positive int"),
+    ("smoke,mesh.data=0", r"config.mesh.data must be a positive int, or -1"),
+])
+def test_bad_mesh_configs_fail_before_training(tmp_path, arg, match):
+    with pytest.raises(ValueError, match=match):
+        copy_loop.train_and_evaluate(copy_config.get_config(arg), tmp_path)
+
+
+def test_mesh_larger_than_the_devices_is_named(tmp_path):
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=rf"config.mesh.sequence={8 * n} does not divide the {n} "
+                                         r"devices"):
+        copy_loop.train_and_evaluate(copy_config.get_config(f"smoke,mesh.sequence={8 * n}"),
+                                     tmp_path)
+    with pytest.raises(ValueError, match=rf"data={2 * n} x sequence=1 = {2 * n} devices, but "
+                                         rf"there are {n}"):
+        copy_loop.train_and_evaluate(copy_config.get_config(f"smoke,mesh.data={2 * n}"),
+                                     tmp_path)
+
+
+@pytest.mark.parametrize("model", ["decoder", "encoder_decoder"])
+def test_padding_time_for_the_sequence_axis_changes_no_loss(model):
+    # The sequence-parallel trainer pads time to a multiple of mesh.sequence; the loss and the
+    # accuracy counts must be those of the unpadded batch.
+    config = copy_config.get_config(("encoder_decoder," if model != "decoder" else "") +
+                                    "smoke,max_length=32,model_dim=32,num_layers=1")
+    model = copy_loop.build_model(config)
+    model.eval()
+    from flax import nnx
+    loss_and_counts = nnx.jit(copy_loop.loss_and_counts)  # one compile beats op-by-op
+    batch = ct.CopyBatches(batch_size=4, max_length=32, num_symbols=config.num_symbols,
+                           model=config.model, seed=3).batch(0)
+    padded = copy_loop.pad_time(batch, 8)
+    assert all(np.asarray(x).ndim == 1 or np.asarray(x).shape[1] % 8 == 0 for x in padded)
+    assert copy_loop.pad_time(padded, 8) is not padded  # a new batch, ...
+    for x, y in zip(copy_loop.pad_time(padded, 8), padded):  # ... unchanged when it divides
+        np.testing.assert_array_equal(x, y)
+    loss, counts = loss_and_counts(model, batch)
+    padded_loss, padded_counts = loss_and_counts(model, padded)
+    np.testing.assert_allclose(float(padded_loss), float(loss), rtol=1e-5)
+    assert {k: int(v) for k, v in padded_counts.items()} == {k: int(v) for k, v in counts.items()}
+
+
+def test_long_variant_is_a_sequence_parallel_32k_config_with_fast_batches():
+    import time
+    config = copy_config.get_config("long")
+    assert config.max_length >= 32768 and config.mesh.sequence == 8
+    assert copy_loop.attention_kinds(config) == {"attention": "linear"}
+    batches = ct.CopyBatches(batch_size=2, max_length=config.max_length,
+                             num_symbols=config.num_symbols, model=config.model, seed=0)
+    start = time.perf_counter()
+    batch = batches.batch(0)
+    assert time.perf_counter() - start < 1.0  # vectorised numpy, no loop per symbol
+    assert batch.inputs_BT.shape == (2, config.max_length - 1)
+    n_B = batch.mask_BT.sum(1).astype(int)
+    for b, n in enumerate(n_B):  # the copy is the symbols, after the separator
+        tokens = np.concatenate([batch.inputs_BT[b, :1], batch.targets_BT[b]])
+        np.testing.assert_array_equal(tokens[n + 2:2 * n + 2], tokens[1:n + 1])
+    if jax.device_count() < 8:
+        with pytest.raises(ValueError, match="config.mesh.sequence=8 does not divide"):
+            copy_loop.check_copy_config(config)

@@ -161,3 +161,64 @@ def test_corrupt_checkpoint_gives_a_clear_error(data_dir, tmp_path):
     with pytest.raises(ValueError, match=r"cannot restore checkpoint step 2 from .*corrupt"):
         loop.train_and_evaluate(_smoke(data_dir, "num_steps=4,eval_every=0,sample_every=0"),
                                 tmp_path)
+
+
+# ---- config.mesh: the ("data", "sequence") device mesh (experiments/training/mesh.py) ----
+
+@pytest.mark.parametrize("override, message", [
+    ("mesh.data=0", r"config.mesh.data must be a positive int, or -1"),
+    ("mesh.data=-2", r"config.mesh.data must be a positive int, or -1"),
+    ("mesh.sequence=0", r"config.mesh.sequence must be a positive int"),
+    ("mesh.sequence=2,attention=reformer", r"config.attention='reformer' has no "
+                                           r"sequence-parallel form; use one of \[.*'linear'"),
+    ("mesh.sequence=3", r"config.mesh.sequence=3 must divide the sequence length 64"),
+])
+def test_bad_mesh_values_rejected(data_dir, tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        loop.train_and_evaluate(_smoke(data_dir, override), tmp_path)
+
+
+def test_mesh_that_does_not_fit_the_devices_rejected(data_dir, tmp_path):
+    import jax
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=rf"config.mesh data={n + 1} x sequence=1 = {n + 1} "
+                                         rf"devices, but there are {n}"):
+        loop.train_and_evaluate(_smoke(data_dir, f"mesh.data={n + 1}"), tmp_path)
+    with pytest.raises(ValueError, match=rf"config.mesh.sequence={2 * n} does not divide the {n} "
+                                         rf"devices"):
+        loop.train_and_evaluate(_smoke(data_dir, f"mesh.sequence={2 * n}"), tmp_path)
+    config = _smoke(data_dir)
+    config.mesh.tensor = 2
+    with pytest.raises(ValueError, match=r"config.mesh keys not understood: \['tensor'\]"):
+        loop.train_and_evaluate(config, tmp_path)
+    with pytest.raises(ValueError, match="unknown key 'mesh.seq'"):
+        digits.get_config("mesh.seq=2")
+
+
+def test_mesh_shape_resolves_the_rest_of_the_devices():
+    from experiments.training import mesh as mesh_lib
+    assert mesh_lib.mesh_shape({"data": -1, "sequence": 4}, 8) == (2, 4)
+    assert mesh_lib.mesh_shape({"data": 8, "sequence": 1}, 8) == (8, 1)
+    assert mesh_lib.mesh_shape({"data": -1, "sequence": 1}, 3) == (3, 1)
+    with pytest.raises(ValueError, match=r"data=3 x sequence=4 = 12 devices, but there are 8"):
+        mesh_lib.mesh_shape({"data": 3, "sequence": 4}, 8)
+    with pytest.raises(ValueError, match=r"mesh.sequence=3 does not divide the 8 devices"):
+        mesh_lib.mesh_shape({"data": -1, "sequence": 3}, 8)
+    with pytest.raises(ValueError, match=r"mesh.sequence must be a positive int.*got True"):
+        mesh_lib.mesh_shape({"data": -1, "sequence": True}, 8)
+    config = digits.get_config("mesh.sequence=4,mesh.data=2")
+    assert (config.mesh.data, config.mesh.sequence) == (2, 4)
+
+
+def test_mesh_sequence_one_builds_the_model_without_sequence_parallelism(data_dir):
+    from flax import nnx
+    from experiments.data import pipeline
+    config = _smoke(data_dir, "mesh.sequence=1")
+    info = pipeline.dataset_info("digits")
+    trainer = loop._Trainer(config, info, loop.data_mesh())
+    assert loop.transformer_config(config).sequence_axis is None
+    assert trainer.graphdef == nnx.split(loop.build_model(config, info), nnx.Param,
+                                         nnx.RngState, ...)[0]
+    assert trainer.sample_graphdef is trainer.eval_graphdef
+    assert dict(trainer.mesh.shape) == {"data": len(trainer.mesh.devices.flat), "sequence": 1}
+    assert loop.transformer_config(config, sequence_axis="sequence").sequence_axis == "sequence"

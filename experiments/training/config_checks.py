@@ -5,8 +5,10 @@ from __future__ import annotations
 import ml_collections
 
 from configs import base
+from experiments.training import mesh as mesh_lib
 from experiments.training.optimizer import OPTIMIZERS, SCHEDULES
-from linear_transformers.attention import check_attention_options, registered_attention_kinds
+from linear_transformers.attention import (attention_class, check_attention_options,
+                                           registered_attention_kinds, sequence_parallel_kinds)
 
 _POSITIVE = ("num_layers", "num_heads", "model_dim", "feed_forward_dim", "num_mixtures",
              "batch_size", "eval_batch_size", "num_samples", "num_symbols", "max_length",
@@ -50,6 +52,35 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     if config.schedule not in SCHEDULES:
         raise ValueError(f"config.schedule must be one of {SCHEDULES}, got {config.schedule!r}.")
     check_attention(config)
+    mesh_lib.check_mesh_values(config.mesh)
+
+
+def check_mesh(config: ml_collections.ConfigDict, *, kinds: dict[str, str],
+               sequence_length: int | None = None, device_count: int | None = None) -> None:
+    """config.mesh fits the run: with mesh.sequence > 1 every attention kind in `kinds`
+    ({config key: kind}) has a sequence-parallel form and `sequence_length` (when given: the
+    trainer does not pad time itself) divides by mesh.sequence; then data x sequence must equal
+    the device count (default: all devices). Each failure is a ValueError naming the values."""
+    mesh_lib.check_mesh_values(config.mesh)
+    sequence = config.mesh.sequence
+    if sequence > 1:
+        for key, kind in kinds.items():
+            if not attention_class(kind).has_sequence_parallel_form:
+                raise ValueError(
+                    f"config.mesh.sequence={sequence} splits time over devices, but config.{key}"
+                    f"={kind!r} has no sequence-parallel form; use one of "
+                    f"{sequence_parallel_kinds()}, or config.mesh.sequence=1.")
+        if sequence_length is not None and sequence_length % sequence:
+            raise ValueError(
+                f"config.mesh.sequence={sequence} must divide the sequence length "
+                f"{sequence_length} (each device holds an equal block of time); choose a divisor "
+                f"of {sequence_length}.")
+    data, _ = mesh_lib.mesh_shape(config.mesh, device_count)
+    for key in ("batch_size",):
+        if config[key] % data:
+            raise ValueError(f"config.{key}={config[key]} must be a multiple of the {data} "
+                             f"data-parallel replicas it is split over (config.mesh.data={data}"
+                             f", sequence={sequence}).")
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:

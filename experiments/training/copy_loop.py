@@ -12,9 +12,19 @@ cross-entropy on the copied symbols only and report, on a fixed held-out set of 
 
 Batches are a function of (seed, step) and dropout keys are folded from the step, so a resumed
 run replays an uninterrupted one; `wall_time` (training seconds, evaluation excluded) carries
-over a resume through the metrics file. Single device.
+over a resume through the metrics file.
 
-Legend: B batch, T time, V vocabulary.
+Devices: the ("data", "sequence") mesh of `config.mesh` (experiments/training/mesh.py).
+Parameters and optimizer state are replicated, the batch is split on "data"; with
+mesh.sequence > 1 its time axis is split on "sequence" and the model is built with
+`TransformerConfig(sequence_axis="sequence")` (every attention kind in it must have a
+sequence-parallel form). Time is then padded up to a multiple of mesh.sequence (`pad_time`):
+padding sits after every real token with loss weight 0, and the decoder is causal and the
+encoder masks keys past `source_lengths`, so the loss and accuracies are those of the unpadded
+batch. Training and teacher-forced evaluation run under `jax.set_mesh(mesh)`; greedy decoding
+(recurrent) runs the same parameters in a model without sequence parallelism, batch on "data".
+
+Legend: B batch, T time, V vocabulary, W widest sequence.
 """
 
 from __future__ import annotations
@@ -32,14 +42,17 @@ from flax import nnx
 
 from configs import copy as copy_config
 from experiments.data import copy_task
+from experiments.training import mesh as mesh_lib
 from experiments.training.checkpoints import Checkpointer
-from experiments.training.config_checks import check_attention, check_keys, check_values
+from experiments.training.config_checks import (check_attention, check_keys, check_mesh,
+                                                check_values)
 from experiments.training.loop import NonFiniteLossError, due, transformer_config
 from experiments.training.metrics import MetricsWriter, read_metrics
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
 from linear_transformers.attention import attention_class
 from linear_transformers.lm import CausalLM
 from linear_transformers.seq2seq import EncoderDecoder, greedy_decode
+from linear_transformers.transformer import TransformerConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out batches come from another stream than training's
 
@@ -62,6 +75,18 @@ def check_copy_config(config: ml_collections.ConfigDict) -> None:
                                  f"'encoder_decoder' only; this config has model='decoder'.")
     elif config.encoder_attention:
         check_attention(config, "encoder_attention")
+    check_mesh(config, kinds=attention_kinds(config))  # time is padded: no length condition
+
+
+def attention_kinds(config) -> dict[str, str]:
+    """{config key: attention kind} of every attention the model of `config` builds."""
+    kinds = {"attention": config.attention}
+    if config.model == "encoder_decoder":
+        kinds["encoder_attention"] = config.encoder_attention or config.attention
+        # "" = TransformerConfig's default for the decoder's kind.
+        kinds["cross_attention"] = config.cross_attention or TransformerConfig(
+            attention=config.attention).cross_kind
+    return kinds
 
 
 def source_width(config) -> int:
@@ -76,13 +101,17 @@ def _options(config, kind, options) -> dict:
     return options
 
 
-def build_model(config: ml_collections.ConfigDict) -> nnx.Module:
-    """The decoder-only or encoder-decoder model of `config`, initialised from config.seed."""
+def build_model(config: ml_collections.ConfigDict, *,
+                sequence_axis: str | None = None) -> nnx.Module:
+    """The decoder-only or encoder-decoder model of `config`, initialised from config.seed;
+    `sequence_axis` (a mesh axis name) makes every attention layer sequence-parallel over it
+    (the parameters do not depend on it)."""
     rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
     vocab = config.num_symbols + 1
     if config.model == "decoder":
         return CausalLM(transformer_config(config, attention_options=_options(
-            config, config.attention, config.attention_options)), vocab, rngs=rngs)
+            config, config.attention, config.attention_options), sequence_axis=sequence_axis),
+            vocab, rngs=rngs)
     enc_kind = config.encoder_attention or config.attention
     enc_options = (config.encoder_attention_options if config.encoder_attention
                    else config.attention_options)
@@ -90,10 +119,29 @@ def build_model(config: ml_collections.ConfigDict) -> nnx.Module:
     if config.cross_attention:
         cross = dict(cross_attention=config.cross_attention,
                      cross_attention_options=_options(config, config.cross_attention, {}))
-    encoder = transformer_config(config, enc_kind, _options(config, enc_kind, enc_options))
+    encoder = transformer_config(config, enc_kind, _options(config, enc_kind, enc_options),
+                                 sequence_axis=sequence_axis)
     decoder = transformer_config(config, attention_options=_options(
-        config, config.attention, config.attention_options), **cross)
+        config, config.attention, config.attention_options), sequence_axis=sequence_axis,
+        **cross)
     return EncoderDecoder(encoder, decoder, vocab, rngs=rngs)
+
+
+def pad_time(batch, multiple: int):
+    """`batch` (either layout) with its time axis zero-padded to a multiple of `multiple`.
+
+    Exact for the loss and accuracies: the padding comes after every real token and has loss
+    weight 0, a causal decoder never looks ahead at it, and the encoder masks source keys past
+    `source_lengths`. The per-example lengths are unchanged.
+    """
+    def pad(x):
+        if x.ndim < 2 or x.shape[1] % multiple == 0:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (0, -x.shape[1] % multiple)
+        return np.pad(x, widths)
+
+    return type(batch)(*(pad(np.asarray(x)) for x in batch))
 
 
 def _forward(model, batch):
@@ -122,15 +170,30 @@ def accuracy_counts(predicted_BT, targets_BT, mask_BT) -> dict:
 
 
 class _CopyTrainer:
-    def __init__(self, config):
+    """Holds the compiled steps and shardings of one run; `train_and_evaluate` drives it.
+
+    `mesh`: a ("data", "sequence") mesh (default: `mesh_lib.make_mesh(config)`); a "sequence"
+    axis of more than one device makes the training and evaluation model sequence-parallel.
+    """
+
+    def __init__(self, config, mesh: jax.sharding.Mesh | None = None):
         self.config = config
-        model = build_model(config)
+        self.mesh = mesh_lib.make_mesh(config) if mesh is None else mesh
+        self.sequence_axis = mesh_lib.sequence_axis(self.mesh)
+        model = build_model(config, sequence_axis=self.sequence_axis)
         self.graphdef, params, self.rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
         model.eval()
         self.eval_graphdef = nnx.split(model, nnx.Param, nnx.RngState, ...)[0]
+        # Greedy decoding: the same variables in a graph without sequence parallelism.
+        self.decode_graphdef = self.eval_graphdef
+        if self.sequence_axis is not None:
+            plain = nnx.eval_shape(lambda: build_model(config))  # the graph only: no init
+            plain.eval()
+            self.decode_graphdef = nnx.split(plain, nnx.Param, nnx.RngState, ...)[0]
         self.tx = make_optimizer(config)
         self.schedule = make_schedule(config)
-        self.state = {"params": params, "opt_state": self.tx.init(params), "rest": rest}
+        state = {"params": params, "opt_state": self.tx.init(params), "rest": rest}
+        self.state = jax.device_put(state, mesh_lib.replicated(self.mesh))
         self.dropout_key = jax.random.key(config.seed + 2)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
@@ -149,8 +212,20 @@ class _CopyTrainer:
         loss, counts = loss_and_counts(model, batch)
         return {"loss_sum": loss * counts["symbols"], **counts}
 
+    def shard_batch(self, batch):
+        """A global numpy batch laid out over the mesh, time padded for the sequence axis."""
+        return mesh_lib.shard_batch(self.mesh, pad_time(batch, self.mesh.shape[mesh_lib.SEQUENCE]))
+
+    def train(self, batch, step: int):
+        """One training step on a global batch: (new state, metrics)."""
+        with jax.set_mesh(self.mesh):  # the sequence-parallel ops shard_map over this mesh
+            return self.train_step(self.state, self.rng_state, self.shard_batch(batch),
+                                   np.int32(step))
+
     def eval_model(self):
-        return nnx.merge(self.eval_graphdef, self.state["params"], self.rng_state,
+        """The current parameters in evaluation mode, without sequence parallelism (for
+        greedy decoding with the recurrent form)."""
+        return nnx.merge(self.decode_graphdef, self.state["params"], self.rng_state,
                          self.state["rest"])
 
     def evaluate(self) -> dict:
@@ -161,14 +236,21 @@ class _CopyTrainer:
                                         seed=c.seed + EVAL_SEED_OFFSET)
         totals, greedy = {}, {}
         model = self.eval_model() if self.greedy else None
+        data_only = mesh_lib.mesh_from_shape((self.mesh.size, 1), self.mesh.devices.flat)
         for i in range(c.eval_batches):
             batch = batches.batch(i)
-            for k, v in self.eval_step(self.state, batch).items():
+            with jax.set_mesh(self.mesh):
+                counts = self.eval_step(self.state, self.shard_batch(batch))
+            for k, v in counts.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
             if self.greedy:
-                tokens_BW = greedy_decode(model, batch.source_BW,
-                                          batch.source_BW.shape[1], start_token=copy_task.SEPARATOR,
-                                          source_lengths=batch.source_lengths_B)
+                # Unpadded, split on "data" only if the batch divides over every device.
+                source = (batch.source_BW, batch.source_lengths_B)
+                if c.batch_size % self.mesh.size == 0:
+                    source = mesh_lib.shard_batch(data_only, source)
+                tokens_BW = greedy_decode(model, source[0], batch.source_BW.shape[1],
+                                          start_token=copy_task.SEPARATOR,
+                                          source_lengths=source[1])
                 for k, v in accuracy_counts(tokens_BW, batch.target_out_BW, batch.mask_BW).items():
                     greedy[k] = greedy.get(k, 0.0) + float(v)
         result = {"eval_loss": totals["loss_sum"] / totals["symbols"],
@@ -185,10 +267,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
     """Train (resuming from the latest checkpoint in `workdir`) and evaluate; return the last
     metrics: step, loss, eval_loss, token/sequence accuracies (and greedy ones), wall_time."""
     check_copy_config(config)
+    mesh = mesh_lib.make_mesh(config)
     workdir = pathlib.Path(workdir).expanduser()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    trainer = _CopyTrainer(config)
+    trainer = _CopyTrainer(config, mesh)
     batches = copy_task.CopyBatches(batch_size=config.batch_size, max_length=config.max_length,
                                     num_symbols=config.num_symbols, model=config.model,
                                     seed=config.seed)
@@ -204,8 +287,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
     window, window_start = [], time.perf_counter()
     try:
         while step < config.num_steps:
-            trainer.state, metrics = trainer.train_step(trainer.state, trainer.rng_state,
-                                                        batches.batch(step), np.int32(step))
+            trainer.state, metrics = trainer.train(batches.batch(step), step)
             if not bool(metrics["finite"]):
                 raise NonFiniteLossError(
                     f"non-finite loss or gradient at step {step} (loss={float(metrics['loss'])}); "
@@ -229,8 +311,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
                 result.update(step=step, loss=scalars["loss"], wall_time=wall_time)
                 if config.progress_bar:
                     print(f"step {step}: loss {scalars['loss']:.4f} train token accuracy "
-                          f"{scalars['train_token_accuracy']:.3f} ({scalars['steps_per_sec']:.1f} "
-                          f"steps/s)", flush=True)
+                          f"{scalars['train_token_accuracy']:.3f} ({scalars['steps_per_sec']:.3g} "
+                          f"steps/s, {1 / scalars['steps_per_sec']:.3g} s/step)", flush=True)
                 window = []
             if due(step, config.checkpoint_every):
                 checkpointer.save(step, trainer.state)

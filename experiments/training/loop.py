@@ -1,7 +1,13 @@
 """`train_and_evaluate(config, workdir)`: the paper's autoregressive image generator, end to end.
 
-Data parallel over every device (`jax.sharding`: parameters replicated, batch split on "data");
-the batch of step s is a pure function of (seed, s) and dropout keys are folded from s, so a
+Runs on the ("data", "sequence") mesh of `config.mesh` (experiments/training/mesh.py):
+parameters and optimizer state replicated, the batch split on "data" and, with
+mesh.sequence > 1, its sub-pixel (time) axis split on "sequence", the model built with
+`TransformerConfig(sequence_axis="sequence")`. Training and test-set evaluation run under
+`jax.set_mesh(mesh)` with that model; sampling (`sample_images`, recurrent) uses the same
+parameters in a model without sequence parallelism.
+
+The batch of step s is a pure function of (seed, s) and dropout keys are folded from s, so a
 resumed run replays exactly what an uninterrupted one would have done.
 
 Legend: B batch, L sub-pixels per image (H*W*C), P mixture parameters per sub-pixel.
@@ -21,12 +27,12 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from experiments.data import pipeline
 from experiments.training import images
+from experiments.training import mesh as mesh_lib
 from experiments.training.checkpoints import Checkpointer
-from experiments.training.config_checks import check_config
+from experiments.training.config_checks import check_config, check_mesh
 from experiments.training.metrics import MetricsWriter
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
 from linear_transformers import mixture
@@ -39,9 +45,14 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def transformer_config(config: ml_collections.ConfigDict, attention: str | None = None,
-                       attention_options=None, **extra) -> TransformerConfig:
+                       attention_options=None, *, sequence_axis: str | None = None,
+                       **extra) -> TransformerConfig:
     """The model part of a trainer config; `attention`/`attention_options` default to the
-    config's, `extra` sets further TransformerConfig fields (e.g. cross_attention)."""
+    config's, `sequence_axis` (a mesh axis name, e.g. mesh.SEQUENCE) splits time over that axis
+    in every attention layer, `extra` sets further TransformerConfig fields (e.g.
+    cross_attention)."""
+    if sequence_axis is not None:
+        extra["sequence_axis"] = sequence_axis
     return TransformerConfig(
         num_layers=config.num_layers, num_heads=config.num_heads, model_dim=config.model_dim,
         feed_forward_dim=config.feed_forward_dim, dropout=config.dropout,
@@ -51,10 +62,12 @@ def transformer_config(config: ml_collections.ConfigDict, attention: str | None 
                                else attention_options), **extra)
 
 
-def build_model(config: ml_collections.ConfigDict, info) -> ImageGenerator:
-    """The image generator for data set `info`, initialised from config.seed."""
+def build_model(config: ml_collections.ConfigDict, info, *,
+                sequence_axis: str | None = None) -> ImageGenerator:
+    """The image generator for data set `info`, initialised from config.seed; `sequence_axis`
+    as in `transformer_config` (the parameters do not depend on it)."""
     return ImageGenerator(
-        transformer_config(config), num_classes=info.num_classes,
+        transformer_config(config, sequence_axis=sequence_axis), num_classes=info.num_classes,
         num_mixtures=config.num_mixtures, max_length=math.prod(info.image_shape),
         rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1))
 
@@ -92,16 +105,26 @@ def _load_data(config):
 
 
 class _Trainer:
-    """Holds the compiled steps and shardings of one run; `train_and_evaluate` drives it."""
+    """Holds the compiled steps and shardings of one run; `train_and_evaluate` drives it.
+
+    `mesh` is a ("data", "sequence") mesh (mesh_lib.make_mesh); a "sequence" axis of more than
+    one device makes the training and evaluation model sequence-parallel.
+    """
 
     def __init__(self, config, info, mesh):
         self.config, self.info, self.mesh = config, info, mesh
-        self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.data_sharded = NamedSharding(mesh, PartitionSpec("data"))
-        model = build_model(config, info)
+        self.replicated = mesh_lib.replicated(mesh)
+        model = build_model(config, info, sequence_axis=mesh_lib.sequence_axis(mesh))
         self.graphdef, params, self.rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-        model.eval()  # Dropout off: a second graph for evaluation and sampling, same variables.
+        model.eval()  # Dropout off: a second graph for evaluation, same variables.
         self.eval_graphdef = nnx.split(model, nnx.Param, nnx.RngState, ...)[0]
+        # Sampling runs the recurrent form on the replicated model: the same variables in a
+        # graph without sequence parallelism (the parameters do not depend on it).
+        self.sample_graphdef = self.eval_graphdef
+        if mesh_lib.sequence_axis(mesh) is not None:
+            plain = nnx.eval_shape(lambda: build_model(config, info))  # the graph only: no init
+            plain.eval()
+            self.sample_graphdef = nnx.split(plain, nnx.Param, nnx.RngState, ...)[0]
         self.tx = make_optimizer(config)
         self.schedule = make_schedule(config)
         state = {"params": params, "opt_state": self.tx.init(params), "rest": rest}
@@ -128,28 +151,36 @@ class _Trainer:
         model = nnx.merge(self.eval_graphdef, state["params"], self.rng_state, state["rest"])
         return -jnp.sum(model.log_prob(x_BL) * weight_B)
 
-    def shard_batch(self, x_BL: np.ndarray) -> jax.Array:
-        """This process's rows of a global batch, laid out over the "data" axis of all hosts."""
-        rows = np.array_split(x_BL, jax.process_count())[jax.process_index()]
-        return jax.make_array_from_process_local_data(self.data_sharded, rows, x_BL.shape)
+    def shard_batch(self, x: np.ndarray) -> jax.Array:
+        """This process's rows of a global batch, laid out over the mesh: [B] on "data",
+        [B, L] on ("data", "sequence")."""
+        return mesh_lib.shard_batch(self.mesh, x)
+
+    def train(self, x_BL: np.ndarray, step: int):
+        """One training step on the global batch x_BL: (new state, metrics)."""
+        with jax.set_mesh(self.mesh):  # the sequence-parallel ops shard_map over this mesh
+            return self.train_step(self.state, self.rng_state, self.shard_batch(x_BL),
+                                   np.int32(step))
 
     def evaluate(self, test_BL: np.ndarray) -> float:
         """Test bits/dim over every test image (the last batch padded, padding weighted 0)."""
         bs = self.config.eval_batch_size
-        bs += (-bs) % self.mesh.size
+        bs += (-bs) % self.mesh.shape[mesh_lib.DATA]
         total = 0.0
         for start in range(0, len(test_BL), bs):
             x = test_BL[start:start + bs]
             weight = np.zeros(bs, np.float32)
             weight[:len(x)] = 1.0
             x = np.concatenate([x, np.zeros((bs - len(x), x.shape[1]), x.dtype)])
-            total += float(self.eval_step(self.state, self.shard_batch(x),
-                                          self.shard_batch(weight)))
+            with jax.set_mesh(self.mesh):
+                total += float(self.eval_step(self.state, self.shard_batch(x),
+                                              self.shard_batch(weight)))
         return float(mixture.bits_per_dim(total / (len(test_BL) * test_BL.shape[1])))
 
     def eval_model(self) -> ImageGenerator:
-        """The current parameters in evaluation mode (for sampling)."""
-        return nnx.merge(self.eval_graphdef, self.state["params"], self.rng_state,
+        """The current parameters in evaluation mode, without sequence parallelism (for
+        sampling with the recurrent form, outside any mesh context)."""
+        return nnx.merge(self.sample_graphdef, self.state["params"], self.rng_state,
                          self.state["rest"])
 
     def write_samples(self, path, step: int) -> pathlib.Path:
@@ -162,11 +193,11 @@ class _Trainer:
 
 
 def data_mesh(devices=None) -> jax.sharding.Mesh:
-    """A 1-D "data" mesh over `devices` (default: all), with automatic (GSPMD) sharding so the
-    model code needs no sharding annotations."""
-    devices = jax.devices() if devices is None else devices
-    return jax.make_mesh((len(devices),), ("data",), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    """A data-parallel-only ("data", "sequence") mesh over `devices` (default: all): "data"
+    spans them, "sequence" has size 1. Automatic (GSPMD) sharding, so the model code needs no
+    sharding annotations."""
+    devices = jax.devices() if devices is None else list(devices)
+    return mesh_lib.mesh_from_shape((len(devices), 1), devices)
 
 
 def due(step: int, every: int) -> bool:
@@ -189,11 +220,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     info = pipeline.dataset_info(config.dataset)
+    check_mesh(config, kinds={"attention": config.attention},
+               sequence_length=math.prod(info.image_shape))
     train_BL, test_BL = _load_data(config)
-    if config.batch_size % jax.device_count():
-        raise ValueError(f"config.batch_size={config.batch_size} must be a multiple of the "
-                         f"{jax.device_count()} devices it is split over.")
-    mesh = data_mesh()
+    mesh = mesh_lib.make_mesh(config)
     trainer = _Trainer(config, info, mesh)
     batches = pipeline.Batches(train_BL, config.batch_size, seed=config.seed)
     checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
@@ -211,9 +241,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
     window_start, window_steps, window_loss = time.perf_counter(), 0, []
     try:
         while step < config.num_steps:
-            x_BL = trainer.shard_batch(batches.batch(step))
-            trainer.state, metrics = trainer.train_step(trainer.state, trainer.rng_state, x_BL,
-                                                        np.int32(step))
+            trainer.state, metrics = trainer.train(batches.batch(step), step)
             if not bool(metrics["finite"]):
                 raise NonFiniteLossError(
                     f"non-finite loss or gradient at step {step} (loss={float(metrics['loss'])}); "
