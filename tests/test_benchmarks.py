@@ -173,3 +173,111 @@ def test_benchmark_generation_script_smoke(tmp_path):
                                                              rel=0.01)
     assert memory[("softmax/kv-cache", 32)] > memory[("softmax/kv-cache", 8)]
     assert (out / "generation.png").exists()
+
+
+# --- prefill and sequence-parallel benchmarks -------------------------------------------------
+
+from experiments.benchmarking import prefill_bench, sequence_parallel_bench  # noqa: E402
+
+
+def test_prefill_speedups_pair_methods_of_one_case():
+    rows = [{"kind": "linear", "batch": 1, "prompt": 512, "method": "prefill", "time_ms": 2.0,
+             "status": "ok"},
+            {"kind": "linear", "batch": 1, "prompt": 512, "method": "step-scan", "time_ms": 9.0,
+             "status": "ok"},
+            {"kind": "linear", "batch": 4, "prompt": 512, "method": "prefill", "time_ms": 4.0,
+             "status": "ok"},  # its step-scan was skipped: no ratio
+            {"kind": "linear", "batch": 4, "prompt": 512, "method": "step-scan",
+             "time_ms": math.nan, "status": "skipped: needs 9.0 GiB"}]
+    assert prefill_bench.speedups(rows, prefill_bench.LM_GROUP) == [
+        {"kind": "linear", "batch": 1, "prompt": 512, "prefill_ms": 2.0, "step_scan_ms": 9.0,
+         "step_scan_over_prefill": 4.5}]
+    images = [{"arch": "mnist", "kind": "linear", "batch": 16, "method": m, "time_ms": t,
+               "status": "ok"} for m, t in (("step-scan", 300.0), ("prefill", 200.0))]
+    (ratio,) = prefill_bench.speedups(images, prefill_bench.IMAGE_GROUP)
+    assert ratio["step_scan_over_prefill"] == pytest.approx(1.5)
+
+
+def test_prefill_options_reject_bad_values():
+    with pytest.raises(ValueError, match="unknown attention kind 'reformer'"):
+        prefill_bench.PrefillBenchOptions(kinds=("reformer",))
+    with pytest.raises(ValueError, match="unknown image architecture 'imagenet'"):
+        prefill_bench.PrefillBenchOptions(image_arch="imagenet")
+    with pytest.raises(ValueError, match="prompt_lengths must be positive"):
+        prefill_bench.PrefillBenchOptions(prompt_lengths=(0,))
+    opts = prefill_bench.PrefillBenchOptions(prompt_lengths=(512, 2048, 8192),
+                                             softmax_lengths=(512,))
+    assert opts.lengths_for("softmax") == (512,) and opts.lengths_for("linear")[-1] == 8192
+
+
+def _sp_row(kind, p, peak, temp, step, loss=1.0):
+    return {"kind": kind, "P": p, "peak_mib": peak, "temp_mib": temp, "step_ms": step,
+            "loss": loss}
+
+
+def test_sequence_parallel_ratios_and_slopes():
+    rows = [_sp_row("linear", p, 2.0 + 64.0 / p, 64.0 / p, 100.0 * (1 + p / 8), 1.0 + 1e-6 * p)
+            for p in (1, 2, 4, 8)]
+    rows += [_sp_row("softmax", 1, 512.0, 500.0, 50.0), _sp_row("softmax", 2, math.nan, math.nan,
+                                                                 math.nan)]
+    out = {(r["kind"], r["P"]): r for r in sequence_parallel_bench.add_ratios(rows)}
+    assert out[("linear", 8)]["temp_vs_p1"] == pytest.approx(1 / 8)
+    assert out[("linear", 8)]["peak_vs_p1"] == pytest.approx(10.0 / 66.0)
+    assert out[("linear", 8)]["ideal_memory"] == pytest.approx(1 / 8)
+    assert out[("linear", 4)]["step_vs_p1"] == pytest.approx(1.5 / 1.125)
+    assert out[("linear", 2)]["loss_diff_vs_p1"] == pytest.approx(1e-6)
+    assert math.isnan(out[("softmax", 2)]["peak_vs_p1"])
+    temp = sequence_parallel_bench.memory_slopes(rows, "temp_mib")
+    assert temp["linear"] == pytest.approx(-1.0) and "softmax" not in temp  # one finite point
+    assert -1.0 < sequence_parallel_bench.memory_slopes(rows)["linear"] < -0.8
+
+
+def test_sequence_parallel_options_reject_bad_values():
+    with pytest.raises(ValueError, match="length 1000 must be positive and divide by every P"):
+        sequence_parallel_bench.SequenceParallelBenchOptions(length=1000, parallelism=(1, 16))
+    with pytest.raises(ValueError, match="unknown attention kind 'reformer'"):
+        sequence_parallel_bench.SequenceParallelBenchOptions(kinds=("reformer",))
+    with pytest.raises(ValueError, match=r"P=\d+ needs \d+ devices but JAX sees"):
+        sequence_parallel_bench.sequence_mesh(jax.device_count() + 1)
+
+
+def test_benchmark_prefill_script_smoke(tmp_path):
+    out, stdout = _run_script("benchmark_prefill", "--prompt_lengths=16", "--batches=2",
+                              "--softmax_lengths=16", "--num_layers=1", "--model_dim=16",
+                              "--num_heads=2", "--vocab_size=11", "--image_layers=1",
+                              "--image_length=12", "--image_prefix=5", "--image_batches=2",
+                              "--image_kinds=linear", "--min_seconds=0", tmp_path=tmp_path)
+    assert "step-scan / prefill" in stdout and "images/s" in stdout
+    with open(out / "prefill.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["kind"], r["prompt"], r["method"]) for r in rows] == [
+        ("linear", "16", "prefill"), ("linear", "16", "step-scan"),
+        ("softmax", "16", "prefill"), ("softmax", "16", "step-scan")]
+    # Both paths compute the same logits; the table says so.
+    assert all(r["status"] == "ok" and float(r["max_logit_diff"]) < 1e-3 for r in rows)
+    saved = json.loads((out / "prefill.json").read_text())
+    assert len(saved["ratios"]) == 2 and len(saved["image_ratios"]) == 1
+    # The same key per sub-pixel: the prefix is kept and the same images are drawn.
+    assert all(r["prefix_kept"] and r["same_subpixels"] > 0.9 and r["images_per_s"] > 0
+               for r in saved["images"])
+    assert {p.name for p in out.iterdir()} == {"prefill.csv", "prefill.json", "prefill.png",
+                                               "prefill_images.csv"}
+
+
+def test_benchmark_sequence_parallel_script_smoke(tmp_path):
+    # linear only: each training step takes seconds to compile; softmax runs the same code.
+    out, stdout = _run_script("benchmark_sequence_parallel", "--parallelism=1,8", "--length=64",
+                              "--kinds=linear", "--num_layers=1", "--model_dim=16",
+                              "--num_heads=2", "--vocab_size=11", "--min_seconds=0",
+                              tmp_path=tmp_path)
+    assert "slope of memory per device" in stdout
+    rows = json.loads((out / "sequence_parallel.json").read_text())["rows"]
+    assert [(r["kind"], r["P"], r["tokens_per_device"]) for r in rows] == [
+        ("linear", 1, 64), ("linear", 8, 8)]
+    assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows)
+    # The same model on the same tokens: splitting time over devices changes nothing but memory.
+    assert rows[1]["loss_diff_vs_p1"] < 1e-4
+    assert rows[1]["temp_mib"] < rows[0]["temp_mib"]
+    with open(out / "sequence_parallel.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2
+    assert (out / "sequence_parallel.png").exists()
