@@ -300,7 +300,7 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
         chunk_size = default_chunk_size(jax.default_backend(), v_BTHM.dtype)
     kw = dict(fm=fm, form=_FORMS[impl], acc=acc, eps=eps, chunk_size=chunk_size)
     if sequence_axis is None:
-        sequence_axis = _explicit_axis(q_BTHD, k_BTHD, v_BTHM)
+        sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BTHD, v_BTHM, name=name)
     if sequence_axis is None:
         initial_state = sp.match_batch_sharding(initial_state, q_BTHD)
         out, state = _one_device(q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state, **kw)
@@ -315,11 +315,3 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
             (sp.TIME, sp.TIME, sp.TIME, sp.BATCH, sp.BATCH), (sp.TIME, sp.BATCH), batch=B)
     return (out, state) if return_state else out
 
-
-def _explicit_axis(*arrays_BTx):
-    """The one mesh axis the time axes of `arrays` are sharded on (explicit axis types)."""
-    axes = {sp.explicit_time_axis(x) for x in arrays_BTx} - {None}
-    if len(axes) > 1:
-        raise ValueError(f"causal_linear_attention: q, k and v have their time axes sharded on "
-                         f"different mesh axes {sorted(axes)}; shard them alike.")
-    return axes.pop() if axes else None

@@ -76,6 +76,8 @@ def linear_state_from_keys(k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=Non
     key_lengths = _checks.check_key_lengths(key_lengths, k_BSHD.shape[0],
                                             name="linear_attention")
     if sequence_axis is None:
+        sequence_axis = sp.explicit_sequence_axis(k_BSHD, v_BSHM, name="linear_state_from_keys")
+    if sequence_axis is None:
         return _local_state(k_BSHD, v_BSHM, key_lengths, fm=fm, offset=0)
     if not sp.is_manual(sequence_axis):
         sp.check_sequence_axis(sequence_axis, k_BSHD.shape[1], name="linear_state_from_keys")
@@ -111,12 +113,15 @@ def linear_attention(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=N
       sequence_axis: mesh axis the time axes of queries and keys are split over (inside
         `jax.shard_map`, or under `jax.set_mesh` where the op wraps itself; see
         `causal_linear_attention`): the (S, z) summary is summed over the devices with one psum.
+        Under a mesh with explicit axis types, time axes sharded on a mesh axis select it.
 
     Arbitrary [T, S] masks cannot be honoured without forming the T x S matrix, so there is no
     mask argument; key padding is the only mask this form supports.
     """
     _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
     key_lengths = _checks.check_key_lengths(key_lengths, q_BTHD.shape[0], name="linear_attention")
+    if sequence_axis is None:
+        sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
     if sequence_axis is not None and not sp.is_manual(sequence_axis):
         # The global view: queries and keys split over the axis, the summary made inside.
         sp.check_sequence_axis(sequence_axis, q_BTHD.shape[1], name="linear_attention")

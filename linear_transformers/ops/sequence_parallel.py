@@ -72,6 +72,16 @@ def explicit_time_axis(x) -> str | None:
     return names[0]
 
 
+def explicit_sequence_axis(*arrays_BTx, name: str) -> str | None:
+    """The one mesh axis the time axes of `arrays` are sharded on under explicit axis types (the
+    axis an op called without `sequence_axis` splits over), or None when none is."""
+    axes = {explicit_time_axis(x) for x in arrays_BTx if x is not None} - {None}
+    if len(axes) > 1:
+        raise ValueError(f"{name}: the time axes of the inputs are sharded on different mesh "
+                         f"axes {sorted(axes)}; shard them alike.")
+    return axes.pop() if axes else None
+
+
 def match_batch_sharding(tree_Bx, like_BTx):
     """Under explicit axis types, give a per-example pytree the batch sharding of `like`.
 

@@ -94,6 +94,7 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
         compare with linear attention's states) and attends its own queries, offset to their
         global positions for the causal mask. Inside `jax.shard_map` over the axis, or under
         `jax.set_mesh` where the op wraps itself; key_lengths are global; `mask` is refused.
+        Under a mesh with explicit axis types, time axes sharded on a mesh axis select it.
 
     Returns:
       [B, T, H, M] in the dtype of v.
@@ -103,6 +104,9 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
                          f"expected one of {IMPLEMENTATIONS}.")
     key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal,
                                           key_lengths=key_lengths)
+    if sequence_axis is None and mask is None:
+        sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BSHD, v_BSHM,
+                                                  name="softmax_attention")
     if sequence_axis is not None:
         return _sequence_parallel_softmax(q_BTHD, k_BSHD, v_BSHM, causal=causal,
                                           key_lengths=key_lengths, mask=mask, scale=scale,

@@ -145,9 +145,14 @@ def test_data_and_sequence_mesh_equals_one_device(name):
     _check("seq2seq", name, got)
 
 
+@pytest.mark.parametrize("sequence_axis", ["seq", None])
 @pytest.mark.parametrize("name", list(KINDS))
-def test_explicit_axes_mesh_equals_one_device(name):
-    got = _sequence_parallel("lm", name, _mesh((4,), ("seq",), explicit=True), P(None, "seq"))
+def test_explicit_axes_mesh_equals_one_device(name, sequence_axis):
+    """Explicit axis types: time-sharded inputs run sequence-parallel whether the model names
+    the axis or not (the ops read it from the inputs' sharding)."""
+    model = _build("lm", name, sequence_axis)
+    got = _sequence_parallel("lm", name, _mesh((4,), ("seq",), explicit=True), P(None, "seq"),
+                             model=model)
     _check("lm", name, got)
 
 

@@ -480,3 +480,39 @@ def test_softmax_mask_with_sequence_axis(where):
         else:
             with jax.set_mesh(_mesh((4,))):
                 attend(q, k, v)
+
+
+@pytest.mark.parametrize("op", ["softmax", "linear", "linear_state_from_keys"])
+def test_time_sharded_inputs_on_an_explicit_axes_mesh_need_no_sequence_axis(x64, op):
+    """Without `sequence_axis`, inputs whose time axes are sharded on an explicit mesh axis run
+    sequence-parallel over it (on one device's program they would not type-check)."""
+    mesh = _mesh((2, 4), ("data", "seq"), explicit=True)
+    q, k, v = _qkv(31, s=S)
+    key_lengths = jnp.asarray([11, S], jnp.int32)
+    if op == "softmax":
+        q, k, v = _qkv(31)  # causal: T == S
+        key_lengths = None
+    fns = {
+        "softmax": lambda q, k, v, lengths: ops.softmax_attention(
+            q, k, v, causal=True, implementation="reference"),
+        "linear": lambda q, k, v, lengths: ops.linear_attention(q, k, v, key_lengths=lengths),
+        "linear_state_from_keys": lambda q, k, v, lengths: ops.linear_state_from_keys(
+            k, v, key_lengths=lengths),
+    }
+
+    def value_and_grad(q, k, v, lengths):
+        def loss(q, k, v):
+            return sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(fns[op](q, k, v, lengths)))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    expected = jit(value_and_grad)(q, k, v, key_lengths)
+
+    def put(x, *spec):
+        return None if x is None else jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+    args = [put(x, "data", "seq") for x in (q, k, v)] + [put(key_lengths, "data")]
+    with jax.set_mesh(mesh):
+        got = jit(value_and_grad)(*args)
+        jaxpr = str(jax.make_jaxpr(value_and_grad)(*args))
+    assert "shard_map" in jaxpr, "the time-sharded inputs did not run sequence-parallel"
+    chex.assert_trees_all_close(got, expected, **TOL)
