@@ -1,6 +1,8 @@
-"""Shared fixtures: `x64` turns on float64 for one test."""
+"""Shared fixtures: `x64` turns on float64 for one test; tests under tests/multidevice/ skip
+unless 8 devices are present."""
 
 import contextlib
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -31,3 +33,24 @@ def x64():
     with enable_x64():
         assert jnp.zeros((), jnp.float64).dtype == jnp.float64
         yield
+
+
+MULTIDEVICE_DIR = pathlib.Path(__file__).parent / "multidevice"
+MULTIDEVICE_COUNT = 8
+
+
+@pytest.fixture(autouse=True)
+def _multidevice_tests_need_eight_devices(request):
+    """tests/multidevice/ needs 8 devices: tests/test_multidevice.py runs that folder in a
+    subprocess on 8 host CPU devices; in a run with fewer (the main one) each test skips.
+
+    A fixture rather than a module-level skipif: the device count is read when a test runs, not
+    while the main run is still collecting (which would start the backend early). It lives here,
+    not in a conftest.py of that folder, because two modules named `conftest` would shadow each
+    other on sys.path.
+    """
+    if MULTIDEVICE_DIR not in pathlib.Path(str(request.node.path)).parents:
+        return
+    if jax.device_count() < MULTIDEVICE_COUNT:
+        pytest.skip(f"needs {MULTIDEVICE_COUNT} devices, found {jax.device_count()}: "
+                    "tests/test_multidevice.py runs this folder on 8 host CPU devices")

@@ -6,7 +6,7 @@ its own [B, T/P, H, D] block (and the global initial state and key lengths); out
 q, k, v and the initial state) are compared with one device in float64.
 
 Needs 8 devices: tests/test_multidevice.py runs this file on 8 host CPU devices; elsewhere it
-skips (conftest.py).
+skips (tests/conftest.py).
 
 Legend: B batch, T query time, S key time, H heads, D key/query features, F feature-map
 features, M value features, P devices on the sequence axis.
