@@ -20,13 +20,17 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 TIME, BATCH = "time", "batch"
 
 
 def _context_mesh():
     return jax.sharding.get_abstract_mesh()
+
+
+def _has_axis_type(mesh, axis_type) -> bool:
+    return any(t == axis_type for t in mesh.axis_types)
 
 
 def is_manual(axis: str) -> bool:
@@ -89,7 +93,8 @@ def match_batch_sharding(tree_Bx, like_BTx):
     otherwise meet updates sharded like the batch.
     """
     spec = getattr(getattr(jax.typeof(like_BTx), "sharding", None), "spec", None)
-    if spec is None or not len(spec) or spec[0] is None or not _context_mesh()._any_axis_explicit:
+    if spec is None or not len(spec) or spec[0] is None or not _has_axis_type(
+            _context_mesh(), AxisType.Explicit):
         return tree_Bx
     return jax.tree.map(lambda x: jax.sharding.reshard(x, PartitionSpec(spec[0])), tree_Bx)
 
@@ -114,7 +119,8 @@ def _batch_axes(mesh, axis: str, batch: int, time_array):
     """Mesh axes the batch axis is split over: the array's own (explicit), else the others'."""
     sharding = getattr(jax.typeof(time_array), "sharding", None)
     spec = getattr(sharding, "spec", None)
-    if spec is not None and len(spec) and spec[0] is not None and not mesh._any_axis_auto:
+    explicit_batch = spec is not None and len(spec) and spec[0] is not None
+    if explicit_batch and not _has_axis_type(mesh, AxisType.Auto):
         return spec[0]
     others = tuple(a for a in mesh.axis_names if a != axis and a not in mesh.manual_axes)
     if others and batch % math.prod(mesh.shape[a] for a in others) == 0:
@@ -148,7 +154,7 @@ def call_over_sequence(local_fn: Callable, axis: str, args: Sequence[Any], kinds
     in_specs = tuple(specs[kinds[i]] for i in present)
     out_specs = jax.tree.map(lambda k: specs[k], out_kinds)
     present_args = [args[i] for i in present]
-    if mesh._any_axis_explicit:
+    if _has_axis_type(mesh, AxisType.Explicit):
         # Explicit axes: every operand must already carry the sharding its spec names.
         present_args = [jax.tree.map(lambda x, s=s: jax.sharding.reshard(x, s), a)
                         for a, s in zip(present_args, in_specs)]
