@@ -8,15 +8,30 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def check_floating(named_arrays, *, name: str) -> None:
+    """Raise a ValueError unless every (name, array) has a floating dtype: integer or boolean
+    queries, keys and values would otherwise be computed on and cast back, truncating the
+    output."""
+    for arr_name, arr in named_arrays:
+        dtype = jnp.result_type(arr)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"{name}: {arr_name} must be a floating-point array (float32, "
+                             f"bfloat16, float16, float64), got {dtype}; convert it with "
+                             f"`.astype(jnp.float32)`.")
 
 
 def check_qkv(q_BTHD, k_BSHD, v_BSHM, *, name: str) -> None:
-    """Raise a ValueError naming the bad shape unless q, k, v form a valid attention call."""
+    """Raise a ValueError naming the bad shape or dtype unless q, k, v form a valid attention
+    call."""
     for arr_name, arr in (("q", q_BTHD), ("k", k_BSHD), ("v", v_BSHM)):
         if arr.ndim != 4:
             raise ValueError(
                     f"{name}: {arr_name} must have 4 dimensions [batch, time, heads, features], "
                     f"got shape {tuple(arr.shape)}.")
+    check_floating((("q", q_BTHD), ("k", k_BSHD), ("v", v_BSHM)), name=name)
     B, _, H, D = q_BTHD.shape
     if k_BSHD.shape[0] != B or k_BSHD.shape[2] != H or k_BSHD.shape[3] != D:
         raise ValueError(
@@ -35,6 +50,7 @@ def check_step_qkv(q_BHD, k_BHD, v_BHM, *, name: str) -> None:
             raise ValueError(
                     f"{name}: {arr_name} must have 3 dimensions [batch, heads, features], "
                     f"got shape {tuple(arr.shape)}.")
+    check_floating((("q_t", q_BHD), ("k_t", k_BHD), ("v_t", v_BHM)), name=name)
     if q_BHD.shape != k_BHD.shape:
         raise ValueError(f"{name}: q_t shape {tuple(q_BHD.shape)} and k_t shape "
                                           f"{tuple(k_BHD.shape)} must be equal.")
@@ -43,8 +59,13 @@ def check_step_qkv(q_BHD, k_BHD, v_BHM, *, name: str) -> None:
                                           f"with q_t shape {tuple(q_BHD.shape)}.")
 
 
-def check_key_lengths(key_lengths, batch: int, *, name: str):
-    """Return key_lengths as an int32 [B] array, or raise if its shape is not [B]."""
+def check_key_lengths(key_lengths, batch: int, *, name: str, length: int | None = None):
+    """Return key_lengths as an int32 [B] array, or raise if its shape is not [B].
+
+    With `length` (the key length S), concrete values outside [0, S] raise a ValueError naming
+    them. Under `jit` the values cannot be read: there they act as clamped to [0, S] (a length
+    below 0 masks every key, as 0 does; above S masks none, as S does).
+    """
     if key_lengths is None:
         return None
     key_lengths = jnp.asarray(key_lengths)
@@ -53,7 +74,44 @@ def check_key_lengths(key_lengths, batch: int, *, name: str):
                 f"{name}: key_lengths must be an integer array of shape ({batch},) giving the number of "
                 f"valid keys per batch element, got {key_lengths.dtype} array of shape "
                 f"{tuple(key_lengths.shape)}.")
+    if length is not None and is_concrete(key_lengths) and batch:
+        values = np.asarray(key_lengths)
+        bad = values[(values < 0) | (values > length)]
+        if bad.size:
+            raise ValueError(f"{name}: key_lengths must be in [0, {length}] (the key length), "
+                             f"got {bad.tolist()} in {values.tolist()}.")
     return key_lengths.astype(jnp.int32)
+
+
+def check_mask(mask, shape_BHTS, *, name: str):
+    """A boolean attention mask (True = attend) as [B|1, H|1, T|1, S|1], or a ValueError.
+
+    Accepted: [T, S] (the same for every example and head) or 4-D [B, H, T, S] with any of its
+    dimensions 1 to broadcast. A float mask is refused rather than cast: an additive mask
+    (0 to attend, -inf or -1e9 to block) would turn into its opposite. Rank 3 is refused because
+    it is ambiguous ([B, T, S] or [H, T, S]).
+    """
+    if mask is None:
+        return None
+    dtype = jnp.result_type(mask)
+    if dtype != jnp.bool_:
+        raise ValueError(f"{name}: mask must be boolean (True = attend), got {dtype}; for an "
+                         f"additive mask (0 = attend, a large negative number = blocked) pass "
+                         f"`mask == 0`.")
+    mask = jnp.asarray(mask)
+    given = tuple(mask.shape)
+    if mask.ndim == 2:
+        mask = mask[None, None]
+    elif mask.ndim != 4:
+        raise ValueError(f"{name}: mask must be [T, S] or [B, H, T, S] (dimensions of size 1 "
+                         f"broadcast), got shape {tuple(mask.shape)}; for a per-example "
+                         f"[B, T, S] mask pass mask[:, None].")
+    try:
+        jnp.broadcast_shapes(mask.shape, tuple(shape_BHTS))
+    except ValueError as e:
+        raise ValueError(f"{name}: mask of shape {given} does not broadcast to "
+                         f"[B, H, T, S] = {tuple(shape_BHTS)}.") from e
+    return mask
 
 
 def key_padding_mask(key_lengths_B, length: int):

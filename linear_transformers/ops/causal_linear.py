@@ -257,7 +257,8 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
         from: `init_linear_state`, the state of `linear_attention_step`, or the state a previous
         call returned. None: zeros. Gradients flow into it.
       return_state: also return the state after the last step.
-      key_lengths: int [B]; keys at index >= key_lengths[b] add nothing, so a right-padded
+      key_lengths: int [B] in [0, T] (out of range: a ValueError eagerly, clamped under
+        jit); keys at index >= key_lengths[b] add nothing, so a right-padded
         prompt returns the state after its real tokens (outputs at padded positions are those of
         the state so far and are not meaningful).
       sequence_axis: name of a mesh axis the time axis is split over. Inside `jax.shard_map`
@@ -288,7 +289,7 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
     fm = make_feature_map(feature_map)
     M = v_BTHM.shape[-1]
     acc = _checks.accumulation_dtype(v_BTHM.dtype)
-    key_lengths = _checks.check_key_lengths(key_lengths, B, name=name)
+    key_lengths = _checks.check_key_lengths(key_lengths, B, name=name, length=T)
     if initial_state is None:
         initial_state = LinearState(jnp.zeros((B, H, fm.num_features(D), M), acc),
                                     jnp.zeros((B, H, fm.num_features(D)), acc))
@@ -296,6 +297,9 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
         check_linear_state(initial_state, (B, H, fm.num_features(D), M), name=name)
         acc = jnp.promote_types(acc, jnp.result_type(*initial_state))
         initial_state = LinearState(*(x.astype(acc) for x in initial_state))
+    if T == 0:  # Nothing to attend to: no outputs, and the state passes through unchanged.
+        out = jnp.zeros((B, 0, H, M), v_BTHM.dtype)
+        return (out, initial_state) if return_state else out
     if chunk_size is None:
         chunk_size = default_chunk_size(jax.default_backend(), v_BTHM.dtype)
     kw = dict(fm=fm, form=_FORMS[impl], acc=acc, eps=eps, chunk_size=chunk_size)

@@ -74,7 +74,7 @@ def linear_state_from_keys(k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=Non
     """
     fm = make_feature_map(feature_map)
     key_lengths = _checks.check_key_lengths(key_lengths, k_BSHD.shape[0],
-                                            name="linear_attention")
+                                            name="linear_attention", length=k_BSHD.shape[1])
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(k_BSHD, v_BSHM, name="linear_state_from_keys")
     if sequence_axis is None:
@@ -108,7 +108,8 @@ def linear_attention(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=N
       q_BTHD: [B, T, H, D]; k_BSHD: [B, S, H, D]; v_BSHM: [B, S, H, M].
       feature_map: registered name ("elu", "relu", "favor" via make_feature_map), a FeatureMap,
         or a callable.
-      key_lengths: int [B]; keys at index >= key_lengths[b] contribute nothing.
+      key_lengths: int [B] in [0, S]; keys at index >= key_lengths[b] contribute nothing (out
+        of range: a ValueError eagerly, clamped under jit).
       eps: added to the normaliser.
       sequence_axis: mesh axis the time axes of queries and keys are split over (inside
         `jax.shard_map`, or under `jax.set_mesh` where the op wraps itself; see
@@ -119,7 +120,8 @@ def linear_attention(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=N
     mask argument; key padding is the only mask this form supports.
     """
     _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
-    key_lengths = _checks.check_key_lengths(key_lengths, q_BTHD.shape[0], name="linear_attention")
+    key_lengths = _checks.check_key_lengths(key_lengths, q_BTHD.shape[0], name="linear_attention",
+                                            length=k_BSHD.shape[1])
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
     if sequence_axis is not None and not sp.is_manual(sequence_axis):

@@ -72,7 +72,10 @@ def _prepare(q_BNHD, v_BNHM, rotations_RDU, chunk_size, key_lengths, name):
     if rotations_RDU.ndim != 3 or rotations_RDU.shape[1] != D:
         raise ValueError(f"{name}: rotations must be [rounds, {D}, buckets/2], got shape "
                          f"{tuple(rotations_RDU.shape)}.")
-    key_lengths = _checks.check_key_lengths(key_lengths, B, name=name)
+    if N == 0:
+        raise ValueError(f"{name}: needs at least one position to hash, got an empty sequence "
+                         f"(shape {tuple(q_BNHD.shape)}).")
+    key_lengths = _checks.check_key_lengths(key_lengths, B, name=name, length=N)
     num_buckets = max(1, 2 * rotations_RDU.shape[2])
     check_lsh_options(num_rounds=rotations_RDU.shape[0], num_buckets=num_buckets,
                       chunk_size=chunk_size)
@@ -103,7 +106,8 @@ def lsh_attention(q_BNHD, v_BNHM, rotations_RDU, *, chunk_size: int, causal: boo
       rotations_RDU: from `lsh_rotations` (R rounds, U buckets).
       chunk_size: C; N need not be a multiple (the last chunk is padded).
       causal: query i sees keys j <= i only.
-      key_lengths: int [B]; keys at index >= key_lengths[b] are ignored.
+      key_lengths: int [B] in [0, N]; keys at index >= key_lengths[b] are ignored (out of
+        range: a ValueError eagerly, clamped under jit).
       scale: multiplies the logits; default 1/sqrt(D).
 
     Returns [B, N, H, M] in the dtype of v.

@@ -25,14 +25,8 @@ def _build_mask_BHTS(batch, heads, t, s, *, causal, key_lengths, mask):
     if key_lengths is not None:
         padding = _checks.key_padding_mask(key_lengths, s)[:, None, None, :]
         combined = padding if combined is None else combined & padding
+    mask = _checks.check_mask(mask, (batch, heads, t, s), name="softmax_attention")
     if mask is not None:
-        mask = jnp.asarray(mask, bool)
-        try:
-            jnp.broadcast_shapes(mask.shape, (batch, heads, t, s))
-        except ValueError as e:
-            raise ValueError(
-                f"softmax_attention: mask of shape {tuple(mask.shape)} does not broadcast to "
-                f"[B, H, T, S] = {(batch, heads, t, s)}.") from e
         combined = mask if combined is None else combined & mask
     return combined
 
@@ -62,7 +56,8 @@ def validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths):
     if causal and q_BTHD.shape[1] != k_BSHD.shape[1]:
         raise ValueError(f"softmax_attention: causal=True needs as many queries as keys, got "
                          f"T={q_BTHD.shape[1]} and S={k_BSHD.shape[1]}.")
-    return _checks.check_key_lengths(key_lengths, q_BTHD.shape[0], name="softmax_attention")
+    return _checks.check_key_lengths(key_lengths, q_BTHD.shape[0], name="softmax_attention",
+                                     length=k_BSHD.shape[1])
 
 
 def softmax_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
@@ -83,8 +78,10 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
     Args:
       q_BTHD: queries [B, T, H, D]; k_BSHD keys [B, S, H, D]; v_BSHM values [B, S, H, M].
       causal: query t attends to keys s <= t (needs T == S).
-      key_lengths: int [B]; keys at index >= key_lengths[b] are ignored.
-      mask: boolean, broadcastable to [B, H, T, S]; False entries are ignored.
+      key_lengths: int [B] in [0, S]; keys at index >= key_lengths[b] are ignored (out of
+        range: a ValueError eagerly, clamped under jit).
+      mask: boolean [T, S] or [B, H, T, S] (size-1 dimensions broadcast), True = attend; a
+        float (additive) mask or a 3-D one is refused (`ops._checks.check_mask`).
       scale: multiplies the logits (softmax temperature); default 1/sqrt(D).
       implementation: None (jax.nn.dot_product_attention where it applies, i.e. D == M, else the
         reference), "xla" or "cudnn" (jax.nn.dot_product_attention with that implementation;
