@@ -82,6 +82,13 @@ class ImageGenerator(nnx.Module):
         if not jnp.issubdtype(x_BT.dtype, jnp.integer):
             raise ValueError(f"ImageGenerator.{where}: sub-pixels must be integers in "
                              f"[0, {self.num_classes}), got dtype {x_BT.dtype}.")
+        # Out-of-range values would give a NaN likelihood (or embed another value). Traced
+        # values (under jit) cannot be read here: the trainer checks its data when it loads it.
+        if not isinstance(x_BT, jax.core.Tracer) and x_BT.size:
+            low, high = int(jnp.min(x_BT)), int(jnp.max(x_BT))
+            if low < 0 or high >= self.num_classes:
+                raise ValueError(f"ImageGenerator.{where}: sub-pixels must be in "
+                                 f"[0, {self.num_classes}), got values in [{low}, {high}].")
         return x_BT
 
     def shifted_inputs(self, x_BT):

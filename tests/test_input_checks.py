@@ -165,3 +165,41 @@ def test_empty_sequences_in_the_other_ops():
     with pytest.raises(ValueError, match="needs at least one position to hash, got an empty "
                                          "sequence"):
         ops.lsh_attention(q, q, ROTATIONS, chunk_size=4)
+
+
+# --- sub-pixel values ----------------------------------------------------------------------------
+
+def test_image_generator_refuses_sub_pixels_outside_its_classes():
+    from flax import nnx
+
+    from linear_transformers import ImageGenerator, TransformerConfig
+
+    config = TransformerConfig(num_layers=1, num_heads=2, model_dim=8, feed_forward_dim=16,
+                               dropout=0.0, attention="linear")
+    model = ImageGenerator(config, num_classes=17, num_mixtures=2, max_length=6,
+                           rngs=nnx.Rngs(0))
+    x = np.zeros((2, 6), np.int32)
+    assert np.isfinite(float(model.nll(x)))
+    for bad, where in ((300, "nll"), (-1, "log_prob"), (17, "__call__")):
+        x_bad = x.copy()
+        x_bad[1, 3] = bad
+        run = {"nll": model.nll, "log_prob": model.log_prob, "__call__": model}[where]
+        low, high = min(bad, 0), max(bad, 0)
+        with pytest.raises(ValueError, match=re.escape(f"sub-pixels must be in [0, 17), got "
+                                                       f"values in [{low}, {high}]")):
+            run(x_bad)
+
+
+def test_the_image_trainer_refuses_data_outside_the_classes(monkeypatch):
+    from configs import digits
+    from experiments.training import loop
+
+    images = np.zeros((4, 8, 8, 1), np.uint16)
+    images[2, 3, 3, 0] = 300
+    monkeypatch.setattr(loop.pipeline, "load_images", lambda *args, **kwargs: images)
+    config = digits.get_config("smoke")
+    with pytest.raises(ValueError, match=re.escape("split 'train' of 'digits' has sub-pixel "
+                                                   "values in [0, 300]; the model takes [0, 17)")):
+        loop.load_split(config, "train")
+    images[2, 3, 3, 0] = 16
+    assert loop.load_split(config, "train").shape == (4, 64)

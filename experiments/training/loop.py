@@ -88,6 +88,13 @@ def load_split(config, spec: str) -> np.ndarray:
     x = pipeline.flatten_images(images)[int(start) if start else None:int(stop) if stop else None]
     if not len(x):
         raise ValueError(f"split {spec!r} of {config.dataset!r} is empty.")
+    # Checked once here: inside the compiled steps a bad value would only show as a NaN loss.
+    num_classes = pipeline.dataset_info(config.dataset).num_classes
+    low, high = int(x.min()), int(x.max())
+    if low < 0 or high >= num_classes:
+        raise ValueError(f"split {spec!r} of {config.dataset!r} has sub-pixel values in "
+                         f"[{low}, {high}]; the model takes [0, {num_classes}). Check the data "
+                         f"files in {config.manual_dir or config.data_dir}.")
     return x
 
 
