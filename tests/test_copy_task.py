@@ -105,6 +105,8 @@ def test_step_schedule_drops_at_decay_steps():
     ("smoke,attention=sparse", "not a registered attention kind"),
     ("smoke,max_length=4", "too short"),
     ("smoke,model=gpt", "model must be one of"),
+    ("smoke,keep_checkpoints=0", r"config.keep_checkpoints must be >= 1, got 0 \(0 would leave "
+                                 r"no checkpoint to resume from\)"),
 ])
 def test_bad_configs_fail_before_training(tmp_path, arg, match):
     with pytest.raises(ValueError, match=match):

@@ -203,3 +203,12 @@ def test_the_image_trainer_refuses_data_outside_the_classes(monkeypatch):
         loop.load_split(config, "train")
     images[2, 3, 3, 0] = 16
     assert loop.load_split(config, "train").shape == (4, 64)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_a_checkpointer_always_keeps_the_newest_checkpoint(tmp_path, bad):
+    from experiments.training.checkpoints import Checkpointer
+
+    with pytest.raises(ValueError, match=re.escape(f"max_to_keep must be an int >= 1 (the newest "
+                                                   f"checkpoint is always kept), got {bad!r}")):
+        Checkpointer(tmp_path / "checkpoints", max_to_keep=bad)

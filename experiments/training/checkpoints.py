@@ -16,6 +16,9 @@ class Checkpointer:
     """
 
     def __init__(self, directory, *, max_to_keep: int = 2):
+        if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
+            raise ValueError(f"Checkpointer: max_to_keep must be an int >= 1 (the newest "
+                             f"checkpoint is always kept), got {max_to_keep!r}.")
         self.directory = pathlib.Path(directory).expanduser().absolute()
         self._manager = ocp.CheckpointManager(
             self.directory,

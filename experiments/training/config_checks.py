@@ -12,9 +12,9 @@ from linear_transformers.attention import (attention_class, check_attention_opti
 
 _POSITIVE = ("num_layers", "num_heads", "model_dim", "feed_forward_dim", "num_mixtures",
              "batch_size", "eval_batch_size", "num_samples", "num_symbols", "max_length",
-             "eval_batches")
+             "eval_batches", "keep_checkpoints")
 _NON_NEGATIVE = ("num_steps", "warmup_steps", "log_every", "eval_every", "checkpoint_every",
-                 "sample_every", "keep_checkpoints", "max_train_examples", "max_eval_examples",
+                 "sample_every", "max_train_examples", "max_eval_examples",
                  "weight_decay", "grad_clip", "dropout", "attention_dropout", "softmax_temp",
                  "decay_steps", "decay_factor")
 
@@ -41,7 +41,9 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     """The checks every trainer shares: sizes, rates, optimizer, schedule, attention."""
     for key in _POSITIVE:
         if key in config and not config[key] >= 1:
-            raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}.")
+            why = (" (0 would leave no checkpoint to resume from)" if key == "keep_checkpoints"
+                   else "")
+            raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}{why}.")
     for key in _NON_NEGATIVE:
         if key in config and not config[key] >= 0:
             raise ValueError(f"config.{key} must be >= 0, got {config[key]!r}.")
