@@ -285,3 +285,16 @@ def test_long_variant_is_a_sequence_parallel_32k_config_with_fast_batches():
     if jax.device_count() < 8:
         with pytest.raises(ValueError, match="config.mesh.sequence=8 does not divide"):
             copy_loop.check_copy_config(config)
+
+
+def test_a_run_that_fails_before_training_leaves_config_json_as_it_was(tmp_path):
+    copy_loop.train_and_evaluate(copy_config.get_config("smoke,num_steps=2,eval_every=0"),
+                                 tmp_path)
+    saved = (tmp_path / "config.json").read_text()
+    with pytest.raises(ValueError, match="not a registered attention kind"):
+        copy_loop.train_and_evaluate(copy_config.get_config("smoke,attention=sparse"), tmp_path)
+    # Valid, but its model does not fit the checkpoint in the workdir.
+    with pytest.raises(ValueError, match="cannot restore checkpoint step 2"):
+        copy_loop.train_and_evaluate(copy_config.get_config("smoke,num_steps=4,model_dim=48"),
+                                     tmp_path)
+    assert (tmp_path / "config.json").read_text() == saved

@@ -222,3 +222,12 @@ def test_mesh_sequence_one_builds_the_model_without_sequence_parallelism(data_di
     assert trainer.sample_graphdef is trainer.eval_graphdef
     assert dict(trainer.mesh.shape) == {"data": len(trainer.mesh.devices.flat), "sequence": 1}
     assert loop.transformer_config(config, sequence_axis="sequence").sequence_axis == "sequence"
+
+
+def test_a_run_that_fails_before_training_leaves_config_json_as_it_was(data_dir, tmp_path):
+    (tmp_path / "config.json").write_text('{"from": "an earlier run"}')
+    with pytest.raises(ValueError, match="config.mesh.sequence=3 must divide"):
+        loop.train_and_evaluate(_smoke(data_dir, "mesh.sequence=3"), tmp_path)
+    with pytest.raises(ValueError, match="batch_size=9999 exceeds"):
+        loop.train_and_evaluate(_smoke(data_dir, "batch_size=9999"), tmp_path)
+    assert (tmp_path / "config.json").read_text() == '{"from": "an earlier run"}'

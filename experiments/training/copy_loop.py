@@ -270,7 +270,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
     mesh = mesh_lib.make_mesh(config)
     workdir = pathlib.Path(workdir).expanduser()
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     trainer = _CopyTrainer(config, mesh)
     batches = copy_task.CopyBatches(batch_size=config.batch_size, max_length=config.max_length,
                                     num_symbols=config.num_symbols, model=config.model,
@@ -283,6 +282,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
         trainer.state = checkpointer.restore(trainer.state, step)
         wall_time = max([r["wall_time"] for r in read_metrics(workdir)
                          if "wall_time" in r and r["step"] <= step], default=0.0)
+    # Only now, with the config, model and checkpoint accepted (see loop.train_and_evaluate).
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     result = {"step": step}
     window, window_start = [], time.perf_counter()
     try:

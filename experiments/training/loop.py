@@ -225,7 +225,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
         jax.distributed.initialize()
     workdir = pathlib.Path(workdir).expanduser()
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     info = pipeline.dataset_info(config.dataset)
     check_mesh(config, kinds={"attention": config.attention},
                sequence_length=math.prod(info.image_shape))
@@ -239,6 +238,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
     step = checkpointer.latest_step() or 0
     if step:
         trainer.state = checkpointer.restore(trainer.state, step)
+    # Only now, with the config, data, model and checkpoint accepted: a run that fails before
+    # training leaves the workdir's config.json (and so its sampling) as it was.
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     progress = None
     if config.progress_bar and jax.process_index() == 0:
         from tqdm import tqdm
