@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
@@ -53,3 +54,43 @@ class Checkpointer:
     def close(self) -> None:
         """Release the manager's resources."""
         self._manager.close()
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_differences(saved: dict, config: dict) -> list[str]:
+    """'key: saved -> new' for every (dotted) key whose value differs between two configs."""
+    old, new = _flatten(saved), _flatten(config)
+    return [f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def restore_run(checkpointer: Checkpointer, target, step: int, workdir, config):
+    """`checkpointer.restore(target, step)` for a trainer resuming in `workdir` with `config`.
+
+    When the checkpoint does not fit and the workdir's config.json (the run that wrote it)
+    differs from `config`, the error names the keys that differ instead of blaming the files.
+    """
+    try:
+        return checkpointer.restore(target, step)
+    except ValueError as e:
+        path = pathlib.Path(workdir).expanduser() / "config.json"
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise e from e.__cause__
+        differences = config_differences(saved, json.loads(config.to_json_best_effort()))
+        if not differences:
+            raise e from e.__cause__
+        raise ValueError(
+            f"cannot restore checkpoint step {step} from {checkpointer.directory}: it was written "
+            f"by the run configured in {path}, and this config differs in "
+            f"{'; '.join(differences)}. Resume with that run's config, or train this one in "
+            f"another workdir.") from e.__cause__

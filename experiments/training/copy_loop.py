@@ -43,7 +43,7 @@ from flax import nnx
 from configs import copy as copy_config
 from experiments.data import copy_task
 from experiments.training import mesh as mesh_lib
-from experiments.training.checkpoints import Checkpointer
+from experiments.training.checkpoints import Checkpointer, restore_run
 from experiments.training.config_checks import (check_attention, check_keys, check_mesh,
                                                 check_values)
 from experiments.training.loop import NonFiniteLossError, due, transformer_config
@@ -279,7 +279,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
     step = checkpointer.latest_step() or 0
     wall_time = 0.0
     if step:
-        trainer.state = checkpointer.restore(trainer.state, step)
+        trainer.state = restore_run(checkpointer, trainer.state, step, workdir, config)
         wall_time = max([r["wall_time"] for r in read_metrics(workdir)
                          if "wall_time" in r and r["step"] <= step], default=0.0)
     # Only now, with the config, model and checkpoint accepted (see loop.train_and_evaluate).

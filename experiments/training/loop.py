@@ -31,7 +31,7 @@ from flax import nnx
 from experiments.data import pipeline
 from experiments.training import images
 from experiments.training import mesh as mesh_lib
-from experiments.training.checkpoints import Checkpointer
+from experiments.training.checkpoints import Checkpointer, restore_run
 from experiments.training.config_checks import check_config, check_mesh
 from experiments.training.metrics import MetricsWriter
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
@@ -237,7 +237,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
 
     step = checkpointer.latest_step() or 0
     if step:
-        trainer.state = checkpointer.restore(trainer.state, step)
+        trainer.state = restore_run(checkpointer, trainer.state, step, workdir, config)
     # Only now, with the config, data, model and checkpoint accepted: a run that fails before
     # training leaves the workdir's config.json (and so its sampling) as it was.
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
