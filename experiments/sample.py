@@ -10,8 +10,9 @@ parallel model over the whole prefix for every sub-pixel (how softmax generation
 without a cache). Writes a PNG grid and prints images/s.
 """
 
-from absl import app, flags, logging
+from absl import app, flags
 
+from experiments.cli import one_line_errors
 from experiments.training.sampling import sample_from_workdir
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (config.json, checkpoints/).",
@@ -25,10 +26,9 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 _OUT = flags.DEFINE_string("out", None, "PNG path (default: <workdir>/samples/sample_*.png).")
 
 
+@one_line_errors
 def main(argv):
     del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # Orbax logs every save and restore at INFO
     result = sample_from_workdir(_WORKDIR.value, num_images=_NUM.value,
                                  prefix_pixels=_PREFIX.value, method=_METHOD.value,
                                  seed=_SEED.value, step=_STEP.value, out=_OUT.value)

@@ -212,3 +212,67 @@ def test_a_checkpointer_always_keeps_the_newest_checkpoint(tmp_path, bad):
     with pytest.raises(ValueError, match=re.escape(f"max_to_keep must be an int >= 1 (the newest "
                                                    f"checkpoint is always kept), got {bad!r}")):
         Checkpointer(tmp_path / "checkpoints", max_to_keep=bad)
+
+
+# ---- Non-finite values reach only the queries that can see them ----
+
+def _qkv_with(bad, where, T=12, s=7):
+    """Clean q, k, v [1, T, 2, 4] and copies with `bad` at time s in `where` ("v" or "k")."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, T, 2, 4)) for i in range(3))
+    spoiled = {"k": k, "v": v}
+    spoiled[where] = spoiled[where].at[:, s].set(bad)
+    return (q, k, v), (q, spoiled["k"], spoiled["v"])
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+@pytest.mark.parametrize("where", ["v", "k"])
+@pytest.mark.parametrize("impl", ["quadratic", "chunked", "associative_scan", "scan"])
+def test_causal_linear_a_bad_later_value_never_reaches_earlier_outputs(impl, where, bad):
+    s = 7
+    clean, spoiled = _qkv_with(bad, where, s=s)
+    kw = dict(impl=impl, chunk_size=4, return_state=True)  # s sits mid-chunk: chunk [4, 8)
+    out_clean, _ = ops.causal_linear_attention(*clean, **kw)
+    out, state = ops.causal_linear_attention(*spoiled, **kw)
+    np.testing.assert_allclose(out[:, :s], out_clean[:, :s], rtol=1e-6, atol=1e-7)
+    if where == "v":  # (a bad key may still weigh 0: elu(-inf) + 1 = 0)
+        assert (~np.isfinite(np.asarray(out[:, s:]))).all()
+        assert (~np.isfinite(np.asarray(state.s_BHFM))).all()
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+@pytest.mark.parametrize("where", ["v", "k"])
+@pytest.mark.parametrize("implementation", [None, "xla", "reference"])
+def test_softmax_a_bad_value_never_reaches_queries_that_cannot_see_it(implementation, where,
+                                                                       bad):
+    s = 7
+    clean, spoiled = _qkv_with(bad, where, s=s)
+    kw = dict(implementation=implementation)
+    causal = ops.softmax_attention(*spoiled, causal=True, **kw)
+    np.testing.assert_allclose(causal[:, :s], ops.softmax_attention(*clean, causal=True, **kw)
+                               [:, :s], rtol=1e-6, atol=1e-7)
+    if where == "v":  # (a bad key may still weigh 0: a logit of -inf)
+        assert (~np.isfinite(np.asarray(causal[:, s:]))).all()
+    # A padded key (s >= key_lengths) and a key an explicit mask hides are never seen.
+    lengths = jnp.array([s])
+    padded = ops.softmax_attention(*spoiled, key_lengths=lengths, **kw)
+    np.testing.assert_allclose(padded, ops.softmax_attention(*clean, key_lengths=lengths, **kw),
+                               rtol=1e-6, atol=1e-7)
+    mask = jnp.ones((12, 12), bool).at[:, s].set(False)
+    hidden = ops.softmax_attention(*spoiled, mask=mask, **kw)
+    np.testing.assert_allclose(hidden, ops.softmax_attention(*clean, mask=mask, **kw),
+                               rtol=1e-6, atol=1e-7)
+    seen_by_some = ops.softmax_attention(*spoiled, mask=mask.at[:3, s].set(True), **kw)
+    np.testing.assert_allclose(seen_by_some[:, 3:], hidden[:, 3:], rtol=1e-6, atol=1e-7)
+    if where == "v":
+        assert (~np.isfinite(np.asarray(seen_by_some[:, :3]))).all()
+
+
+def test_bad_values_leave_gradients_of_unaffected_outputs_finite():
+    clean, spoiled = _qkv_with(jnp.nan, "v")
+    for f in (lambda q, k, v: ops.causal_linear_attention(q, k, v, impl="quadratic"),
+              lambda q, k, v: ops.causal_linear_attention(q, k, v, impl="chunked", chunk_size=4),
+              lambda q, k, v: ops.softmax_attention(q, k, v, causal=True)):
+        grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)[:, :7]), argnums=(0, 1, 2))(*spoiled)
+        expected = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)[:, :7]), argnums=(0, 1, 2))(*clean)
+        for g, e in zip(grads, expected):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)

@@ -1,19 +1,90 @@
-"""Orbax checkpoints of the whole training state, with clear errors for unusable ones."""
+"""Orbax checkpoints of the whole training state, verified by checksum, with clear errors.
+
+Every save writes `checksums.json` into the step's directory: the SHA-256 of each file Orbax
+wrote. Orbax itself does not check the bytes it reads (flipped bits in array data restore as
+wrong numbers), so a restore verifies them first. Hashing is in the standard library
+(hashlib); the cost is one extra read of the checkpoint per save and restore.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import pathlib
+import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
+
+MANIFEST = "checksums.json"
+DAMAGED_DIR = "damaged_checkpoints"  # beside the checkpoint directory, outside Orbax's view
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, damaged, or written by another model."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose bytes are not the bytes that were saved, or cannot be read."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A readable checkpoint whose arrays do not have the shapes the target has."""
+
+
+def _drop_closed_loop_reports(previous_hook):
+    """An unraisable-exception hook that drops asyncio's "Event loop is closed" reports.
+
+    When an Orbax restore fails, Orbax closes its event loop while TensorStore still has reads
+    in flight; each of them then reports `RuntimeError('Event loop is closed')` through
+    sys.unraisablehook, dozens of lines that say nothing about the cause and bury it.
+    """
+
+    def hook(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous_hook(unraisable)
+
+    hook.drops_closed_loop_reports = True
+    return hook
+
+
+def _root_cause(error: BaseException) -> str:
+    """The first line of the innermost exception behind `error` (TensorStore's own message
+    says which array and which bytes; Orbax's wrappers around it do not)."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def _signature(tree) -> list[tuple]:
+    """The sorted (shape, dtype) of every array in `tree` (target arrays or Orbax metadata)."""
+    return sorted((tuple(leaf.shape), str(leaf.dtype)) for leaf in jax.tree.leaves(tree)
+                  if hasattr(leaf, "shape"))
+
+
+def _file_hashes(step_dir: pathlib.Path) -> dict[str, str]:
+    hashes = {}
+    for path in sorted(step_dir.rglob("*")):
+        if path.is_file() and path.name != MANIFEST:
+            digest = hashlib.sha256()
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            hashes[path.relative_to(step_dir).as_posix()] = digest.hexdigest()
+    return hashes
 
 
 class Checkpointer:
-    """Save and restore `{"params", "opt_state", "rest"}` pytrees by step in `directory`.
+    """Save and restore `{"step", "params", "opt_state", "rest"}` pytrees by step in `directory`.
 
-    Saves are synchronous: a checkpoint on disk is complete before training goes on, so an
-    interrupt or a NaN never leaves only a half-written latest checkpoint.
+    Saves are synchronous and atomic (Orbax writes a temporary directory and renames it), so
+    an interrupt, a crash or a NaN never leaves a half-written checkpoint under a step's name;
+    `checksums.json` then records what was written.
     """
 
     def __init__(self, directory, *, max_to_keep: int = 2):
@@ -22,9 +93,13 @@ class Checkpointer:
                              f"checkpoint is always kept), got {max_to_keep!r}.")
         self.directory = pathlib.Path(directory).expanduser().absolute()
         self._manager = ocp.CheckpointManager(
-            self.directory,
+            self.directory, item_handlers=ocp.StandardCheckpointHandler(),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                  enable_async_checkpointing=False))
+
+    def all_steps(self) -> list[int]:
+        """Every complete checkpoint's step, ascending."""
+        return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -36,20 +111,80 @@ class Checkpointer:
             return
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
         self._manager.wait_until_finished()
+        if jax.process_index() == 0:
+            step_dir = self.directory / str(step)
+            manifest = step_dir / MANIFEST
+            partial = manifest.with_suffix(".tmp")
+            partial.write_text(json.dumps(_file_hashes(step_dir), indent=1))
+            os.replace(partial, manifest)  # atomic: a manifest is whole or absent
+
+    def verify(self, step: int) -> None:
+        """Raise DamagedCheckpointError unless checkpoint `step`'s files match its checksums.
+
+        A checkpoint without checksums.json (the process died between Orbax's commit and the
+        manifest) passes: Orbax committed it whole, so only later damage would go unseen.
+        """
+        step_dir = self.directory / str(step)
+        if not step_dir.is_dir():
+            raise CheckpointError(f"there is no checkpoint step {step} in {self.directory}; "
+                                  f"its steps are {self.all_steps()}.")
+        manifest = step_dir / MANIFEST
+        if not manifest.exists():
+            logging.warning("checkpoint step %d in %s has no %s; restoring it unverified.",
+                            step, self.directory, MANIFEST)
+            return
+        try:
+            expected = json.loads(manifest.read_text())
+        except ValueError as e:
+            raise DamagedCheckpointError(f"checkpoint step {step} in {self.directory} is "
+                                         f"damaged: {MANIFEST} is unreadable ({e}).") from None
+        found = _file_hashes(step_dir)
+        missing = sorted(set(expected) - set(found))
+        changed = sorted(name for name in set(expected) & set(found)
+                         if expected[name] != found[name])
+        if missing or changed:
+            what = "; ".join(filter(None, [missing and f"missing files {missing}",
+                                           changed and f"files whose bytes changed {changed}"]))
+            raise DamagedCheckpointError(
+                f"checkpoint step {step} in {self.directory} is damaged: {what}.")
 
     def restore(self, target, step: int | None = None):
-        """Restore checkpoint `step` (default: latest) into the structure, shapes and shardings
-        of `target`; a checkpoint that does not fit (another model, a corrupt file) raises."""
+        """Verify and restore checkpoint `step` (default: latest) into the structure, shapes
+        and shardings of `target`. Raises CheckpointError (DamagedCheckpointError for bytes
+        that changed) with the step and the cause."""
         step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"there is no checkpoint in {self.directory}.")
+        self.verify(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         try:
             return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        except Exception as e:  # orbax raises many types; the user needs the path and the cause
-            raise ValueError(
-                f"cannot restore checkpoint step {step} from {self.directory}: {e}. It is "
-                f"corrupt or was written by a different model/optimizer config; use another "
-                f"workdir, or delete {self.directory / str(step)} to fall back to an older "
-                f"checkpoint.") from e
+        except Exception as e:  # orbax raises many types; the user needs the step and the cause
+            if not getattr(sys.unraisablehook, "drops_closed_loop_reports", False):
+                sys.unraisablehook = _drop_closed_loop_reports(sys.unraisablehook)
+            cause = _root_cause(e)
+            try:
+                fits = _signature(self._manager.item_metadata(step)) == _signature(abstract)
+            except Exception:  # unreadable metadata: the checkpoint, not the config, is at fault
+                fits = True
+            if not fits:
+                raise CheckpointMismatchError(
+                    f"cannot restore checkpoint step {step} from {self.directory}: its arrays "
+                    f"do not have the shapes of this model and optimizer; it was written by a "
+                    f"different config.") from e
+            raise DamagedCheckpointError(
+                f"checkpoint step {step} in {self.directory} cannot be read: {cause}") from e
+
+    def set_aside(self, step: int) -> pathlib.Path:
+        """Move checkpoint `step` out of the checkpoint directory (into damaged_checkpoints/
+        beside it), so a later save of the same step is not skipped; return where it went."""
+        destination = self.directory.parent / DAMAGED_DIR / str(step)
+        if destination.exists():
+            shutil.rmtree(destination)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(self.directory / str(step), destination)
+        self._manager.reload()
+        return destination
 
     def close(self) -> None:
         """Release the manager's resources."""
@@ -72,25 +207,53 @@ def config_differences(saved: dict, config: dict) -> list[str]:
             for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
 
-def restore_run(checkpointer: Checkpointer, target, step: int, workdir, config):
-    """`checkpointer.restore(target, step)` for a trainer resuming in `workdir` with `config`.
-
-    When the checkpoint does not fit and the workdir's config.json (the run that wrote it)
-    differs from `config`, the error names the keys that differ instead of blaming the files.
-    """
+def _config_mismatch(checkpointer, step, workdir, config) -> str | None:
+    """The message for a checkpoint written under another config, or None if the workdir's
+    config.json is absent, unreadable or the same as `config`."""
+    path = pathlib.Path(workdir).expanduser() / "config.json"
     try:
-        return checkpointer.restore(target, step)
-    except ValueError as e:
-        path = pathlib.Path(workdir).expanduser() / "config.json"
-        try:
-            saved = json.loads(path.read_text())
-        except (OSError, ValueError):
-            raise e from e.__cause__
-        differences = config_differences(saved, json.loads(config.to_json_best_effort()))
-        if not differences:
-            raise e from e.__cause__
-        raise ValueError(
-            f"cannot restore checkpoint step {step} from {checkpointer.directory}: it was written "
-            f"by the run configured in {path}, and this config differs in "
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    differences = config_differences(saved, json.loads(config.to_json_best_effort()))
+    if not differences:
+        return None
+    return (f"cannot restore checkpoint step {step} from {checkpointer.directory}: it was "
+            f"written by the run configured in {path}, and this config differs in "
             f"{'; '.join(differences)}. Resume with that run's config, or train this one in "
-            f"another workdir.") from e.__cause__
+            f"another workdir.")
+
+
+def restore_newest_intact(checkpointer: Checkpointer, target, workdir, config):
+    """Resume a trainer in `workdir` with `config`: (state, step) of the newest checkpoint that
+    verifies and restores, or (target, 0) when there is none.
+
+    A damaged checkpoint is moved to damaged_checkpoints/ with a warning naming it and the
+    step resumed from. A checkpoint that does not fit `config` while the workdir's config.json
+    differs raises a CheckpointError naming the keys that differ; if every checkpoint is
+    unusable, one CheckpointError lists them.
+    """
+    problems = []
+    for step in reversed(checkpointer.all_steps()):
+        try:
+            state = checkpointer.restore(target, step)
+        except DamagedCheckpointError as e:
+            problems.append(str(e))
+            moved = checkpointer.set_aside(step)
+            logging.warning("%s Moved it to %s; trying the previous checkpoint.", e, moved)
+            continue
+        except CheckpointMismatchError as e:
+            mismatch = _config_mismatch(checkpointer, step, workdir, config)
+            if mismatch is not None:
+                raise CheckpointMismatchError(mismatch) from e.__cause__
+            raise
+        if problems:
+            logging.warning("resuming from checkpoint step %d, the newest intact one in %s.",
+                            step, checkpointer.directory)
+        return state, step
+    if problems:
+        raise CheckpointError(
+            f"no intact checkpoint in {checkpointer.directory}: {' '.join(problems)} The damaged "
+            f"ones were moved to {checkpointer.directory.parent / DAMAGED_DIR}; re-running starts "
+            f"from step 0.")
+    return target, 0

@@ -27,6 +27,36 @@ def check_keys(config: ml_collections.ConfigDict, defaults: ml_collections.Confi
     if unknown or missing:
         raise ValueError(f"config keys not understood: {unknown}; missing: {missing}. The "
                          f"trainer's keys are listed in {where}.")
+    check_types(config, defaults)
+
+
+class ConfigTypeError(TypeError, ValueError):
+    """A config value of the wrong type (a ValueError too: every config error is one)."""
+
+
+_TYPE_NAMES = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
+
+
+def check_types(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict,
+                prefix: str = "config.") -> None:
+    """Every value has its default's type (ints are not bools, numbers are not None), else a
+    ConfigTypeError naming the key. ConfigDict itself refuses most wrong types, but lets a bool into
+    an int field and None into any field."""
+    for key, default in defaults.items():
+        value = config[key]
+        if isinstance(default, ml_collections.ConfigDict):
+            if not isinstance(value, ml_collections.ConfigDict):
+                raise ConfigTypeError(f"{prefix}{key} must be a group of keys like "
+                                f"{sorted(default)}, got {value!r}.")
+            check_types(value, default, f"{prefix}{key}.")
+            continue
+        kind = type(default)
+        if kind not in _TYPE_NAMES:
+            continue
+        allowed = (int, float) if kind is float else (kind,)
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, allowed):
+            raise ConfigTypeError(f"{prefix}{key} must be {_TYPE_NAMES[kind]}, got {value!r} "
+                            f"({type(value).__name__}).")
 
 
 def check_attention(config: ml_collections.ConfigDict, key: str = "attention") -> None:

@@ -42,13 +42,14 @@ from flax import nnx
 
 from configs import copy as copy_config
 from experiments.data import copy_task
+from experiments.training import interrupts
 from experiments.training import mesh as mesh_lib
-from experiments.training.checkpoints import Checkpointer, restore_run
 from experiments.training.config_checks import (check_attention, check_keys, check_mesh,
                                                 check_values)
 from experiments.training.loop import NonFiniteLossError, due, transformer_config
 from experiments.training.metrics import MetricsWriter, read_metrics
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
+from experiments.training.run_dir import RunDirectory, save_state_in_hand
 from linear_transformers.attention import attention_class
 from linear_transformers.lm import CausalLM
 from linear_transformers.seq2seq import EncoderDecoder, greedy_decode
@@ -192,7 +193,9 @@ class _CopyTrainer:
             self.decode_graphdef = nnx.split(plain, nnx.Param, nnx.RngState, ...)[0]
         self.tx = make_optimizer(config)
         self.schedule = make_schedule(config)
-        state = {"params": params, "opt_state": self.tx.init(params), "rest": rest}
+        # The step lives in the state, so a checkpoint's label and its contents always agree.
+        state = {"step": jnp.zeros((), jnp.int32), "params": params,
+                 "opt_state": self.tx.init(params), "rest": rest}
         self.state = jax.device_put(state, mesh_lib.replicated(self.mesh))
         self.dropout_key = jax.random.key(config.seed + 2)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
@@ -200,9 +203,9 @@ class _CopyTrainer:
         decoder_kind = attention_class(config.attention)
         self.greedy = config.model == "encoder_decoder" and decoder_kind.has_recurrent_form
 
-    def _train_step(self, state, rng_state, batch, step):
+    def _train_step(self, state, rng_state, batch):
         model = nnx.merge(self.graphdef, state["params"], rng_state, state["rest"])
-        nnx.reseed(model, dropout=jax.random.fold_in(self.dropout_key, step))
+        nnx.reseed(model, dropout=jax.random.fold_in(self.dropout_key, state["step"]))
         (loss, counts), grads = nnx.value_and_grad(loss_and_counts, has_aux=True)(model, batch)
         new_state, finite = apply_if_finite(self.tx, state, loss, grads)
         return new_state, {"loss": loss, "finite": finite, **counts}
@@ -216,11 +219,10 @@ class _CopyTrainer:
         """A global numpy batch laid out over the mesh, time padded for the sequence axis."""
         return mesh_lib.shard_batch(self.mesh, pad_time(batch, self.mesh.shape[mesh_lib.SEQUENCE]))
 
-    def train(self, batch, step: int):
+    def train(self, batch):
         """One training step on a global batch: (new state, metrics)."""
         with jax.set_mesh(self.mesh):  # the sequence-parallel ops shard_map over this mesh
-            return self.train_step(self.state, self.rng_state, self.shard_batch(batch),
-                                   np.int32(step))
+            return self.train_step(self.state, self.rng_state, self.shard_batch(batch))
 
     def eval_model(self):
         """The current parameters in evaluation mode, without sequence parallelism (for
@@ -264,72 +266,77 @@ class _CopyTrainer:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
                        *, step_callback: Callable[[int, dict], None] | None = None) -> dict:
-    """Train (resuming from the latest checkpoint in `workdir`) and evaluate; return the last
-    metrics: step, loss, eval_loss, token/sequence accuracies (and greedy ones), wall_time."""
+    """Train (resuming from the newest intact checkpoint in `workdir`) and evaluate; return
+    the last metrics: step, loss, eval_loss, token/sequence accuracies (and greedy ones),
+    wall_time. Locking, signals and interrupts as in `loop.train_and_evaluate`."""
     check_copy_config(config)
     mesh = mesh_lib.make_mesh(config)
-    workdir = pathlib.Path(workdir).expanduser()
-    workdir.mkdir(parents=True, exist_ok=True)
-    trainer = _CopyTrainer(config, mesh)
+    with RunDirectory(workdir, config) as run:
+        trainer = _CopyTrainer(config, mesh)
+        trainer.state, step = run.resume(trainer.state)
+        wall_time = max([r["wall_time"] for r in read_metrics(run.path)
+                         if "wall_time" in r and r["step"] <= step], default=0.0)
+        run.write_config(config)
+        return _train(config, run, trainer, step, wall_time, step_callback)
+
+
+def _train(config, run, trainer, step, wall_time, step_callback) -> dict:
     batches = copy_task.CopyBatches(batch_size=config.batch_size, max_length=config.max_length,
                                     num_symbols=config.num_symbols, model=config.model,
                                     seed=config.seed)
-    checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
-    writer = MetricsWriter(workdir)
-    step = checkpointer.latest_step() or 0
-    wall_time = 0.0
-    if step:
-        trainer.state = restore_run(checkpointer, trainer.state, step, workdir, config)
-        wall_time = max([r["wall_time"] for r in read_metrics(workdir)
-                         if "wall_time" in r and r["step"] <= step], default=0.0)
-    # Only now, with the config, model and checkpoint accepted (see loop.train_and_evaluate).
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    writer = MetricsWriter(run.path)
     result = {"step": step}
     window, window_start = [], time.perf_counter()
-    try:
-        while step < config.num_steps:
-            trainer.state, metrics = trainer.train(batches.batch(step), step)
-            if not bool(metrics["finite"]):
-                raise NonFiniteLossError(
-                    f"non-finite loss or gradient at step {step} (loss={float(metrics['loss'])}); "
-                    f"training stopped. The update was not applied; the latest checkpoint "
-                    f"({checkpointer.latest_step()}) in {checkpointer.directory} is intact. "
-                    f"Lower config.learning_rate.")
-            step += 1
-            window.append(metrics)
-            if step_callback is not None:
-                step_callback(step, metrics)
-            if due(step, config.log_every) or step == config.num_steps:
-                window = jax.device_get(window)
-                elapsed = time.perf_counter() - window_start
-                wall_time += elapsed
-                scalars = {"loss": float(np.mean([m["loss"] for m in window])),
-                           "train_token_accuracy": sum(float(m["correct"]) for m in window) /
-                           sum(float(m["symbols"]) for m in window),
-                           "steps_per_sec": len(window) / elapsed, "wall_time": wall_time,
-                           "learning_rate": float(trainer.schedule(step - 1))}
-                writer.write(step, scalars)
-                result.update(step=step, loss=scalars["loss"], wall_time=wall_time)
-                if config.progress_bar:
-                    print(f"step {step}: loss {scalars['loss']:.4f} train token accuracy "
-                          f"{scalars['train_token_accuracy']:.3f} ({scalars['steps_per_sec']:.3g} "
-                          f"steps/s, {1 / scalars['steps_per_sec']:.3g} s/step)", flush=True)
-                window = []
-            if due(step, config.checkpoint_every):
-                checkpointer.save(step, trainer.state)
-            if due(step, config.eval_every) or step == config.num_steps:
-                evaluation = trainer.evaluate()
-                writer.write(step, evaluation)
-                result.update(evaluation)
-            if not window:  # a new window starts after checkpointing and evaluation: not timed
-                window_start = time.perf_counter()
-        checkpointer.save(step, trainer.state)
-    except KeyboardInterrupt:
-        checkpointer.save(step, trainer.state)
-        raise
-    finally:
-        writer.close()
-        checkpointer.close()
+    with interrupts.deferred_signals() as signals:
+        try:
+            while step < config.num_steps:
+                trainer.state, metrics = trainer.train(batches.batch(step))
+                if not bool(metrics["finite"]):
+                    raise NonFiniteLossError(
+                        f"non-finite loss or gradient at step {step} (loss="
+                        f"{float(metrics['loss'])}); training stopped. The update was not "
+                        f"applied; the latest checkpoint ({run.latest_step()}) in "
+                        f"{run.checkpointer.directory} is intact. Lower config.learning_rate.")
+                step += 1
+                window.append(metrics)
+                if step_callback is not None:
+                    step_callback(step, metrics)
+                if due(step, config.log_every) or step == config.num_steps:
+                    window = jax.device_get(window)
+                    elapsed = time.perf_counter() - window_start
+                    wall_time += elapsed
+                    scalars = {"loss": float(np.mean([m["loss"] for m in window])),
+                               "train_token_accuracy": sum(float(m["correct"]) for m in window) /
+                               sum(float(m["symbols"]) for m in window),
+                               "steps_per_sec": len(window) / elapsed, "wall_time": wall_time,
+                               "learning_rate": float(trainer.schedule(step - 1))}
+                    writer.write(step, scalars)
+                    result.update(step=step, loss=scalars["loss"], wall_time=wall_time)
+                    if config.progress_bar:
+                        print(f"step {step}: loss {scalars['loss']:.4f} train token accuracy "
+                              f"{scalars['train_token_accuracy']:.3f} "
+                              f"({scalars['steps_per_sec']:.3g} steps/s, "
+                              f"{1 / scalars['steps_per_sec']:.3g} s/step)", flush=True)
+                    window = []
+                if due(step, config.checkpoint_every):
+                    run.save(trainer.state)
+                if due(step, config.eval_every) or step == config.num_steps:
+                    evaluation = trainer.evaluate()
+                    writer.write(step, evaluation)
+                    result.update(evaluation)
+                if signals.received and step < config.num_steps:
+                    raise interrupts.Interrupted(signals.signum, run.save(trainer.state),
+                                                 run.checkpointer.directory)
+                if not window:  # a new window starts after checkpointing and evaluation
+                    window_start = time.perf_counter()
+            run.save(trainer.state)
+        except interrupts.Interrupted:
+            raise
+        except KeyboardInterrupt:
+            save_state_in_hand(run, trainer.state)
+            raise
+        finally:
+            writer.close()
     if "eval_loss" not in result:  # resumed at the end: nothing trained this time
         result.update(trainer.evaluate())
     result["step"] = step

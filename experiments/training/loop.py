@@ -29,11 +29,11 @@ import optax
 from flax import nnx
 
 from experiments.data import pipeline
-from experiments.training import images
+from experiments.training import images, interrupts
 from experiments.training import mesh as mesh_lib
-from experiments.training.checkpoints import Checkpointer, restore_run
 from experiments.training.config_checks import check_config, check_mesh
 from experiments.training.metrics import MetricsWriter
+from experiments.training.run_dir import RunDirectory, save_state_in_hand
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
 from linear_transformers import mixture
 from linear_transformers.image_generator import ImageGenerator, sample_images
@@ -134,16 +134,18 @@ class _Trainer:
             self.sample_graphdef = nnx.split(plain, nnx.Param, nnx.RngState, ...)[0]
         self.tx = make_optimizer(config)
         self.schedule = make_schedule(config)
-        state = {"params": params, "opt_state": self.tx.init(params), "rest": rest}
+        # The step lives in the state, so a checkpoint's label and its contents always agree.
+        state = {"step": jnp.zeros((), jnp.int32), "params": params,
+                 "opt_state": self.tx.init(params), "rest": rest}
         self.state = jax.device_put(state, self.replicated)
         self.dropout_key = jax.random.key(config.seed + 2)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
 
-    def _train_step(self, state, rng_state, x_BL, step):
+    def _train_step(self, state, rng_state, x_BL):
         model = nnx.merge(self.graphdef, state["params"], rng_state, state["rest"])
         # Dropout keys are a function of the step alone, so a resumed run replays them.
-        nnx.reseed(model, dropout=jax.random.fold_in(self.dropout_key, step))
+        nnx.reseed(model, dropout=jax.random.fold_in(self.dropout_key, state["step"]))
 
         def loss_fn(model):
             return model.nll(x_BL)
@@ -163,11 +165,10 @@ class _Trainer:
         [B, L] on ("data", "sequence")."""
         return mesh_lib.shard_batch(self.mesh, x)
 
-    def train(self, x_BL: np.ndarray, step: int):
+    def train(self, x_BL: np.ndarray):
         """One training step on the global batch x_BL: (new state, metrics)."""
         with jax.set_mesh(self.mesh):  # the sequence-parallel ops shard_map over this mesh
-            return self.train_step(self.state, self.rng_state, self.shard_batch(x_BL),
-                                   np.int32(step))
+            return self.train_step(self.state, self.rng_state, self.shard_batch(x_BL))
 
     def evaluate(self, test_BL: np.ndarray) -> float:
         """Test bits/dim over every test image (the last batch padded, padding weighted 0)."""
@@ -214,33 +215,33 @@ def due(step: int, every: int) -> bool:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
                        *, step_callback: Callable[[int, dict], None] | None = None) -> dict:
-    """Train (resuming from the latest checkpoint in `workdir`), evaluate, sample; return the
-    final metrics {"step", "train_bits_per_dim", "test_bits_per_dim", "steps_per_sec"}.
+    """Train (resuming from the newest intact checkpoint in `workdir`), evaluate, sample;
+    return the final metrics {"step", "train_bits_per_dim", "test_bits_per_dim",
+    "steps_per_sec"}.
 
-    `step_callback(step, metrics)` runs after every step (tests use it to interrupt a run). An
-    interrupt (KeyboardInterrupt) saves a checkpoint of the last finished step and re-raises.
+    The workdir is locked for the run (workdir_lock). SIGINT or SIGTERM stops the run after the
+    step in flight, saves a checkpoint of it and raises `interrupts.Interrupted`; a second
+    SIGINT, or a KeyboardInterrupt from `step_callback(step, metrics)` (run after every step),
+    saves the state in hand under its own step and re-raises. Either way re-running resumes
+    exactly: the losses equal an uninterrupted run's.
     """
     check_config(config)
     if config.distributed:
         jax.distributed.initialize()
-    workdir = pathlib.Path(workdir).expanduser()
-    workdir.mkdir(parents=True, exist_ok=True)
     info = pipeline.dataset_info(config.dataset)
     check_mesh(config, kinds={"attention": config.attention},
                sequence_length=math.prod(info.image_shape))
-    train_BL, test_BL = _load_data(config)
-    mesh = mesh_lib.make_mesh(config)
-    trainer = _Trainer(config, info, mesh)
-    batches = pipeline.Batches(train_BL, config.batch_size, seed=config.seed)
-    checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
-    writer = MetricsWriter(workdir)
+    with RunDirectory(workdir, config) as run:
+        train_BL, test_BL = _load_data(config)
+        trainer = _Trainer(config, info, mesh_lib.make_mesh(config))
+        trainer.state, step = run.resume(trainer.state)
+        run.write_config(config)
+        return _train(config, run, trainer, train_BL, test_BL, step, step_callback)
 
-    step = checkpointer.latest_step() or 0
-    if step:
-        trainer.state = restore_run(checkpointer, trainer.state, step, workdir, config)
-    # Only now, with the config, data, model and checkpoint accepted: a run that fails before
-    # training leaves the workdir's config.json (and so its sampling) as it was.
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+def _train(config, run, trainer, train_BL, test_BL, step, step_callback) -> dict:
+    batches = pipeline.Batches(train_BL, config.batch_size, seed=config.seed)
+    writer = MetricsWriter(run.path)
     progress = None
     if config.progress_bar and jax.process_index() == 0:
         from tqdm import tqdm
@@ -248,54 +249,60 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
                         f"{config.attention}", dynamic_ncols=True)
     result = {"step": step}
     window_start, window_steps, window_loss = time.perf_counter(), 0, []
-    try:
-        while step < config.num_steps:
-            trainer.state, metrics = trainer.train(batches.batch(step), step)
-            if not bool(metrics["finite"]):
-                raise NonFiniteLossError(
-                    f"non-finite loss or gradient at step {step} (loss={float(metrics['loss'])}); "
-                    f"training stopped. The update was not applied and no checkpoint was "
-                    f"written after it: the latest checkpoint ({checkpointer.latest_step()}) in "
-                    f"{checkpointer.directory} is intact. Lower config.learning_rate or raise "
-                    f"config.warmup_steps.")
-            step += 1
-            window_steps += 1
-            window_loss.append(metrics["loss"])
-            if step_callback is not None:
-                step_callback(step, metrics)
-            if due(step, config.log_every) or step == config.num_steps:
-                loss = float(np.mean(jax.device_get(window_loss)))
-                rate = window_steps / (time.perf_counter() - window_start)
-                scalars = {"loss": loss, "train_bits_per_dim": loss / math.log(2),
-                           "grad_norm": float(metrics["grad_norm"]), "steps_per_sec": rate,
-                           "learning_rate": float(trainer.schedule(step - 1))}
-                writer.write(step, scalars)
-                result.update(step=step, train_bits_per_dim=scalars["train_bits_per_dim"],
-                              steps_per_sec=rate)
+    with interrupts.deferred_signals() as signals:
+        try:
+            while step < config.num_steps:
+                trainer.state, metrics = trainer.train(batches.batch(step))
+                if not bool(metrics["finite"]):
+                    raise NonFiniteLossError(
+                        f"non-finite loss or gradient at step {step} (loss="
+                        f"{float(metrics['loss'])}); training stopped. The update was not "
+                        f"applied and no checkpoint was written after it: the latest checkpoint "
+                        f"({run.latest_step()}) in {run.checkpointer.directory} is intact. "
+                        f"Lower config.learning_rate or raise config.warmup_steps.")
+                step += 1
+                window_steps += 1
+                window_loss.append(metrics["loss"])
+                if step_callback is not None:
+                    step_callback(step, metrics)
+                if due(step, config.log_every) or step == config.num_steps:
+                    loss = float(np.mean(jax.device_get(window_loss)))
+                    rate = window_steps / (time.perf_counter() - window_start)
+                    scalars = {"loss": loss, "train_bits_per_dim": loss / math.log(2),
+                               "grad_norm": float(metrics["grad_norm"]), "steps_per_sec": rate,
+                               "learning_rate": float(trainer.schedule(step - 1))}
+                    writer.write(step, scalars)
+                    result.update(step=step, train_bits_per_dim=scalars["train_bits_per_dim"],
+                                  steps_per_sec=rate)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{loss:.4f}",
+                                             bpd=f"{loss / math.log(2):.4f}",
+                                             steps_s=f"{rate:.1f}")
+                    window_start, window_steps, window_loss = time.perf_counter(), 0, []
                 if progress is not None:
-                    progress.set_postfix(loss=f"{loss:.4f}", bpd=f"{loss / math.log(2):.4f}",
-                                         steps_s=f"{rate:.1f}")
-                window_start, window_steps, window_loss = time.perf_counter(), 0, []
+                    progress.update(1)
+                if due(step, config.checkpoint_every):
+                    run.save(trainer.state)
+                if due(step, config.eval_every) or step == config.num_steps:
+                    test_bpd = trainer.evaluate(test_BL)
+                    writer.write(step, {"test_bits_per_dim": test_bpd})
+                    result["test_bits_per_dim"] = test_bpd
+                if (due(step, config.sample_every) or step == config.num_steps) and \
+                        jax.process_index() == 0:
+                    trainer.write_samples(run.path / "samples" / f"step_{step:07d}.png", step)
+                if signals.received and step < config.num_steps:
+                    raise interrupts.Interrupted(signals.signum, run.save(trainer.state),
+                                                 run.checkpointer.directory)
+            run.save(trainer.state)
+        except interrupts.Interrupted:
+            raise
+        except KeyboardInterrupt:
+            save_state_in_hand(run, trainer.state)
+            raise
+        finally:
             if progress is not None:
-                progress.update(1)
-            if due(step, config.checkpoint_every):
-                checkpointer.save(step, trainer.state)
-            if due(step, config.eval_every) or step == config.num_steps:
-                test_bpd = trainer.evaluate(test_BL)
-                writer.write(step, {"test_bits_per_dim": test_bpd})
-                result["test_bits_per_dim"] = test_bpd
-            if (due(step, config.sample_every) or step == config.num_steps) and \
-                    jax.process_index() == 0:
-                trainer.write_samples(workdir / "samples" / f"step_{step:07d}.png", step)
-        checkpointer.save(step, trainer.state)
-    except KeyboardInterrupt:
-        checkpointer.save(step, trainer.state)
-        raise
-    finally:
-        if progress is not None:
-            progress.close()
-        writer.close()
-        checkpointer.close()
+                progress.close()
+            writer.close()
     if "test_bits_per_dim" not in result:  # resumed at the end: nothing trained this time
         result["test_bits_per_dim"] = trainer.evaluate(test_BL)
     result["step"] = step

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import pathlib
 
+METRICS_FILE = "metrics.jsonl"
+
 
 class MetricsWriter:
     """Append `{"step": s, **scalars}` lines to `workdir/metrics.jsonl`."""
 
     def __init__(self, workdir):
-        self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self.path = pathlib.Path(workdir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tensorboard = None
         try:
@@ -37,7 +39,7 @@ class MetricsWriter:
 
 def read_metrics(workdir) -> list[dict]:
     """All records of `workdir/metrics.jsonl`, in order."""
-    path = pathlib.Path(workdir) / "metrics.jsonl"
+    path = pathlib.Path(workdir) / METRICS_FILE
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

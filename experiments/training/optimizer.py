@@ -49,12 +49,14 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 
 
 def apply_if_finite(tx: optax.GradientTransformation, state: dict, loss, grads):
-    """One optimizer update of `state` {"params", "opt_state", "rest"}, applied only if the loss
-    and every gradient are finite; returns (new_state, finite). A non-finite step changes
-    nothing, so the state in memory stays the last good one."""
+    """One optimizer update of `state` {"step", "params", "opt_state", "rest"}, applied only if
+    the loss and every gradient are finite; returns (new_state, finite). The update advances
+    "step" by one; a non-finite step changes nothing, so the state in memory stays the last
+    good one."""
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     finite = jnp.isfinite(loss) & jnp.all(
         jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    new_state = {"params": params, "opt_state": opt_state, "rest": state["rest"]}
+    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state,
+                 "rest": state["rest"]}
     return jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state), finite

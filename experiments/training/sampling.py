@@ -13,7 +13,8 @@ import numpy as np
 
 from experiments.data import pipeline
 from experiments.training import images
-from experiments.training.checkpoints import Checkpointer
+from experiments.training.checkpoints import (Checkpointer, CheckpointError,
+                                              DamagedCheckpointError)
 from experiments.training.loop import _Trainer, data_mesh
 from linear_transformers.image_generator import sample_images, sample_images_full_recompute
 
@@ -22,11 +23,20 @@ METHODS = {"recurrent": sample_images, "recompute": sample_images_full_recompute
 
 def load_config(workdir) -> ml_collections.ConfigDict:
     """The config a workdir was trained with (its config.json)."""
-    path = pathlib.Path(workdir).expanduser() / "config.json"
+    workdir = pathlib.Path(workdir).expanduser()
+    if not workdir.is_dir():
+        raise FileNotFoundError(f"workdir {workdir} is not a directory: --workdir must be a "
+                                f"directory written by python -m experiments.train.")
+    path = workdir / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: --workdir must be a directory written by "
                                 f"python -m experiments.train.")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    try:
+        return ml_collections.ConfigDict(json.loads(path.read_text()))
+    except ValueError as e:
+        raise ValueError(f"{path} is not a valid config ({e}); it is written by "
+                         f"python -m experiments.train when training starts: restore it, or "
+                         f"re-run training with the run's config to rewrite it.") from None
 
 
 def sample_from_workdir(workdir, *, num_images: int = 16, prefix_pixels: int = 0,
@@ -44,11 +54,17 @@ def sample_from_workdir(workdir, *, num_images: int = 16, prefix_pixels: int = 0
     mesh = data_mesh(jax.devices()[:1])
     trainer = _Trainer(config, info, mesh)
     checkpointer = Checkpointer(pathlib.Path(workdir).expanduser() / "checkpoints")
-    step = checkpointer.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {checkpointer.directory}.")
-    trainer.state = checkpointer.restore(trainer.state, step)
-    checkpointer.close()
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"there is no checkpoint in {checkpointer.directory}.")
+        trainer.state = checkpointer.restore(trainer.state, step)
+    except DamagedCheckpointError as e:
+        others = [s for s in checkpointer.all_steps() if s != step]
+        raise DamagedCheckpointError(f"{e} Sample another checkpoint with --step (steps: "
+                                     f"{others}), or resume training to replace it.") from None
+    finally:
+        checkpointer.close()
     prefix = None
     if prefix_pixels:
         test = pipeline.flatten_images(pipeline.load_images(

@@ -33,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks
+from linear_transformers.ops import _checks, _nonfinite
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.feature_maps import make_feature_map
 from linear_transformers.ops.linear import LinearState
@@ -183,8 +183,25 @@ def _scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chunk_si
     return jnp.swapaxes(out_TBHM, 0, 1), carry
 
 
-_FORMS = {"quadratic": _quadratic, "associative_scan": _associative_scan, "chunked": _chunked,
-          "scan": _scan}
+def _finite_products(form):
+    """`form` run on the finite part of v, NaN wherever a step sees a non-finite value (and in
+    the columns of the final S it reaches): its masked products would otherwise turn a bad
+    value at step s into NaN at every step (ops/_nonfinite.py)."""
+
+    def guarded(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, **kw):
+        out_BTHM, (s_BHFM, z_BHF) = form(phi_q_BTHF, phi_k_BTHF, _nonfinite.finite_part(v_BTHM),
+                                         s0_BHFM, z0_BHF, **kw)
+        seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v_BTHM, num_queries=v_BTHM.shape[1],
+                                                   causal=True)
+        s_BHFM = _nonfinite.mark_seen(s_BHFM, jnp.any(seen_BTHM, axis=1)[:, :, None, :])
+        return _nonfinite.mark_seen(out_BTHM, seen_BTHM), (s_BHFM, z_BHF)
+
+    return guarded
+
+
+# The recurrent forms ("associative_scan", "scan") only ever add what a step can see.
+_FORMS = {"quadratic": _finite_products(_quadratic), "associative_scan": _associative_scan,
+          "chunked": _finite_products(_chunked), "scan": _scan}
 
 
 def _features(q_BTHD, k_BTHD, v_BTHM, fm, key_lengths, offset):

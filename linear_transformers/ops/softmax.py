@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks
+from linear_transformers.ops import _checks, _nonfinite
 from linear_transformers.ops import sequence_parallel as sp
 
 IMPLEMENTATIONS = (None, "xla", "cudnn", "reference")
@@ -108,6 +108,21 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
         return _sequence_parallel_softmax(q_BTHD, k_BSHD, v_BSHM, causal=causal,
                                           key_lengths=key_lengths, mask=mask, scale=scale,
                                           implementation=implementation, axis=sequence_axis)
+    # The weights of unseen keys are 0, and 0 * inf is NaN: attend over the finite part of v
+    # and mark NaN where a query sees a non-finite value (ops/_nonfinite.py).
+    B, T, H, _ = q_BTHD.shape
+    full_mask = None if mask is None else _build_mask_BHTS(
+        B, H, T, k_BSHD.shape[1], causal=False, key_lengths=None, mask=mask)
+    seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v_BSHM, num_queries=T, causal=causal,
+                                               key_lengths=key_lengths, mask_BHTS=full_mask)
+    out_BTHM = _dense_softmax(q_BTHD, k_BSHD, _nonfinite.finite_part(v_BSHM), causal=causal,
+                              key_lengths=key_lengths, mask=mask, full_mask=full_mask,
+                              scale=scale, implementation=implementation)
+    return _nonfinite.mark_seen(out_BTHM, seen_BTHM)
+
+
+def _dense_softmax(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, full_mask, scale,
+                   implementation):
     same_dims = q_BTHD.shape[-1] == v_BSHM.shape[-1]
     if implementation in ("xla", "cudnn") and not same_dims:
         raise ValueError(
@@ -117,12 +132,10 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
     if implementation == "reference" or (implementation is None and not same_dims):
         return softmax_attention_reference(q_BTHD, k_BSHD, v_BSHM, causal=causal,
                                            key_lengths=key_lengths, mask=mask, scale=scale)
-    if mask is not None:
-        B, T, H, _ = q_BTHD.shape
-        mask = _build_mask_BHTS(B, H, T, k_BSHD.shape[1], causal=False, key_lengths=None, mask=mask)
     dtype = jnp.result_type(q_BTHD, k_BSHD, v_BSHM)
     return jax.nn.dot_product_attention(
-        q_BTHD.astype(dtype), k_BSHD.astype(dtype), v_BSHM.astype(dtype), mask=mask, scale=scale,
+        q_BTHD.astype(dtype), k_BSHD.astype(dtype), v_BSHM.astype(dtype), mask=full_mask,
+        scale=scale,
         is_causal=causal, key_value_seq_lengths=key_lengths, implementation=implementation)
 
 

@@ -1,0 +1,62 @@
+"""SIGINT and SIGTERM stop training at a step boundary, after a checkpoint of that step.
+
+Python raises KeyboardInterrupt wherever the main thread happens to be when the signal lands:
+often while it waits on a step whose update has already been dispatched, so the state in hand
+and the step counter no longer agree. Inside `deferred_signals()` the first SIGINT or SIGTERM
+only sets a flag; the training loop checks it between steps, saves, and raises `Interrupted`.
+A second SIGINT raises KeyboardInterrupt at once, for when the user really means "now".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped on `signum` after saving checkpoint `step`; re-running resumes there."""
+
+    def __init__(self, signum: int, step: int, directory):
+        self.signum, self.step, self.directory = signum, step, directory
+        super().__init__(f"{signal.Signals(signum).name} received: stopped after step {step} "
+                         f"with a checkpoint of it in {directory}; run the same command again "
+                         f"to resume.")
+
+
+class SignalFlag:
+    """The first SIGINT/SIGTERM received inside `deferred_signals()` (None: none yet)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    @property
+    def received(self) -> bool:
+        return self.signum is not None
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """Yield a SignalFlag that records SIGINT/SIGTERM instead of letting them raise.
+
+    Handlers can only be installed from the main thread; elsewhere the flag stays unset and
+    signals keep their usual effect. The previous handlers are restored on exit.
+    """
+    flag = SignalFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handle(signum, frame):
+        if flag.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        flag.signum = flag.signum or signum
+
+    previous = {s: signal.signal(s, handle) for s in HANDLED}
+    try:
+        yield flag
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

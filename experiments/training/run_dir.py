@@ -1,0 +1,128 @@
+"""A trainer's workdir for one run: checked before any work, locked, resumed, checkpointed.
+
+    with RunDirectory(workdir, config) as run:
+        state, step = run.resume(initial_state)   # newest intact checkpoint, or (initial, 0)
+        run.write_config(config)                  # only once everything has been accepted
+        ... run.save(state) ...
+
+The checkpoint of a state is labelled by the state's own "step" entry, so the label and the
+weights it holds cannot disagree however the run is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+
+import jax
+from absl import logging
+
+from experiments.training.checkpoints import Checkpointer, restore_newest_intact
+from experiments.training.metrics import METRICS_FILE
+from experiments.training.workdir_lock import WorkdirLock
+
+
+def _check_directory(path: pathlib.Path, what: str) -> None:
+    """Create `path` if needed and prove it is a writable directory, else one clear error."""
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{what} {path} is a file, not a directory; pass a directory "
+                                 f"(it is created if missing).")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+        os.listdir(path)
+    except OSError as e:
+        raise PermissionError(f"{what} {path} cannot be used: {e.strerror or e}. Training "
+                              f"needs to read and write it; fix its permissions or choose "
+                              f"another.") from None
+
+
+class RunDirectory:
+    """`workdir` checked and locked for one run (context manager), with its checkpoints."""
+
+    def __init__(self, workdir, config):
+        self.path = pathlib.Path(workdir).expanduser()
+        _check_directory(self.path, "workdir")
+        _check_directory(self.path / "checkpoints", "checkpoint directory")
+        self.config = config
+        self._lock = WorkdirLock(self.path)
+        self.checkpointer: Checkpointer | None = None
+
+    def __enter__(self):
+        if jax.process_index() == 0:
+            self._lock.acquire()
+        try:
+            self.checkpointer = Checkpointer(self.path / "checkpoints",
+                                             max_to_keep=self.config.keep_checkpoints)
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            self._lock.release()
+
+    def resume(self, state):
+        """(state, step) of the newest intact checkpoint, or (state, 0). Metrics recorded
+        after that step (by a run killed before it could checkpoint) are dropped, so the
+        metrics file reads as one uninterrupted run."""
+        state, step = restore_newest_intact(self.checkpointer, state, self.path, self.config)
+        if jax.process_index() == 0:
+            _drop_metrics_after(self.path / METRICS_FILE, step)
+        return state, step
+
+    def write_config(self, config) -> None:
+        """Record the run's config (call once config, data, model and checkpoint are accepted:
+        a run that fails earlier leaves the workdir's config.json as it was)."""
+        if jax.process_index() == 0:
+            (self.path / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+    def save(self, state) -> int:
+        """Checkpoint `state` under its own step; return that step."""
+        step = int(jax.device_get(state["step"]))
+        self.checkpointer.save(step, state)
+        return step
+
+    def latest_step(self) -> int | None:
+        return self.checkpointer.latest_step()
+
+
+def _drop_metrics_after(path: pathlib.Path, step: int) -> None:
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    if len(kept) != len(lines):
+        partial = path.with_suffix(".tmp")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)
+
+
+def _step_of(line: str) -> int | None:
+    """A metrics line's step; None for a blank or cut-off line (a run killed mid-write)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def save_state_in_hand(run: RunDirectory, state) -> None:
+    """Checkpoint `state` on an abrupt stop (a KeyboardInterrupt raised mid-step). The state
+    carries its own step, so whatever it holds is labelled right; if the stop came while the
+    step's inputs were being handed over, its buffers are gone and nothing is written."""
+    try:
+        step = run.save(state)
+    except Exception as e:  # deleted (donated) buffers: jax raises RuntimeError, or others
+        logging.warning("stopped without a new checkpoint (%s); the latest is step %s in %s.",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__,
+                        run.latest_step(), run.checkpointer.directory)
+    else:
+        logging.warning("stopped: checkpoint step %d saved in %s.", step,
+                        run.checkpointer.directory)

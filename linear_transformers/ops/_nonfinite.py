@@ -1,0 +1,47 @@
+"""Non-finite values reach only the queries that can see them.
+
+A product with masked weights computes 0 * v for every key a query cannot see, and 0 * inf and
+0 * NaN are NaN: one bad value at a later position, or in padding, would spoil every earlier
+output. The forms that multiply by masked weights (causal linear "quadratic" and "chunked",
+softmax) therefore run on `finite_part(v)` and then write NaN exactly where a query sees a
+non-finite value (`seen_nonfinite_BTHM`). A seen inf gives NaN rather than +-inf: either way
+the output is not finite, and the training loop refuses the step.
+
+Legend: B batch, T queries, S keys, H heads, M value features.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def finite_part(v):
+    """v with its non-finite entries replaced by 0 (`where`, so no NaN survives)."""
+    return jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))
+
+
+def seen_nonfinite_BTHM(v_BSHM, *, num_queries: int, causal: bool, key_lengths=None,
+                        mask_BHTS=None):
+    """bool [B, T, H, M]: query t sees a non-finite v[s, m] through the masks.
+
+    key_lengths: int [B], keys s >= key_lengths[b] are unseen; mask_BHTS: boolean, broadcastable
+    to [B, H, T, S], True = seen (costs one [T, S] x [S, M] product); causal: s <= t (T == S).
+    """
+    B, S, H, M = v_BSHM.shape
+    bad_BSHM = ~jnp.isfinite(v_BSHM)
+    if key_lengths is not None:
+        bad_BSHM &= (jnp.arange(S)[None, :] < key_lengths[:, None])[:, :, None, None]
+    if mask_BHTS is not None:
+        seen_BHTS = jnp.broadcast_to(mask_BHTS, (B, H, num_queries, S))
+        if causal:
+            seen_BHTS &= jnp.tril(jnp.ones((num_queries, S), bool))
+        return jnp.einsum("bhts,bshm->bthm", seen_BHTS.astype(jnp.float32),
+                          bad_BSHM.astype(jnp.float32)) > 0
+    if causal:
+        return jnp.cumsum(bad_BSHM, axis=1, dtype=jnp.int32) > 0
+    return jnp.broadcast_to(jnp.any(bad_BSHM, axis=1, keepdims=True), (B, num_queries, H, M))
+
+
+def mark_seen(out_BTHM, seen_BTHM):
+    """NaN where a query saw a non-finite value, `out` elsewhere."""
+    return jnp.where(seen_BTHM, jnp.asarray(jnp.nan, out_BTHM.dtype), out_BTHM)

@@ -1,0 +1,317 @@
+"""The trainers' guarantees, broken the way users break them: real signals delivered while a
+step is in flight, a real second process holding the workdir, real damaged checkpoint bytes.
+
+(tests/test_fault_injection.py adds SIGKILL and signals at random moments, in subprocesses.)
+"""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import digits
+from experiments.training import interrupts, loop
+from experiments.training.checkpoints import (CheckpointError, Checkpointer,
+                                              DamagedCheckpointError)
+from experiments.training.config_checks import ConfigTypeError
+from experiments.training.metrics import read_metrics
+from experiments.training.workdir_lock import WorkdirInUseError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_WAIT_LINE = 'if not bool(metrics["finite"]):'  # where the loop waits on the step in flight
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def _smoke(data_dir, extra=""):
+    config = digits.get_config("smoke,num_steps=12,log_every=1,checkpoint_every=0,eval_every=0,"
+                               "sample_every=0,dropout=0.1,batch_size=64" +
+                               ("," + extra if extra else ""))
+    config.data_dir = data_dir
+    return config
+
+
+def _straight_losses(config, workdir):
+    losses = []
+    loop.train_and_evaluate(config, workdir, step_callback=lambda s, m: losses.append(
+        float(m["loss"])))
+    return losses
+
+
+class _SignalWhileWaiting(threading.Thread):
+    """Sends `signals` to this process once the main thread, past step `after`, is blocked on
+    the metrics of the step in flight (its `_train` frame sits on _WAIT_LINE)."""
+
+    def __init__(self, signals, after, counter, trainer_module=loop):
+        super().__init__(daemon=True)
+        self.signals, self.after, self.counter = signals, after, counter
+        self.filename = trainer_module.__file__
+        self.sent_at_step = None
+        self.stop = False
+
+    def _waiting(self) -> bool:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        while frame is not None:
+            if frame.f_code.co_name == "_train" and frame.f_code.co_filename == self.filename:
+                import linecache
+                return _WAIT_LINE in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+            frame = frame.f_back
+        return False
+
+    def run(self):
+        while not self.stop:
+            if len(self.counter) >= self.after and self._waiting():
+                self.sent_at_step = len(self.counter)
+                for signum in self.signals:
+                    os.kill(os.getpid(), signum)
+                return
+            time.sleep(0.0005)
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGTERM,),
+                                     (signal.SIGINT, signal.SIGINT)],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-twice"])
+def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, tmp_path, signals):
+    config = _smoke(data_dir)
+    straight = _straight_losses(config, tmp_path / "straight")
+
+    losses = []
+    sender = _SignalWhileWaiting(signals, after=3, counter=losses)
+    sender.start()
+    expected = interrupts.Interrupted if len(signals) == 1 else KeyboardInterrupt
+    try:
+        with pytest.raises(expected):
+            loop.train_and_evaluate(config, tmp_path / "run", step_callback=lambda s, m:
+                                    losses.append(float(m["loss"])))
+    finally:
+        sender.stop = True
+    assert sender.sent_at_step is not None, "the signal was never sent while a step was in flight"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+    # The checkpoint's label and the step it holds agree, whatever moment the signal hit.
+    checkpointer = Checkpointer(tmp_path / "run" / "checkpoints")
+    saved = checkpointer.latest_step()
+    assert saved is not None and saved >= 3
+    trainer = loop._Trainer(config, loop.pipeline.dataset_info("digits"), loop.data_mesh())
+    assert int(checkpointer.restore(trainer.state)["step"]) == saved
+    checkpointer.close()
+
+    resumed = []
+    loop.train_and_evaluate(config, tmp_path / "run",
+                            step_callback=lambda s, m: resumed.append(float(m["loss"])))
+    assert losses[:saved] + resumed == straight  # bit-identical: no step applied twice or lost
+
+
+def test_the_copy_trainer_resumes_exactly_after_sigterm_mid_step(tmp_path):
+    from configs import copy as copy_config
+    from experiments.training import copy_loop
+    config = copy_config.get_config("smoke,num_steps=12,log_every=1,checkpoint_every=0,"
+                                    "eval_every=0,dropout=0.1")
+    straight = []
+    copy_loop.train_and_evaluate(config, tmp_path / "straight", step_callback=lambda s, m:
+                                 straight.append(float(m["loss"])))
+    losses = []
+    sender = _SignalWhileWaiting((signal.SIGTERM,), 3, losses, trainer_module=copy_loop)
+    sender.start()
+    try:
+        with pytest.raises(interrupts.Interrupted, match="SIGTERM received: stopped after step"):
+            copy_loop.train_and_evaluate(config, tmp_path / "run", step_callback=lambda s, m:
+                                         losses.append(float(m["loss"])))
+    finally:
+        sender.stop = True
+    assert sender.sent_at_step is not None
+    saved = Checkpointer(tmp_path / "run" / "checkpoints").latest_step()
+    resumed = []
+    copy_loop.train_and_evaluate(config, tmp_path / "run", step_callback=lambda s, m:
+                                 resumed.append(float(m["loss"])))
+    assert losses[:saved] + resumed == straight
+
+
+def test_metrics_past_the_resumed_checkpoint_are_dropped(data_dir, tmp_path):
+    # A run killed between checkpoints has logged steps the resumed run will log again.
+    config = _smoke(data_dir, "num_steps=6,checkpoint_every=2")
+    loop.train_and_evaluate(config, tmp_path / "straight")
+    straight = read_metrics(tmp_path / "straight")
+
+    def stop_at_5(step, metrics):
+        if step == 5:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_and_evaluate(config, tmp_path / "run", step_callback=stop_at_5)
+    # What a SIGKILL right after step 5's log line leaves: no checkpoint 5, a cut-off line.
+    import shutil
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "5")
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "loss": 1.')  # a line cut off mid-write
+    loop.train_and_evaluate(config, tmp_path / "run")
+    drop = ("steps_per_sec",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(tmp_path / "run")] \
+        == [{k: v for k, v in r.items() if k not in drop} for r in straight]
+
+
+# ---- A workdir belongs to one run ----
+
+_HOLD_LOCK = """
+import sys, time
+from experiments.training.workdir_lock import WorkdirLock
+WorkdirLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_locked_workdir_names_its_holder_and_a_dead_holder_does_not_block(data_dir, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(WorkdirInUseError, match=rf"in use by another training run \(pid "
+                                                    rf"{holder.pid} on .*, started"):
+            loop.train_and_evaluate(_smoke(data_dir, "num_steps=2"), tmp_path)
+        assert not (tmp_path / "config.json").exists() and not (tmp_path / "metrics.jsonl").exists()
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs, the lock file stays with the dead pid in it
+        holder.wait()
+    assert str(holder.pid) in (tmp_path / "run.lock").read_text()
+    assert loop.train_and_evaluate(_smoke(data_dir, "num_steps=2"), tmp_path)["step"] == 2
+    assert str(os.getpid()) in (tmp_path / "run.lock").read_text()
+
+
+# ---- Checkpoints are verified ----
+
+def _data_file(step_dir: pathlib.Path) -> pathlib.Path:
+    """The largest array-data file of a checkpoint."""
+    return max((p for p in step_dir.rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip_a_byte(path: pathlib.Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_fall_back_to_the_newest_intact_checkpoint(data_dir, tmp_path, caplog):
+    config = _smoke(data_dir, "num_steps=8,checkpoint_every=2,keep_checkpoints=3")
+    straight = _straight_losses(config, tmp_path / "straight")
+
+    losses = []
+
+    def stop_at_6(step, metrics):
+        losses.append(float(metrics["loss"]))
+        if step == 6:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        loop.train_and_evaluate(config, tmp_path / "run", step_callback=stop_at_6)
+    _flip_a_byte(_data_file(tmp_path / "run" / "checkpoints" / "6"))
+
+    resumed = []
+    with caplog.at_level("WARNING"):
+        loop.train_and_evaluate(config, tmp_path / "run",
+                                step_callback=lambda s, m: resumed.append(float(m["loss"])))
+    log = caplog.text
+    assert "checkpoint step 6" in log and "is damaged: files whose bytes changed" in log
+    assert "resuming from checkpoint step 4, the newest intact one" in log
+    assert (tmp_path / "run" / "damaged_checkpoints" / "6").is_dir()
+    assert losses[:4] + resumed == straight
+    assert 8 in Checkpointer(tmp_path / "run" / "checkpoints").all_steps()
+
+
+def _small_checkpoints(directory, steps=(1, 2)):
+    state = {"step": jnp.int32(0), "w": jnp.arange(40_000.0), "b": jnp.ones((30, 40))}
+    checkpointer = Checkpointer(directory, max_to_keep=5)
+    for step in steps:
+        checkpointer.save(step, {**state, "step": jnp.int32(step)})
+    return checkpointer, state
+
+
+def test_a_truncated_checkpoint_is_one_clear_error_without_event_loop_noise(tmp_path, capfd):
+    checkpointer, state = _small_checkpoints(tmp_path)
+    path = _data_file(tmp_path / "2")
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 2 in .* is damaged: "
+                                                     r"files whose bytes changed"):
+        checkpointer.restore(state, 2)
+    # Without its checksum manifest (a run killed right after Orbax's commit), the read itself
+    # fails: still one error naming the step, and no "Event loop is closed" reports after it.
+    (tmp_path / "2" / "checksums.json").unlink()
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 2 in .* cannot be read: "
+                                                     r".*(byte range|OUT_OF_RANGE|DATA_LOSS)"):
+        checkpointer.restore(state, 2)
+    time.sleep(1.0)  # the reads TensorStore still had in flight report after the failure
+    assert "Event loop is closed" not in capfd.readouterr().err
+    np.testing.assert_array_equal(checkpointer.restore(state, 1)["w"], state["w"])
+    with pytest.raises(CheckpointError, match=r"there is no checkpoint step 7 in .*; its steps "
+                                              r"are \[1, 2\]"):
+        checkpointer.restore(state, 7)
+
+
+def test_every_checkpoint_damaged_is_one_error_listing_them(data_dir, tmp_path):
+    config = _smoke(data_dir, "num_steps=4,checkpoint_every=2")
+    loop.train_and_evaluate(config, tmp_path)
+    for step in (2, 4):
+        _flip_a_byte(_data_file(tmp_path / "checkpoints" / str(step)))
+    (tmp_path / "config.json").write_text('{"from": "the run that wrote them"}')
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint in .*checkpoint step 4 .* "
+                                              r"damaged.*checkpoint step 2 .* damaged.*moved to"):
+        loop.train_and_evaluate(config, tmp_path)
+    assert (tmp_path / "config.json").read_text() == '{"from": "the run that wrote them"}'
+
+
+def test_keep_checkpoints_zero_is_refused_before_any_work(data_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"keep_checkpoints must be >= 1.*no checkpoint to "
+                                         r"resume from"):
+        loop.train_and_evaluate(_smoke(data_dir, "keep_checkpoints=0"), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+# ---- Config values of the wrong type ----
+
+@pytest.mark.parametrize("key, value, message", [
+    ("batch_size", True, r"config.batch_size must be an int, got True \(bool\)"),
+    ("num_steps", None, r"config.num_steps must be an int, got None"),
+    ("dataset", None, r"config.dataset must be a string, got None"),
+])
+def test_config_values_of_the_wrong_type_are_rejected_by_name(data_dir, tmp_path, key, value,
+                                                              message):
+    config = _smoke(data_dir)
+    config[key] = value
+    with pytest.raises(ConfigTypeError, match=message):
+        loop.train_and_evaluate(config, tmp_path)
+    config = _smoke(data_dir)
+    config.mesh.sequence = True
+    with pytest.raises(ValueError, match=r"config.mesh.sequence must be an int, got True"):
+        loop.train_and_evaluate(config, tmp_path)
+
+
+def test_a_workdir_that_is_a_file_or_holds_a_file_for_checkpoints_fails_before_training(
+        data_dir, tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"workdir .*file is a file, not a directory"):
+        loop.train_and_evaluate(_smoke(data_dir), tmp_path / "file")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"checkpoint directory .* is a file"):
+        loop.train_and_evaluate(_smoke(data_dir), tmp_path / "run")
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
+def test_an_unwritable_checkpoint_directory_fails_before_training(data_dir, tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints").chmod(0o500)
+    try:
+        with pytest.raises(PermissionError, match=r"checkpoint directory .* cannot be used"):
+            loop.train_and_evaluate(_smoke(data_dir), tmp_path)
+    finally:
+        (tmp_path / "checkpoints").chmod(0o700)
