@@ -75,6 +75,7 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(tmp_pa
         if signum != signal.SIGKILL:
             assert f"{signum.name} received: stopped after step" in err.splitlines()[-1]
         delivered.append((signum.name, _steps_logged(workdir)))
+    print("delivered (signal, steps logged):", delivered)
     assert len(delivered) >= 3, delivered
 
     final = subprocess.run(_command(workdir, data_dir), cwd=ROOT, env=environment,

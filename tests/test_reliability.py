@@ -34,6 +34,21 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tfds"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """Every run here compiles the same steps: a persistent cache for this module compiles them
+    once (a cached executable is the compiled one, so the numbers do not change)."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+
+
 def _smoke(data_dir, extra=""):
     config = digits.get_config("smoke,num_steps=12,log_every=1,checkpoint_every=0,eval_every=0,"
                                "sample_every=0,dropout=0.1,batch_size=64" +
@@ -42,11 +57,15 @@ def _smoke(data_dir, extra=""):
     return config
 
 
-def _straight_losses(config, workdir):
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    """The uninterrupted run of `_smoke`: (per-step losses, metrics records). Checkpointing
+    options change neither, so every test compares with this one run."""
+    workdir = tmp_path_factory.mktemp("straight")
     losses = []
-    loop.train_and_evaluate(config, workdir, step_callback=lambda s, m: losses.append(
-        float(m["loss"])))
-    return losses
+    loop.train_and_evaluate(_smoke(data_dir), workdir,
+                            step_callback=lambda s, m: losses.append(float(m["loss"])))
+    return losses, read_metrics(workdir)
 
 
 class _SignalWhileWaiting(threading.Thread):
@@ -82,9 +101,9 @@ class _SignalWhileWaiting(threading.Thread):
 @pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGTERM,),
                                      (signal.SIGINT, signal.SIGINT)],
                          ids=["SIGINT", "SIGTERM", "SIGINT-twice"])
-def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, tmp_path, signals):
+def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, straight, tmp_path,
+                                                            signals):
     config = _smoke(data_dir)
-    straight = _straight_losses(config, tmp_path / "straight")
 
     losses = []
     sender = _SignalWhileWaiting(signals, after=3, counter=losses)
@@ -110,7 +129,7 @@ def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, tmp_path, 
     resumed = []
     loop.train_and_evaluate(config, tmp_path / "run",
                             step_callback=lambda s, m: resumed.append(float(m["loss"])))
-    assert losses[:saved] + resumed == straight  # bit-identical: no step applied twice or lost
+    assert losses[:saved] + resumed == straight[0]  # bit-identical: no step applied twice or lost
 
 
 def test_the_copy_trainer_resumes_exactly_after_sigterm_mid_step(tmp_path):
@@ -138,26 +157,24 @@ def test_the_copy_trainer_resumes_exactly_after_sigterm_mid_step(tmp_path):
     assert losses[:saved] + resumed == straight
 
 
-def test_metrics_past_the_resumed_checkpoint_are_dropped(data_dir, tmp_path):
+def test_metrics_past_the_resumed_checkpoint_are_dropped(data_dir, straight, tmp_path):
     # A run killed between checkpoints has logged steps the resumed run will log again.
-    config = _smoke(data_dir, "num_steps=6,checkpoint_every=2")
-    loop.train_and_evaluate(config, tmp_path / "straight")
-    straight = read_metrics(tmp_path / "straight")
+    config = _smoke(data_dir, "checkpoint_every=4")
 
-    def stop_at_5(step, metrics):
-        if step == 5:
+    def stop_at_9(step, metrics):
+        if step == 9:
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        loop.train_and_evaluate(config, tmp_path / "run", step_callback=stop_at_5)
-    # What a SIGKILL right after step 5's log line leaves: no checkpoint 5, a cut-off line.
+        loop.train_and_evaluate(config, tmp_path, step_callback=stop_at_9)
+    # What a SIGKILL right after step 9's log line leaves: no checkpoint 9, a cut-off line.
     import shutil
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "5")
-    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 6, "loss": 1.')  # a line cut off mid-write
-    loop.train_and_evaluate(config, tmp_path / "run")
+    shutil.rmtree(tmp_path / "checkpoints" / "9")
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 10, "loss": 1.')
+    loop.train_and_evaluate(config, tmp_path)
     drop = ("steps_per_sec",)
-    assert [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(tmp_path / "run")] \
-        == [{k: v for k, v in r.items() if k not in drop} for r in straight]
+    assert [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(tmp_path)] \
+        == [{k: v for k, v in r.items() if k not in drop} for r in straight[1]]
 
 
 # ---- A workdir belongs to one run ----
@@ -178,13 +195,13 @@ def test_a_locked_workdir_names_its_holder_and_a_dead_holder_does_not_block(data
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(WorkdirInUseError, match=rf"in use by another training run \(pid "
                                                     rf"{holder.pid} on .*, started"):
-            loop.train_and_evaluate(_smoke(data_dir, "num_steps=2"), tmp_path)
+            loop.train_and_evaluate(_smoke(data_dir), tmp_path)
         assert not (tmp_path / "config.json").exists() and not (tmp_path / "metrics.jsonl").exists()
     finally:
         holder.kill()  # SIGKILL: no cleanup runs, the lock file stays with the dead pid in it
         holder.wait()
     assert str(holder.pid) in (tmp_path / "run.lock").read_text()
-    assert loop.train_and_evaluate(_smoke(data_dir, "num_steps=2"), tmp_path)["step"] == 2
+    assert loop.train_and_evaluate(_smoke(data_dir), tmp_path)["step"] == 12
     assert str(os.getpid()) in (tmp_path / "run.lock").read_text()
 
 
@@ -201,9 +218,9 @@ def _flip_a_byte(path: pathlib.Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_flipped_bytes_fall_back_to_the_newest_intact_checkpoint(data_dir, tmp_path, caplog):
-    config = _smoke(data_dir, "num_steps=8,checkpoint_every=2,keep_checkpoints=3")
-    straight = _straight_losses(config, tmp_path / "straight")
+def test_flipped_bytes_fall_back_to_the_newest_intact_checkpoint(data_dir, straight, tmp_path,
+                                                                 caplog):
+    config = _smoke(data_dir, "checkpoint_every=2,keep_checkpoints=3")
 
     losses = []
 
@@ -223,8 +240,8 @@ def test_flipped_bytes_fall_back_to_the_newest_intact_checkpoint(data_dir, tmp_p
     assert "checkpoint step 6" in log and "is damaged: files whose bytes changed" in log
     assert "resuming from checkpoint step 4, the newest intact one" in log
     assert (tmp_path / "run" / "damaged_checkpoints" / "6").is_dir()
-    assert losses[:4] + resumed == straight
-    assert 8 in Checkpointer(tmp_path / "run" / "checkpoints").all_steps()
+    assert losses[:4] + resumed == straight[0]
+    assert 12 in Checkpointer(tmp_path / "run" / "checkpoints").all_steps()
 
 
 def _small_checkpoints(directory, steps=(1, 2)):
@@ -257,13 +274,13 @@ def test_a_truncated_checkpoint_is_one_clear_error_without_event_loop_noise(tmp_
 
 
 def test_every_checkpoint_damaged_is_one_error_listing_them(data_dir, tmp_path):
-    config = _smoke(data_dir, "num_steps=4,checkpoint_every=2")
+    config = _smoke(data_dir, "checkpoint_every=6")
     loop.train_and_evaluate(config, tmp_path)
-    for step in (2, 4):
+    for step in (6, 12):
         _flip_a_byte(_data_file(tmp_path / "checkpoints" / str(step)))
     (tmp_path / "config.json").write_text('{"from": "the run that wrote them"}')
-    with pytest.raises(CheckpointError, match=r"no intact checkpoint in .*checkpoint step 4 .* "
-                                              r"damaged.*checkpoint step 2 .* damaged.*moved to"):
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint in .*checkpoint step 12 .* "
+                                              r"damaged.*checkpoint step 6 .* damaged.*moved to"):
         loop.train_and_evaluate(config, tmp_path)
     assert (tmp_path / "config.json").read_text() == '{"from": "the run that wrote them"}'
 

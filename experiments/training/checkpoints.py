@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging as std_logging
 import os
 import pathlib
 import shutil
@@ -35,13 +36,18 @@ class CheckpointMismatchError(CheckpointError):
     """A readable checkpoint whose arrays do not have the shapes the target has."""
 
 
-def _drop_closed_loop_reports(previous_hook):
-    """An unraisable-exception hook that drops asyncio's "Event loop is closed" reports.
+def _silence_failed_restore_aftermath() -> None:
+    """Drop the reports a failed Orbax restore leaves behind, once per process.
 
-    When an Orbax restore fails, Orbax closes its event loop while TensorStore still has reads
-    in flight; each of them then reports `RuntimeError('Event loop is closed')` through
-    sys.unraisablehook, dozens of lines that say nothing about the cause and bury it.
+    When a read fails, Orbax closes its event loop while TensorStore still has reads in flight:
+    each then reports `RuntimeError('Event loop is closed')` through sys.unraisablehook, and
+    the tasks and futures nobody awaits any more are logged by asyncio as "... exception was never
+    retrieved" when collected, possibly after the error has been shown. Dozens of lines that
+    say nothing about the cause and bury it; the cause itself is in the CheckpointError.
     """
+    if getattr(sys.unraisablehook, "drops_closed_loop_reports", False):
+        return
+    previous_hook = sys.unraisablehook
 
     def hook(unraisable):
         error = unraisable.exc_value
@@ -49,7 +55,9 @@ def _drop_closed_loop_reports(previous_hook):
             previous_hook(unraisable)
 
     hook.drops_closed_loop_reports = True
-    return hook
+    sys.unraisablehook = hook
+    std_logging.getLogger("asyncio").addFilter(
+        lambda record: "exception was never retrieved" not in record.getMessage())
 
 
 def _root_cause(error: BaseException) -> str:
@@ -157,11 +165,10 @@ class Checkpointer:
             raise CheckpointError(f"there is no checkpoint in {self.directory}.")
         self.verify(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        _silence_failed_restore_aftermath()  # before: some reports come while restore runs
         try:
             return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         except Exception as e:  # orbax raises many types; the user needs the step and the cause
-            if not getattr(sys.unraisablehook, "drops_closed_loop_reports", False):
-                sys.unraisablehook = _drop_closed_loop_reports(sys.unraisablehook)
             cause = _root_cause(e)
             try:
                 fits = _signature(self._manager.item_metadata(step)) == _signature(abstract)
