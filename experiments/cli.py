@@ -3,8 +3,8 @@
 `main` functions are wrapped with `one_line_errors`: an error the user can fix (a bad config
 value, a missing file, a busy workdir, a damaged checkpoint) prints `<program>: error: <what is
 wrong and what to do>` as the last line and exits 1; an interrupted run prints where it stopped
-and exits 128 + the signal's number, as a shell does. `--verbosity=1` (or higher) re-raises
-instead, for the full traceback.
+and exits 128 + the signal's number, as a shell does (130 for a Ctrl-C that stopped it at
+once). `--verbosity=1` (or higher) re-raises instead, for the full traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import signal
 import sys
 
 from absl import flags, logging
@@ -41,6 +42,12 @@ def one_line_errors(main):
         except interrupts.Interrupted as e:
             print(f"{_program()}: {e}", file=sys.stderr, flush=True)
             sys.exit(128 + e.signum)
+        except KeyboardInterrupt:  # before training started, or a second Ctrl-C
+            if verbose:
+                raise
+            print(f"{_program()}: interrupted; re-run the same command to resume from the "
+                  f"newest checkpoint.", file=sys.stderr, flush=True)
+            sys.exit(128 + signal.SIGINT)
         except USER_ERRORS as e:
             if verbose:
                 raise

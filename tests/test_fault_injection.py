@@ -18,7 +18,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED = 20261123
-CONFIG = ("configs/digits.py:smoke,num_steps=600,log_every=1,checkpoint_every=40,eval_every=150,"
+CONFIG = ("configs/digits.py:smoke,num_steps=500,log_every=1,checkpoint_every=40,eval_every=150,"
           "sample_every=0,dropout=0.1")
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -signal.SIGKILL}
 
@@ -82,5 +82,5 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(tmp_pa
                            capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stderr[-3000:]
     expected = _losses(tmp_path / "straight")
-    assert [step for step, _ in expected] == list(range(1, 601))
+    assert [step for step, _ in expected] == list(range(1, 501))
     assert _losses(workdir) == expected, delivered

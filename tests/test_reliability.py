@@ -323,12 +323,40 @@ def test_a_workdir_that_is_a_file_or_holds_a_file_for_checkpoints_fails_before_t
     assert not (tmp_path / "run" / "config.json").exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_a_checkpoint_directory_nothing_can_be_written_to_fails_before_training(data_dir,
+                                                                               tmp_path):
+    # /proc/self is a directory no one, root included, can create files in.
+    (tmp_path / "checkpoints").symlink_to("/proc/self")
+    with pytest.raises(PermissionError, match=r"checkpoint directory .* cannot be written \("):
+        loop.train_and_evaluate(_smoke(data_dir), tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_an_exception_mid_run_resumes_exactly_from_the_last_checkpoint(data_dir, straight,
+                                                                       tmp_path):
+    config = _smoke(data_dir, "checkpoint_every=4")
+    losses = []
+
+    def fail_at_7(step, metrics):
+        losses.append(float(metrics["loss"]))
+        if step == 7:
+            raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError, match="disk full"):
+        loop.train_and_evaluate(config, tmp_path, step_callback=fail_at_7)
+    assert Checkpointer(tmp_path / "checkpoints").latest_step() == 4
+    resumed = []  # the lock was released: the next run starts
+    loop.train_and_evaluate(config, tmp_path,
+                            step_callback=lambda s, m: resumed.append(float(m["loss"])))
+    assert losses[:4] + resumed == straight[0]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
 def test_an_unwritable_checkpoint_directory_fails_before_training(data_dir, tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints").chmod(0o500)
     try:
-        with pytest.raises(PermissionError, match=r"checkpoint directory .* cannot be used"):
+        with pytest.raises(PermissionError, match=r"checkpoint directory .* cannot be written"):
             loop.train_and_evaluate(_smoke(data_dir), tmp_path)
     finally:
         (tmp_path / "checkpoints").chmod(0o700)

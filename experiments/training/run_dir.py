@@ -29,15 +29,15 @@ def _check_directory(path: pathlib.Path, what: str) -> None:
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{what} {path} is a file, not a directory; pass a directory "
                                  f"(it is created if missing).")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-        os.listdir(path)
-    except OSError as e:
-        raise PermissionError(f"{what} {path} cannot be used: {e.strerror or e}. Training "
-                              f"needs to read and write it; fix its permissions or choose "
-                              f"another.") from None
+    for action, attempt in (("created", lambda: path.mkdir(parents=True, exist_ok=True)),
+                            ("read", lambda: os.listdir(path)),
+                            ("written", lambda: tempfile.TemporaryFile(dir=path).close())):
+        try:
+            attempt()
+        except OSError as e:
+            raise PermissionError(f"{what} {path} cannot be {action} ({e.strerror or e}); "
+                                  f"training reads and writes it: fix its permissions or "
+                                  f"choose another.") from None
 
 
 class RunDirectory:
