@@ -38,8 +38,21 @@ def seen_nonfinite_BTHM(v_BSHM, *, num_queries: int, causal: bool, key_lengths=N
         return jnp.einsum("bhts,bshm->bthm", seen_BHTS.astype(jnp.float32),
                           bad_BSHM.astype(jnp.float32)) > 0
     if causal:
-        return jnp.cumsum(bad_BSHM, axis=1, dtype=jnp.int32) > 0
+        return from_first(bad_BSHM, axis=1)
     return jnp.broadcast_to(jnp.any(bad_BSHM, axis=1, keepdims=True), (B, num_queries, H, M))
+
+
+def from_first(bad, axis: int):
+    """True from the first True of `bad` along `axis` on (a comparison with the first index,
+    not a cumulative sum, which costs far more on CPU)."""
+    n = bad.shape[axis]
+    if n == 0:
+        return bad
+    first = jnp.where(jnp.any(bad, axis=axis, keepdims=True),
+                      jnp.argmax(bad, axis=axis, keepdims=True), n)
+    shape = [1] * bad.ndim
+    shape[axis] = n
+    return jnp.arange(n).reshape(shape) >= first
 
 
 def mark_seen(out_BTHM, seen_BTHM):

@@ -199,7 +199,10 @@ def _finite_products(form):
     return guarded
 
 
-# The recurrent forms ("associative_scan", "scan") only ever add what a step can see.
+# The recurrent forms ("associative_scan", "scan") only ever add what a step can see. The
+# guard wraps the whole chunked form, not just its within-chunk product: a state built from a
+# non-finite value would still send NaN into earlier steps' gradients (0 * NaN in the backward
+# pass of later steps' normalisation).
 _FORMS = {"quadratic": _finite_products(_quadratic), "associative_scan": _associative_scan,
           "chunked": _finite_products(_chunked), "scan": _scan}
 
