@@ -158,7 +158,8 @@ def _check_against_one_device(got, expected, p):
 
 # Chunked and scan at every P, all four impls at P = 4; all from an initial state, and a few
 # from none.
-CAUSAL_CASES = ([(p, impl, "elu", True) for p in (2, 4, 8) for impl in ("chunked", "scan")] +
+CAUSAL_CASES = ([(2, "chunked", "elu", True), (8, "chunked", "elu", True),
+                 (4, "scan", "elu", True)] +
                 [(4, impl, "elu", True) for impl in ("quadratic", "associative_scan")] +
                 [(4, "chunked", "favor", True)] +
                 [(4, "chunked", "elu", False), (8, "scan", "elu", False)])
