@@ -66,7 +66,7 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(tmp_pa
         while _steps_logged(workdir) <= logged and process.poll() is None:
             assert time.monotonic() < deadline, "the run never started training"
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 1.0))  # somewhere in a step, a checkpoint, an evaluation
+        time.sleep(rng.uniform(0.0, 0.5))  # somewhere in a step, a checkpoint, an evaluation
         process.send_signal(signum)
         out, err = process.communicate(timeout=300)
         if process.returncode == 0:
