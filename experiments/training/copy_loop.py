@@ -42,14 +42,13 @@ from flax import nnx
 
 from configs import copy as copy_config
 from experiments.data import copy_task
-from experiments.training import interrupts
 from experiments.training import mesh as mesh_lib
 from experiments.training.config_checks import (check_attention, check_keys, check_mesh,
                                                 check_values)
 from experiments.training.loop import NonFiniteLossError, due, transformer_config
 from experiments.training.metrics import MetricsWriter, read_metrics
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
-from experiments.training.run_dir import RunDirectory, save_state_in_hand
+from experiments.training.run_dir import RunDirectory
 from linear_transformers.attention import attention_class
 from linear_transformers.lm import CausalLM
 from linear_transformers.seq2seq import EncoderDecoder, greedy_decode
@@ -287,7 +286,7 @@ def _train(config, run, trainer, step, wall_time, step_callback) -> dict:
     writer = MetricsWriter(run.path)
     result = {"step": step}
     window, window_start = [], time.perf_counter()
-    with interrupts.deferred_signals() as signals:
+    with run.stopping_at_step_boundaries(lambda: trainer.state) as signals:
         try:
             while step < config.num_steps:
                 trainer.state, metrics = trainer.train(batches.batch(step))
@@ -324,17 +323,11 @@ def _train(config, run, trainer, step, wall_time, step_callback) -> dict:
                     evaluation = trainer.evaluate()
                     writer.write(step, evaluation)
                     result.update(evaluation)
-                if signals.received and step < config.num_steps:
-                    raise interrupts.Interrupted(signals.signum, run.save(trainer.state),
-                                                 run.checkpointer.directory)
+                if step < config.num_steps:
+                    run.stop_if_signalled(signals, trainer.state)
                 if not window:  # a new window starts after checkpointing and evaluation
                     window_start = time.perf_counter()
             run.save(trainer.state)
-        except interrupts.Interrupted:
-            raise
-        except KeyboardInterrupt:
-            save_state_in_hand(run, trainer.state)
-            raise
         finally:
             writer.close()
     if "eval_loss" not in result:  # resumed at the end: nothing trained this time

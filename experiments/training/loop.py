@@ -29,11 +29,11 @@ import optax
 from flax import nnx
 
 from experiments.data import pipeline
-from experiments.training import images, interrupts
+from experiments.training import images
 from experiments.training import mesh as mesh_lib
 from experiments.training.config_checks import check_config, check_mesh
 from experiments.training.metrics import MetricsWriter
-from experiments.training.run_dir import RunDirectory, save_state_in_hand
+from experiments.training.run_dir import RunDirectory
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
 from linear_transformers import mixture
 from linear_transformers.image_generator import ImageGenerator, sample_images
@@ -249,7 +249,7 @@ def _train(config, run, trainer, train_BL, test_BL, step, step_callback) -> dict
                         f"{config.attention}", dynamic_ncols=True)
     result = {"step": step}
     window_start, window_steps, window_loss = time.perf_counter(), 0, []
-    with interrupts.deferred_signals() as signals:
+    with run.stopping_at_step_boundaries(lambda: trainer.state) as signals:
         try:
             while step < config.num_steps:
                 trainer.state, metrics = trainer.train(batches.batch(step))
@@ -290,15 +290,9 @@ def _train(config, run, trainer, train_BL, test_BL, step, step_callback) -> dict
                 if (due(step, config.sample_every) or step == config.num_steps) and \
                         jax.process_index() == 0:
                     trainer.write_samples(run.path / "samples" / f"step_{step:07d}.png", step)
-                if signals.received and step < config.num_steps:
-                    raise interrupts.Interrupted(signals.signum, run.save(trainer.state),
-                                                 run.checkpointer.directory)
+                if step < config.num_steps:
+                    run.stop_if_signalled(signals, trainer.state)
             run.save(trainer.state)
-        except interrupts.Interrupted:
-            raise
-        except KeyboardInterrupt:
-            save_state_in_hand(run, trainer.state)
-            raise
         finally:
             if progress is not None:
                 progress.close()

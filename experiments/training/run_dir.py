@@ -11,6 +11,7 @@ weights it holds cannot disagree however the run is stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -19,6 +20,7 @@ import tempfile
 import jax
 from absl import logging
 
+from experiments.training import interrupts
 from experiments.training.checkpoints import Checkpointer, restore_newest_intact
 from experiments.training.metrics import METRICS_FILE
 from experiments.training.workdir_lock import WorkdirLock
@@ -92,6 +94,26 @@ class RunDirectory:
 
     def latest_step(self) -> int | None:
         return self.checkpointer.latest_step()
+
+    @contextlib.contextmanager
+    def stopping_at_step_boundaries(self, state_in_hand):
+        """The training loop's context: yields the SignalFlag of `interrupts.deferred_signals`
+        (check it with `stop_if_signalled` between steps); a KeyboardInterrupt raised inside
+        (a second Ctrl-C, a callback) checkpoints `state_in_hand()` under its own step."""
+        with interrupts.deferred_signals() as signals:
+            try:
+                yield signals
+            except interrupts.Interrupted:
+                raise
+            except KeyboardInterrupt:
+                save_state_in_hand(self, state_in_hand())
+                raise
+
+    def stop_if_signalled(self, signals, state) -> None:
+        """After a step: if SIGINT/SIGTERM arrived, checkpoint `state` and raise Interrupted."""
+        if signals.received:
+            raise interrupts.Interrupted(signals.signum, self.save(state),
+                                         self.checkpointer.directory)
 
 
 def _drop_metrics_after(path: pathlib.Path, step: int) -> None:
