@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.attention_dropout = 0.0
     c.softmax_temp = 0.0         # 0 = 1/sqrt(head dim); softmax only
     c.num_mixtures = 10
+    c.dtype = "float32"          # computation: float32 | bfloat16 (parameters stay float32)
 
     # Optimisation.
     c.optimizer = "radam"        # radam | adamw

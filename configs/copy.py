@@ -65,6 +65,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.dropout = 0.0
     c.attention_dropout = 0.0
     c.softmax_temp = 0.0         # 0 = 1/sqrt(head dim)
+    c.dtype = "float32"          # computation: float32 | bfloat16 (parameters stay float32)
 
     # Optimisation.
     c.optimizer = "radam"

@@ -63,7 +63,8 @@ def attention_options(kind: str) -> list[str]:
     """The options (keyword-only constructor arguments) that attention `kind` accepts."""
     cls = attention_class(kind)
     params = inspect.signature(cls.__init__).parameters.values()
-    common = {"causal", "num_heads", "head_dim", "value_dim", "rngs", "sequence_axis"}
+    common = {"causal", "num_heads", "head_dim", "value_dim", "rngs", "sequence_axis",
+              "param_dtype"}
     return sorted(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in common)
 
 
@@ -110,18 +111,23 @@ def _check_sequence_axis(cls: type["AttentionCore"], sequence_axis) -> None:
 
 def make_attention_core(kind: str, *, causal: bool, num_heads: int, head_dim: int,
                         value_dim: int, rngs: nnx.Rngs, sequence_axis: str | None = None,
-                        **options) -> "AttentionCore":
+                        param_dtype=jnp.float32, **options) -> "AttentionCore":
     """Build the registered core `kind`, rejecting options it does not accept.
 
     `sequence_axis` (a mesh axis name) is handed to the core only when set, so kinds written
     before it existed still build; a kind without a sequence-parallel form rejects it.
+    `param_dtype` goes to the kinds with parameters of their own (their constructor takes it);
+    the others store nothing it could apply to.
     """
     check_attention_options(kind, options)
     check_sequence_axis(kind, sequence_axis)
+    cls = attention_class(kind)
     if sequence_axis is not None:
         options["sequence_axis"] = sequence_axis
-    return attention_class(kind)(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                                 value_dim=value_dim, rngs=rngs, **options)
+    if "param_dtype" in inspect.signature(cls.__init__).parameters:
+        options["param_dtype"] = param_dtype
+    return cls(causal=causal, num_heads=num_heads, head_dim=head_dim, value_dim=value_dim,
+               rngs=rngs, **options)
 
 
 def check_inference_mode(module: nnx.Module):
@@ -590,7 +596,8 @@ class LinformerAttention(AttentionCore):
     no_recurrent_form_reason = "it is non-causal: every projected row mixes every position"
 
     def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
-                 max_length=None, projected_length=64, share_kv=False, softmax_temp=None):
+                 max_length=None, projected_length=64, share_kv=False, softmax_temp=None,
+                 param_dtype=jnp.float32):
         # No sequence-parallel form (not implemented): the base class rejects a sequence_axis.
         super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
                          value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis)
@@ -607,11 +614,13 @@ class LinformerAttention(AttentionCore):
         # fan-in L: a projected row keeps the scale of one key.
         init = nnx.initializers.lecun_normal()
         shape = (max_length, projected_length)
-        self.key_projection = nnx.Param(init(rngs.params(), shape))
-        self.value_projection = None if share_kv else nnx.Param(init(rngs.params(), shape))
+        self.key_projection = nnx.Param(init(rngs.params(), shape, param_dtype))
+        self.value_projection = (None if share_kv else
+                                 nnx.Param(init(rngs.params(), shape, param_dtype)))
         self.softmax_temp = softmax_temp
 
     def _projections(self):
+        # The ops cast them to the keys' dtype and accumulate in float32.
         e_LK = self.key_projection[...]
         return e_LK, (e_LK if self.value_projection is None else self.value_projection[...])
 

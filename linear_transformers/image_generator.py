@@ -27,7 +27,8 @@ from flax import nnx
 
 from linear_transformers.lm import LMState, embed_tokens, sinusoidal_encoding
 from linear_transformers.mixture import mol_log_prob, mol_sample, num_params
-from linear_transformers.transformer import Encoder, TransformerConfig, check_inference_mode
+from linear_transformers.transformer import (Encoder, TransformerConfig, check_inference_mode,
+                                             dense, embedding)
 
 
 class ImageGenerator(nnx.Module):
@@ -63,9 +64,11 @@ class ImageGenerator(nnx.Module):
         self.max_length = max_length
         self.start_token = num_classes
         self.position_dim = position_dim
-        self.embed = nnx.Embed(num_classes + 1, embed_dim, rngs=rngs)
+        self.embed = embedding(config, num_classes + 1, embed_dim, rngs)
         self.decoder = Encoder(config, causal=True, rngs=rngs)
-        self.head = nnx.Linear(config.model_dim, num_params(num_mixtures), rngs=rngs)
+        # float32 at least: mixture means a bin apart (2 / 255) would round together in bf16.
+        self.head = dense(config, config.model_dim, num_params(num_mixtures), rngs,
+                          dtype=config.output_dtype)
 
     def _inputs(self, tokens, positions):
         x = embed_tokens(self.embed, tokens)
@@ -113,7 +116,7 @@ class ImageGenerator(nnx.Module):
         x_BT = self._check_images(x_BT, "nll")
         return -jnp.mean(mol_log_prob(self(x_BT), x_BT, self.num_classes))
 
-    def init_state(self, batch: int, dtype=jnp.float32) -> LMState:
+    def init_state(self, batch: int, dtype=None) -> LMState:
         """Empty recurrent state at position 0; softmax kinds allocate a max_length KV cache."""
         return LMState(self.decoder.init_state(batch, self.max_length, dtype),
                        jnp.zeros((), jnp.int32))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from linear_transformers.transformer import Encoder, TransformerConfig
+from linear_transformers.transformer import Encoder, TransformerConfig, dense, embedding
 
 
 def embed_tokens(embed: nnx.Embed, tokens):
@@ -65,18 +65,19 @@ class CausalLM(nnx.Module):
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}.")
         self.model_dim = config.model_dim
-        self.embed = nnx.Embed(vocab_size, config.model_dim, rngs=rngs)
+        self.embed = embedding(config, vocab_size, config.model_dim, rngs)
         self.decoder = Encoder(config, causal=True, rngs=rngs)
-        self.head = nnx.Linear(config.model_dim, vocab_size, rngs=rngs)
+        self.head = dense(config, config.model_dim, vocab_size, rngs, dtype=config.output_dtype)
 
     def _inputs(self, tokens, positions):
-        return embed_tokens(self.embed, tokens) + sinusoidal_encoding(positions, self.model_dim)
+        x = embed_tokens(self.embed, tokens)
+        return x + sinusoidal_encoding(positions, self.model_dim, x.dtype)
 
     def __call__(self, tokens_BT, *, key_lengths=None):
         x_BTE = self._inputs(tokens_BT, jnp.arange(tokens_BT.shape[1]))
         return self.head(self.decoder(x_BTE, key_lengths=key_lengths))
 
-    def init_state(self, batch: int, max_length: int | None = None, dtype=jnp.float32) -> LMState:
+    def init_state(self, batch: int, max_length: int | None = None, dtype=None) -> LMState:
         """Empty state; softmax kinds allocate a KV cache of `max_length` steps."""
         return LMState(self.decoder.init_state(batch, max_length, dtype),
                        jnp.zeros((), jnp.int32))

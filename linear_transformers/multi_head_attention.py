@@ -43,6 +43,9 @@ class MultiHeadAttention(nnx.Module):
       attention_options: further options of the kind (e.g. {"feature_map": "favor"}).
       sequence_axis: mesh axis to split time over in the parallel form (sequence parallelism;
         kinds with `has_sequence_parallel_form` only), or None.
+      dtype: computation dtype of the projections (None: from inputs and parameters); the
+        cores keep softmax, states and normalisers in float32 whatever it is.
+      param_dtype: storage dtype of the projections and of the core's own parameters.
     """
 
     def __init__(self, in_features: int, num_heads: int, *, query_dim: int | None = None,
@@ -65,6 +68,7 @@ class MultiHeadAttention(nnx.Module):
         out_features = in_features if out_features is None else out_features
         self.num_heads, self.query_dim, self.value_dim = num_heads, query_dim, value_dim
         self.causal = causal
+        self.dtype = dtype
 
         options = dict(attention_options or {})
         if attention_dropout:
@@ -73,7 +77,8 @@ class MultiHeadAttention(nnx.Module):
             options["softmax_temp"] = softmax_temp
         self.core = make_attention_core(kind, causal=causal, num_heads=num_heads,
                                         head_dim=query_dim, value_dim=value_dim, rngs=rngs,
-                                        sequence_axis=sequence_axis, **options)
+                                        sequence_axis=sequence_axis, param_dtype=param_dtype,
+                                        **options)
 
         def linear(i, o):
             return nnx.Linear(i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
@@ -113,8 +118,10 @@ class MultiHeadAttention(nnx.Module):
         v_BSHM = self._heads(self.value, context_BSE, self.value_dim)
         return self._merge(self.core(q_BTHD, k_BSHD, v_BSHM, key_lengths=key_lengths, mask=mask))
 
-    def init_state(self, batch: int, max_length: int | None = None, dtype=jnp.float32):
-        """Recurrent state of causal self-attention (a KV cache of `max_length` for softmax)."""
+    def init_state(self, batch: int, max_length: int | None = None, dtype=None):
+        """Recurrent state of causal self-attention (a KV cache of `max_length` for softmax).
+        `dtype` (of a KV cache) defaults to the layer's dtype, or float32 when that is None."""
+        dtype = dtype or self.dtype or jnp.float32
         return self.core.init_state(batch, max_length, dtype)
 
     def step(self, state, x_BE):

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_transformers.lm import embed_tokens, sinusoidal_encoding
-from linear_transformers.transformer import Decoder, Encoder, TransformerConfig
+from linear_transformers.transformer import (Decoder, Encoder, TransformerConfig, dense,
+                                             embedding)
 
 
 class Seq2SeqState(NamedTuple):
@@ -49,13 +50,15 @@ class EncoderDecoder(nnx.Module):
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}.")
         self.model_dim = encoder_config.model_dim
-        self.embed = nnx.Embed(vocab_size, self.model_dim, rngs=rngs)
+        self.embed = embedding(encoder_config, vocab_size, self.model_dim, rngs)
         self.encoder = Encoder(encoder_config, causal=False, rngs=rngs)
         self.decoder = Decoder(decoder_config, rngs=rngs)
-        self.head = nnx.Linear(self.model_dim, vocab_size, rngs=rngs)
+        self.head = dense(decoder_config, self.model_dim, vocab_size, rngs,
+                          dtype=decoder_config.output_dtype)
 
     def _inputs(self, tokens, positions):
-        return embed_tokens(self.embed, tokens) + sinusoidal_encoding(positions, self.model_dim)
+        x = embed_tokens(self.embed, tokens)
+        return x + sinusoidal_encoding(positions, self.model_dim, x.dtype)
 
     def encode(self, source_BS, *, source_lengths=None):
         """The memory [B, S, E]; source tokens at index >= source_lengths are padding."""
@@ -72,7 +75,7 @@ class EncoderDecoder(nnx.Module):
         return self.decode(target_in_BT, memory_BSE, source_lengths=source_lengths)
 
     def init_state(self, memory_BSE, max_length: int | None = None, *, source_lengths=None,
-                   dtype=jnp.float32) -> Seq2SeqState:
+                   dtype=None) -> Seq2SeqState:
         """Decoder state over an encoded memory (call `model.eval()` first)."""
         layers = self.decoder.init_state(memory_BSE.shape[0], max_length, memory_BSE,
                                          memory_lengths=source_lengths, dtype=dtype)

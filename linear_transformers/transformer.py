@@ -33,6 +33,23 @@ from linear_transformers.multi_head_attention import MultiHeadAttention
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}
 
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def float_dtype(value, name: str, *, allow_none: bool = False):
+    """`value` ("bfloat16", jnp.bfloat16, np.dtype(...), ...) as a numpy dtype; anything but a
+    floating dtype of FLOAT_DTYPES (or None where allowed) is an error naming `name`."""
+    if value is None and allow_none:
+        return None
+    try:
+        dtype = None if value is None else jnp.dtype(value)  # jnp.dtype(None) is float32
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in FLOAT_DTYPES:
+        allowed = ", ".join(FLOAT_DTYPES) + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be one of {allowed}; got {value!r}.")
+    return dtype
+
 # Cross-attention when only the self-attention kind is given, as (kind, whether it inherits the
 # self-attention options): the non-causal relative of a causal-only kind, and full softmax for
 # reformer, whose shared query/key needs self-attention (as in the Reformer's encoder-decoder).
@@ -72,6 +89,13 @@ class TransformerConfig:
         parallelism), or None. Both kinds (self- and cross-attention) need a sequence-parallel
         form (softmax, linear, causal-linear). Sequence lengths must divide over the axis; the
         recurrent forms (`step`, `prefill`) run whatever the length.
+      dtype: computation dtype of every projection, LayerNorm output and activation, as in Flax
+        ("bfloat16", "float32", a jnp dtype, or None: from the inputs and parameters). Whatever
+        it is, LayerNorm statistics, softmax, linear-attention states and normalisers stay in
+        float32 (at least), and models compute their heads (logits, mixture parameters) in
+        float32.
+      param_dtype: storage dtype of every parameter (default float32: the master copy an
+        optimizer updates; parameters are cast to `dtype` where they are used).
     """
 
     num_layers: int = 4
@@ -90,8 +114,14 @@ class TransformerConfig:
     cross_attention: str | None = None
     cross_attention_options: Mapping[str, Any] | None = None
     sequence_axis: str | None = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
 
     def __post_init__(self):
+        object.__setattr__(self, "dtype", float_dtype(self.dtype, "TransformerConfig.dtype",
+                                                      allow_none=True))
+        object.__setattr__(self, "param_dtype",
+                           float_dtype(self.param_dtype, "TransformerConfig.param_dtype"))
         for name in ("num_layers", "num_heads", "model_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
@@ -119,6 +149,12 @@ class TransformerConfig:
                 check_sequence_axis(kind, self.sequence_axis)
         except ValueError as e:
             raise ValueError(f"TransformerConfig: {e}") from None
+
+    @property
+    def output_dtype(self):
+        """Dtype of a model's head (logits, mixture parameters): float32 at least; None (from
+        the inputs and parameters) when `dtype` is None."""
+        return None if self.dtype is None else jnp.promote_types(self.dtype, jnp.float32)
 
     @property
     def head_query_dim(self) -> int:
@@ -185,14 +221,35 @@ def _attention(config: TransformerConfig, *, cross: bool, causal: bool, rngs) ->
         value_dim=config.head_value_dim, kind=kind, causal=causal,
         attention_dropout=config.attention_dropout, softmax_temp=config.softmax_temp,
         attention_options=config.cross_options if cross else config.attention_options,
-        sequence_axis=config.sequence_axis, rngs=rngs)
+        sequence_axis=config.sequence_axis, dtype=config.dtype, param_dtype=config.param_dtype,
+        rngs=rngs)
+
+
+def layer_norm(config: TransformerConfig, rngs) -> nnx.LayerNorm:
+    """LayerNorm in the config's dtypes; its statistics are float32 whatever the dtype."""
+    return nnx.LayerNorm(config.model_dim, dtype=config.dtype, param_dtype=config.param_dtype,
+                         rngs=rngs)
+
+
+def dense(config: TransformerConfig, in_features: int, out_features: int, rngs, *,
+          dtype=None) -> nnx.Linear:
+    """nnx.Linear storing its parameters in config.param_dtype and computing in `dtype`
+    (default config.dtype)."""
+    return nnx.Linear(in_features, out_features, dtype=dtype or config.dtype,
+                      param_dtype=config.param_dtype, rngs=rngs)
+
+
+def embedding(config: TransformerConfig, num_embeddings: int, features: int, rngs) -> nnx.Embed:
+    """nnx.Embed in the config's dtypes."""
+    return nnx.Embed(num_embeddings, features, dtype=config.dtype,
+                     param_dtype=config.param_dtype, rngs=rngs)
 
 
 class _Residual(nnx.Module):
     """norm(x + dropout(y)): the post-norm residual connection."""
 
     def __init__(self, config: TransformerConfig, rngs):
-        self.norm = nnx.LayerNorm(config.model_dim, rngs=rngs)
+        self.norm = layer_norm(config, rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
 
     def __call__(self, x, y):
@@ -203,8 +260,8 @@ class FeedForward(nnx.Module):
     """Position-wise Linear(model_dim -> hidden_dim), activation, dropout, Linear back."""
 
     def __init__(self, config: TransformerConfig, rngs):
-        self.linear1 = nnx.Linear(config.model_dim, config.hidden_dim, rngs=rngs)
-        self.linear2 = nnx.Linear(config.hidden_dim, config.model_dim, rngs=rngs)
+        self.linear1 = dense(config, config.model_dim, config.hidden_dim, rngs)
+        self.linear2 = dense(config, config.hidden_dim, config.model_dim, rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
         self.activation = config.activation
 
@@ -226,7 +283,7 @@ class EncoderLayer(nnx.Module):
                                                               mask=mask))
         return self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
 
-    def init_state(self, batch: int, max_length: int | None = None, dtype=jnp.float32):
+    def init_state(self, batch: int, max_length: int | None = None, dtype=None):
         """The self-attention's recurrent state (linear: (S, z); softmax: a KV cache)."""
         return self.attention.init_state(batch, max_length, dtype)
 
@@ -266,7 +323,7 @@ class DecoderLayer(nnx.Module):
         return self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
 
     def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None,
-                   dtype=jnp.float32) -> DecoderLayerState:
+                   dtype=None) -> DecoderLayerState:
         """Self-attention state plus the memory's keys/values (or their linear summary)."""
         return DecoderLayerState(self.self_attention.init_state(batch, max_length, dtype),
                                  self.cross_attention.init_memory(memory_BSE, memory_lengths))
@@ -325,16 +382,16 @@ class Encoder(_Stack):
         self.causal = causal
         self.layers = nnx.List([EncoderLayer(config, causal=causal, rngs=rngs)
                                 for _ in range(config.num_layers)])
-        self.final_norm = (nnx.LayerNorm(config.model_dim, rngs=rngs)
-                           if config.final_normalization else None)
+        self.final_norm = layer_norm(config, rngs) if config.final_normalization else None
 
     def __call__(self, x_BTE, *, key_lengths=None, mask=None):
         for layer in self.layers:
             x_BTE = layer(x_BTE, key_lengths=key_lengths, mask=mask)
         return self._final(x_BTE)
 
-    def init_state(self, batch: int, max_length: int | None = None, dtype=jnp.float32):
-        """Tuple of per-layer states (causal stacks only)."""
+    def init_state(self, batch: int, max_length: int | None = None, dtype=None):
+        """Tuple of per-layer states (causal stacks only). `dtype`: of KV caches; default the
+        config's dtype (float32 when that is None); linear states are float32 at least."""
         check_inference_mode(self)
         return tuple(layer.init_state(batch, max_length, dtype) for layer in self.layers)
 
@@ -359,8 +416,7 @@ class Decoder(_Stack):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
-        self.final_norm = (nnx.LayerNorm(config.model_dim, rngs=rngs)
-                           if config.final_normalization else None)
+        self.final_norm = layer_norm(config, rngs) if config.final_normalization else None
 
     def __call__(self, x_BTE, memory_BSE, *, memory_lengths=None):
         for layer in self.layers:
@@ -368,7 +424,7 @@ class Decoder(_Stack):
         return self._final(x_BTE)
 
     def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None,
-                   dtype=jnp.float32):
+                   dtype=None):
         """Per-layer states; each layer projects the memory's keys/values here, once."""
         check_inference_mode(self)
         return tuple(layer.init_state(batch, max_length, memory_BSE,

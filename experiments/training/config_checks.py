@@ -67,6 +67,9 @@ def check_attention(config: ml_collections.ConfigDict, key: str = "attention") -
     check_attention_options(config[key], dict(config[key + "_options"]))
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
 def check_values(config: ml_collections.ConfigDict) -> None:
     """The checks every trainer shares: sizes, rates, optimizer, schedule, attention."""
     for key in _POSITIVE:
@@ -83,6 +86,9 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.optimizer must be one of {OPTIMIZERS}, got {config.optimizer!r}.")
     if config.schedule not in SCHEDULES:
         raise ValueError(f"config.schedule must be one of {SCHEDULES}, got {config.schedule!r}.")
+    if config.dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"config.dtype must be one of {COMPUTE_DTYPES} (the computation dtype; "
+                         f"parameters are stored in float32), got {config.dtype!r}.")
     check_attention(config)
     mesh_lib.check_mesh_values(config.mesh)
 

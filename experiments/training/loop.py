@@ -58,6 +58,7 @@ def transformer_config(config: ml_collections.ConfigDict, attention: str | None 
         feed_forward_dim=config.feed_forward_dim, dropout=config.dropout,
         attention_dropout=config.attention_dropout,
         softmax_temp=config.softmax_temp or None, attention=attention or config.attention,
+        dtype=config.dtype,
         attention_options=dict(config.attention_options if attention_options is None
                                else attention_options), **extra)
 

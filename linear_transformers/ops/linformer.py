@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks
+from linear_transformers.ops import _checks, _precision
 from linear_transformers.ops.softmax import softmax_attention
 
 
@@ -36,10 +36,8 @@ def linformer_project(k_BSHD, v_BSHM, e_LK, f_LK, *, key_lengths=None):
         k_BSHD = jnp.where(valid_BS11, k_BSHD, 0)
         v_BSHM = jnp.where(valid_BS11, v_BSHM, 0)
     acc = _checks.accumulation_dtype(k_BSHD.dtype)
-    k_BKHD = jnp.einsum("bshd,sk->bkhd", k_BSHD, e_LK[:S].astype(k_BSHD.dtype),
-                        preferred_element_type=acc)
-    v_BKHM = jnp.einsum("bshm,sk->bkhm", v_BSHM, f_LK[:S].astype(v_BSHM.dtype),
-                        preferred_element_type=acc)
+    k_BKHD = _precision.einsum_in(acc, "bshd,sk->bkhd", k_BSHD, e_LK[:S].astype(k_BSHD.dtype))
+    v_BKHM = _precision.einsum_in(acc, "bshm,sk->bkhm", v_BSHM, f_LK[:S].astype(v_BSHM.dtype))
     return k_BKHD, v_BKHM
 
 
