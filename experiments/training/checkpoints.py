@@ -182,6 +182,10 @@ class Checkpointer:
             raise DamagedCheckpointError(
                 f"checkpoint step {step} in {self.directory} cannot be read: {cause}") from e
 
+    def metadata(self, step: int):
+        """The saved tree of checkpoint `step` with each array's shape and dtype (no data read)."""
+        return self._manager.item_metadata(step)
+
     def set_aside(self, step: int) -> pathlib.Path:
         """Move checkpoint `step` out of the checkpoint directory (into damaged_checkpoints/
         beside it), so a later save of the same step is not skipped; return where it went."""
