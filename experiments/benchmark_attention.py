@@ -3,12 +3,14 @@
   python -m experiments.benchmark_attention                       # CPU defaults, a few minutes
   python -m experiments.benchmark_attention --dtype=bfloat16 --tokens=65536 --out_dir=bench/gpu
   python -m experiments.benchmark_attention --lengths=1024,4096 --kinds=softmax,causal-linear/chunked
+  python -m experiments.benchmark_attention --peers=fast-transformers   # the authors' library too
 
 Kinds: softmax (XLA, causal), softmax-cudnn (cuDNN flash attention, GPU, half precision),
 causal-linear/{chunked,associative_scan,scan}, linear (non-causal). Forward and forward+backward,
 median of repeats, compile excluded; peak memory is XLA's figure for the compiled call. The batch
 shrinks as N grows (B = max(1, tokens // N)); the plot shows results per sample. Cases over the
-memory budget are skipped and listed with what they would need.
+memory budget are skipped and listed with what they would need. `--peers=fast-transformers`
+times the authors' library on the same cases in the same run and prints theirs / ours.
 """
 
 from absl import app, flags
@@ -30,6 +32,9 @@ _MAX_CALL = flags.DEFINE_float("max_call_seconds", 5.0,
 _MIN_SECONDS = flags.DEFINE_float("min_seconds", 0.5, "Repeat each case for at least this long.")
 _DEVICE = flags.DEFINE_enum("device", None, ["cpu", "gpu", "tpu"], "Backend (default: JAX's).")
 _OUT = flags.DEFINE_string("out_dir", "benchmark_results/attention", "Where CSV/JSON/PNG go.")
+_PEERS = flags.DEFINE_list("peers", [], "Also time these libraries on the same cases, in this "
+                           "run: fast-transformers (the authors'; needs torch and "
+                           "pytorch-fast-transformers importable).")
 
 
 def main(argv):
@@ -47,7 +52,7 @@ def main(argv):
         head_dim=_HEAD_DIM.value, value_dim=_VALUE_DIM.value, dtype=_DTYPE.value,
         kinds=tuple(_KINDS.value), passes=tuple(_PASSES.value), chunk_size=chunk,
         memory_fraction=_MEMORY.value, max_call_seconds=_MAX_CALL.value,
-        min_seconds=_MIN_SECONDS.value)
+        min_seconds=_MIN_SECONDS.value, peers=tuple(_PEERS.value))
     attention_bench.run_and_report(opts, _OUT.value)
 
 

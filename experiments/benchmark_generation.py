@@ -3,13 +3,15 @@
   python -m experiments.benchmark_generation                      # CPU defaults, a few minutes
   python -m experiments.benchmark_generation --batches=1,256,1024 --timed_steps=0 \
       --recompute_steps=16 --out_dir=benchmark_results/generation_gpu
+  python -m experiments.benchmark_generation --archs=mnist --batches=16 --peers=fast-transformers
 
 Paper architectures (configs/mnist.py, configs/cifar10.py) with untrained weights, which cost
 the same as trained ones: linear/recurrent (the RNN), softmax/kv-cache (preallocated cache),
 softmax/recompute (full forward per sub-pixel, the paper's baseline). Long runs are timed over
 their first --timed_steps sub-pixels (every step costs the same; see generation_bench) and
 scaled to the whole image. Also prints peak memory vs generated length and the machine's matmul
-throughput for comparison.
+throughput for comparison. `--peers=fast-transformers` times the authors' recurrent model on
+the MNIST architecture in the same run and prints theirs / ours per step.
 """
 
 from absl import app, flags
@@ -27,6 +29,9 @@ _MEM_LENGTHS = flags.DEFINE_list("memory_lengths", ["256", "1024", "4096", "1638
 _MIN_SECONDS = flags.DEFINE_float("min_seconds", 1.0, "Repeat each case for at least this long.")
 _DEVICE = flags.DEFINE_enum("device", None, ["cpu", "gpu", "tpu"], "Backend (default: JAX's).")
 _OUT = flags.DEFINE_string("out_dir", "benchmark_results/generation", "Where CSV/JSON/PNG go.")
+_PEERS = flags.DEFINE_list("peers", [], "Also time these libraries on the MNIST architecture, in "
+                           "this run: fast-transformers (the authors'; needs torch and "
+                           "pytorch-fast-transformers importable).")
 
 
 def main(argv):
@@ -41,7 +46,8 @@ def main(argv):
         archs=tuple(_ARCHS.value), methods=tuple(_METHODS.value),
         batches=tuple(int(b) for b in _BATCHES.value), timed_steps=_TIMED.value,
         recompute_steps=_RECOMPUTE.value,
-        memory_lengths=tuple(int(n) for n in _MEM_LENGTHS.value), min_seconds=_MIN_SECONDS.value)
+        memory_lengths=tuple(int(n) for n in _MEM_LENGTHS.value), min_seconds=_MIN_SECONDS.value,
+        peers=tuple(_PEERS.value))
     generation_bench.run_and_report(opts, _OUT.value)
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.benchmarking import attention_bench, generation_bench, measure, report
+from experiments.benchmarking import attention_bench, generation_bench, measure, peers, report
 from linear_transformers import ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -124,6 +124,49 @@ def test_generation_ratios_and_option_errors():
         generation_bench.GenerationBenchOptions(methods=("softmax/flash",))
     with pytest.raises(ValueError, match="unknown architecture 'imagenet'"):
         generation_bench.GenerationBenchOptions(archs=("imagenet",))
+
+
+def test_peer_ratios_pair_each_of_our_cases_with_the_peers_same_case():
+    rows = [_row("causal-linear/chunked", 4096, 50.0, 1.0),
+            _row("fast-transformers:causal-linear", 4096, 100.0, math.nan),
+            _row("softmax", 4096, 80.0, 1.0),
+            _row("fast-transformers:full", 4096, math.nan, math.nan),   # did not run
+            _row("causal-linear/chunked", 8192, 90.0, 1.0)]             # no peer case
+    ratios = peers.same_run_ratios(rows, ("n", "batch", "pass"), "time_ms",
+                                   peers.ATTENTION_KINDS, "kind")
+    assert ratios == [{"n": 4096, "batch": 1, "pass": "forward+backward",
+                       "ours": "causal-linear/chunked", "theirs": "fast-transformers:causal-linear",
+                       "ours_time_ms": 50.0, "theirs_time_ms": 100.0, "theirs_over_ours": 2.0}]
+
+
+def test_peers_that_are_unknown_or_not_installed_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match=r"unknown peers \['flash'\]; known: \['fast-transformers'\]"):
+        attention_bench.AttentionBenchOptions(peers=("flash",))
+    monkeypatch.setitem(sys.modules, "fast_transformers", None)  # as if not installed
+    for options in (attention_bench.AttentionBenchOptions, generation_bench.GenerationBenchOptions):
+        with pytest.raises(ValueError, match="needs torch and pytorch-fast-transformers"):
+            options(peers=("fast-transformers",))
+
+
+def test_the_peer_computes_what_ours_computes():
+    """Same inputs, the authors' causal linear attention and ours: the same outputs, so the
+    timings compare the same computation."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fast_transformers")
+    from fast_transformers.masking import LengthMask, TriangularCausalMask
+
+    q, k, v = (np.random.default_rng(i).standard_normal((2, 48, 3, 8), np.float32)
+               for i in range(3))
+    theirs = peers._attention_module("causal-linear", 8)(
+        *(torch.from_numpy(x) for x in (q, k, v)), TriangularCausalMask(48),
+        LengthMask(torch.full((2,), 48)), LengthMask(torch.full((2,), 48))).numpy()
+    ours = ops.causal_linear_attention(q, k, v, impl="chunked", chunk_size=16)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-4)
+    row = peers.attention_row("causal-linear/chunked", "forward+backward", 48, 2, 3, 8, 8,
+                              "float32", min_seconds=0)
+    assert row["status"] == "ok" and row["time_ms"] > 0
+    generation = peers.generation_row("linear/recurrent", 2, 784, 3, min_seconds=0)
+    assert generation["timed_steps"] == 3 and generation["ms_per_step"] > 0
 
 
 def test_paper_models_have_the_paper_architecture():

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.benchmarking import measure
+from experiments.benchmarking import measure, peers
 from linear_transformers import ops
 
 KINDS = ("softmax", "softmax-cudnn", "causal-linear/chunked", "causal-linear/associative_scan",
@@ -43,8 +43,10 @@ class AttentionBenchOptions:
     min_repeats: int = 3
     min_seconds: float = 0.5
     seed: int = 0
+    peers: tuple[str, ...] = ()   # "fast-transformers": time the authors' library beside ours
 
     def __post_init__(self):
+        peers.check_peers(self.peers)
         for kind in self.kinds:
             if kind not in KINDS:
                 raise ValueError(f"unknown attention kind {kind!r}; expected some of {KINDS}.")
@@ -160,7 +162,31 @@ def run(opts: AttentionBenchOptions, *, log=print) -> list[dict]:
                                                    f"at N={n} > max_call_seconds")
                 rows.append(row)
                 log(format_row(row))
+                if opts.peers and kind in peers.ATTENTION_KINDS:
+                    rows.append(_peer_case(opts, kind, pass_, n, row, too_slow))
+                    log(format_row(rows[-1]))
     return rows
+
+
+def _peer_case(opts: AttentionBenchOptions, kind: str, pass_: str, n: int, ours: dict,
+               too_slow: dict) -> dict:
+    """The authors' library on our case's shapes; skipped where ours was skipped for memory
+    (theirs forms the same matrices) or where theirs grew too slow at a shorter N."""
+    peer_kind = "fast-transformers:" + peers.ATTENTION_KINDS[kind]
+    reason = too_slow.get((peer_kind, pass_))
+    if ours["status"].startswith("skipped: needs"):
+        reason = "skipped: over the memory budget (as ours)"
+    if reason:
+        return {**ours, "kind": peer_kind, "chunk_size": None, "time_ms": math.nan,
+                "time_per_sample_ms": math.nan, "peak_mib": math.nan,
+                "peak_per_sample_mib": math.nan, "repeats": 0, "status": reason}
+    row = peers.attention_row(kind, pass_, n, ours["batch"], opts.heads, opts.head_dim,
+                              opts.value_dim, opts.dtype, min_repeats=opts.min_repeats,
+                              min_seconds=opts.min_seconds, seed=opts.seed)
+    if row["time_ms"] / 1e3 > opts.max_call_seconds:
+        too_slow[(peer_kind, pass_)] = (f"skipped: {row['time_ms'] / 1e3:.1f} s per call at "
+                                        f"N={n} > max_call_seconds")
+    return row
 
 
 def format_row(row: dict) -> str:
@@ -202,13 +228,17 @@ def run_and_report(opts: AttentionBenchOptions, out_dir, *, log=print) -> dict:
     machine = measure.machine_description()
     log(f"machine: {machine}")
     rows = run(opts, log=log)
-    ratios = speedups(rows)
-    slopes = memory_slopes(rows)
+    ours_rows = [r for r in rows if not r["kind"].startswith("fast-transformers:")]
+    ratios = speedups(ours_rows)
+    slopes = memory_slopes(ours_rows)
+    peer_ratios = peers.same_run_ratios(rows, ("n", "batch", "pass"), "time_ms",
+                                        peers.ATTENTION_KINDS, "kind")
     files = {
         "csv": report.write_csv(out_dir / "attention.csv", rows),
         "json": report.write_json(out_dir / "attention.json", machine=machine,
                                   options=dataclasses.asdict(opts), rows=rows,
-                                  speedups=ratios, memory_slopes=slopes),
+                                  speedups=ratios, memory_slopes=slopes,
+                                  peer_ratios=peer_ratios),
     }
     plotted = "forward+backward" if "forward+backward" in opts.passes else opts.passes[0]
     mine = [r for r in rows if r["pass"] == plotted]
@@ -230,7 +260,12 @@ def run_and_report(opts: AttentionBenchOptions, out_dir, *, log=print) -> dict:
     if ratios:
         log("\ntime / time(causal-linear/chunked):\n" + report.markdown_table(
             ratios, list(ratios[0].keys())))
+    if peer_ratios:
+        log("\nthe authors' library in this run (theirs_over_ours > 1: ours is faster):\n"
+            + report.markdown_table(peer_ratios, list(peer_ratios[0])))
+        files["peers_csv"] = report.write_csv(out_dir / "attention_peers.csv", peer_ratios)
     log("\nlog-log slope of peak memory vs N (batch 1): "
         + ", ".join(f"{k} {v:.2f}" for k, v in slopes.items()))
     log("wrote " + ", ".join(str(p) for p in files.values()))
-    return {"rows": rows, "speedups": ratios, "memory_slopes": slopes, "files": files}
+    return {"rows": rows, "speedups": ratios, "memory_slopes": slopes,
+            "peer_ratios": peer_ratios, "files": files}

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.benchmarking import measure
+from experiments.benchmarking import measure, peers
 from experiments.data import pipeline
 from experiments.training.loop import build_model
 from linear_transformers import sample_images, sample_images_full_recompute
@@ -54,8 +54,10 @@ class GenerationBenchOptions:
     min_seconds: float = 1.0
     memory_fraction: float = 0.6    # of free memory; a case needing more is skipped
     seed: int = 0
+    peers: tuple[str, ...] = ()     # "fast-transformers": the authors' library, MNIST shapes
 
     def __post_init__(self):
+        peers.check_peers(self.peers)
         for a in self.archs:
             if a not in ARCHS:
                 raise ValueError(f"unknown architecture {a!r}; expected some of {ARCHS}.")
@@ -152,11 +154,18 @@ def run(opts: GenerationBenchOptions, *, log=print) -> tuple[list[dict], list[di
     for arch in opts.archs:
         for batch in opts.batches:
             for method in opts.methods:
-                row = time_method(opts, arch, method, batch)
-                speed.append(row)
-                log(f"{arch:<8} B={batch:<5} {method:<18} {row['images_per_s']:>10.3f} images/s "
-                    f"{row['ms_per_step']:>9.3f} ms/step (timed {row['timed_steps']}/"
-                    f"{row['length']} steps) {row['peak_mib']:>9.1f} MiB {row['status']}")
+                rows = [time_method(opts, arch, method, batch)]
+                if opts.peers and arch == "mnist" and method in peers.GENERATION_METHODS:
+                    rows.append(peers.generation_row(
+                        method, batch, rows[0]["length"], opts.timed_steps,
+                        min_repeats=opts.min_repeats, min_seconds=opts.min_seconds,
+                        seed=opts.seed))
+                for row in rows:
+                    speed.append(row)
+                    log(f"{arch:<8} B={batch:<5} {row['method']:<18} {row['images_per_s']:>10.3f} "
+                        f"images/s {row['ms_per_step']:>9.3f} ms/step (timed "
+                        f"{row['timed_steps']}/{row['length']} steps) {row['peak_mib']:>9.1f} "
+                        f"MiB {row['status']}")
     memory = []
     for method in opts.methods:
         if method.endswith("recompute"):
@@ -169,7 +178,8 @@ def run(opts: GenerationBenchOptions, *, log=print) -> tuple[list[dict], list[di
 
 def ratios(speed: list[dict], baseline: str = "linear/recurrent") -> list[dict]:
     """images/s of the baseline over each other method, same architecture and batch."""
-    by_key = {(r["arch"], r["batch"], r["method"]): r["images_per_s"] for r in speed}
+    by_key = {(r["arch"], r["batch"], r["method"]): r["images_per_s"] for r in speed
+              if not r["method"].startswith("fast-transformers:")}
     out = []
     for (arch, batch, method), ips in by_key.items():
         base = by_key.get((arch, batch, baseline))
@@ -190,7 +200,9 @@ def run_and_report(opts: GenerationBenchOptions, out_dir, *, matmul_reference: b
     machine = measure.machine_description()
     log(f"machine: {machine}")
     speed, memory = run(opts, log=log)
-    extra = {"ratios": ratios(speed)}
+    extra = {"ratios": ratios(speed),
+             "peer_ratios": peers.same_run_ratios(speed, ("arch", "batch"), "ms_per_step",
+                                                  peers.GENERATION_METHODS, "method")}
     if matmul_reference:
         # What this machine's matmuls reach: a large square one, and the MLP's shape per step.
         extra["matmul_gflops"] = {
@@ -223,6 +235,11 @@ def run_and_report(opts: GenerationBenchOptions, out_dir, *, matmul_reference: b
         "timed_steps", "peak_mib", "achieved_gflops", "status") if any(c in r for r in speed)]))
     if extra["ratios"]:
         log("\n" + report.markdown_table(extra["ratios"], list(extra["ratios"][0])))
+    if extra["peer_ratios"]:
+        log("\nthe authors' library in this run (theirs_over_ours > 1: ours is faster):\n"
+            + report.markdown_table(extra["peer_ratios"], list(extra["peer_ratios"][0])))
+        files["peers_csv"] = report.write_csv(out_dir / "generation_peers.csv",
+                                              extra["peer_ratios"])
     if memory:
         log("\n" + report.markdown_table(memory, ["method", "length", "batch", "peak_mib"]))
     if matmul_reference:
