@@ -65,14 +65,17 @@ class EncoderDecoder(nnx.Module):
         x_BSE = self._inputs(source_BS, jnp.arange(source_BS.shape[1]))
         return self.encoder(x_BSE, key_lengths=source_lengths)
 
-    def decode(self, target_in_BT, memory_BSE, *, source_lengths=None):
-        """Teacher-forced decoder: logits [B, T, V] for the token after each input token."""
+    def decode(self, target_in_BT, memory_BSE, *, source_lengths=None, target_lengths=None):
+        """Teacher-forced decoder: logits [B, T, V] for the token after each input token;
+        target tokens at index >= target_lengths are padding."""
         y_BTE = self._inputs(target_in_BT, jnp.arange(target_in_BT.shape[1]))
-        return self.head(self.decoder(y_BTE, memory_BSE, memory_lengths=source_lengths))
+        return self.head(self.decoder(y_BTE, memory_BSE, memory_lengths=source_lengths,
+                                      target_lengths=target_lengths))
 
-    def __call__(self, source_BS, target_in_BT, *, source_lengths=None):
+    def __call__(self, source_BS, target_in_BT, *, source_lengths=None, target_lengths=None):
         memory_BSE = self.encode(source_BS, source_lengths=source_lengths)
-        return self.decode(target_in_BT, memory_BSE, source_lengths=source_lengths)
+        return self.decode(target_in_BT, memory_BSE, source_lengths=source_lengths,
+                           target_lengths=target_lengths)
 
     def init_state(self, memory_BSE, max_length: int | None = None, *, source_lengths=None,
                    dtype=None) -> Seq2SeqState:

@@ -316,8 +316,9 @@ class DecoderLayer(nnx.Module):
         self.feed_forward = FeedForward(config, rngs)
         self.feed_forward_residual = _Residual(config, rngs)
 
-    def __call__(self, x_BTE, memory_BSE, *, memory_lengths=None):
-        x_BTE = self.self_attention_residual(x_BTE, self.self_attention(x_BTE))
+    def __call__(self, x_BTE, memory_BSE, *, memory_lengths=None, target_lengths=None):
+        x_BTE = self.self_attention_residual(
+            x_BTE, self.self_attention(x_BTE, key_lengths=target_lengths))
         x_BTE = self.cross_attention_residual(
             x_BTE, self.cross_attention(x_BTE, memory_BSE, key_lengths=memory_lengths))
         return self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
@@ -418,9 +419,13 @@ class Decoder(_Stack):
         self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
         self.final_norm = layer_norm(config, rngs) if config.final_normalization else None
 
-    def __call__(self, x_BTE, memory_BSE, *, memory_lengths=None):
+    def __call__(self, x_BTE, memory_BSE, *, memory_lengths=None, target_lengths=None):
+        """target_lengths int [B]: decoder positions at index >= target_lengths are padding that
+        no valid position attends to (what matters where a kind's causal outputs depend on
+        later positions, as LSH's buckets do)."""
         for layer in self.layers:
-            x_BTE = layer(x_BTE, memory_BSE, memory_lengths=memory_lengths)
+            x_BTE = layer(x_BTE, memory_BSE, memory_lengths=memory_lengths,
+                          target_lengths=target_lengths)
         return self._final(x_BTE)
 
     def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None,

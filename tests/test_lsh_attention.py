@@ -102,6 +102,30 @@ def test_padding_content_cannot_reach_valid_outputs():
     np.testing.assert_allclose(np.asarray(a)[~pad], np.asarray(b)[~pad], atol=1e-6)
 
 
+def test_causal_lsh_outputs_depend_on_later_positions_unless_they_are_padding():
+    """What makes causal LSH a poor autoregressive model: outputs at t <= 20 move when only
+    positions after 20 change (they take other places in the hash-sorted order), by O(1) here;
+    with the later positions marked as padding they are the outputs of the cut sequence."""
+    q, v = _qv(np.float32)
+    rot = ops.lsh_rotations(jax.random.key(1), 2, D, 8)
+    cut = 21
+    q2 = q.copy()
+    q2[:, cut:] = np.random.default_rng(5).standard_normal(q2[:, cut:].shape)
+    a = np.asarray(_lsh(q, v, rot, chunk_size=4, causal=True))[:, :cut]
+    b = np.asarray(_lsh(q2, v, rot, chunk_size=4, causal=True))[:, :cut]
+    assert np.max(np.abs(a - b)) > 0.1, np.max(np.abs(a - b))
+    # Causal linear attention, for contrast: no dependence at all.
+    lin = [np.asarray(ops.causal_linear_attention(x, x, v, impl="quadratic"))[:, :cut]
+           for x in (q, q2)]
+    np.testing.assert_array_equal(lin[0], lin[1])
+    lengths = np.full((B,), cut)
+    padded = [np.asarray(_lsh(x, v, rot, chunk_size=4, causal=True, key_lengths=lengths))[:, :cut]
+              for x in (q, q2)]
+    cut_only = np.asarray(_lsh(q[:, :cut], v[:, :cut], rot, chunk_size=4, causal=True))
+    np.testing.assert_allclose(padded[0], cut_only, atol=1e-6)
+    np.testing.assert_allclose(padded[1], cut_only, atol=1e-6)
+
+
 def test_bfloat16_inputs_accumulate_in_float32():
     q, v = _qv(np.float32)
     rot = ops.lsh_rotations(jax.random.key(2), 2, D, 4)

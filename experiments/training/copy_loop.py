@@ -5,10 +5,15 @@ replication's encoder-decoder (`EncoderDecoder`, source s, target s). Both train
 cross-entropy on the copied symbols only and report, on a fixed held-out set of batches:
 
   token_accuracy      teacher-forced argmax equals the target, over copied symbols
-  sequence_accuracy   every copied symbol right; for a causal model this is also the rate of
-                      exact copies under greedy decoding (by induction over the positions)
-  greedy_*            encoder-decoder models whose decoder has a recurrent form: the same two
-                      accuracies of `greedy_decode` (one compiled loop, memory encoded once)
+  sequence_accuracy   every copied symbol right; for a model whose causal outputs depend on
+                      earlier positions only, this is also the rate of exact copies under
+                      greedy decoding (by induction over the positions)
+  greedy_*            the same two accuracies under greedy decoding: for encoder-decoder
+                      models whose decoder has a recurrent form, of `greedy_decode` (one
+                      compiled loop, memory encoded once); for decoders without one (LSH, whose
+                      buckets depend on later positions, so teacher forcing is not greedy
+                      decoding), of `greedy_recompute` (the parallel model re-run on the
+                      generated prefix for every token)
 
 Batches are a function of (seed, step) and dropout keys are folded from the step, so a resumed
 run replays an uninterrupted one; `wall_time` (training seconds, evaluation excluded) carries
@@ -42,6 +47,7 @@ from flax import nnx
 
 from configs import copy as copy_config
 from experiments.data import copy_task
+from experiments.training import greedy_recompute
 from experiments.training import mesh as mesh_lib
 from experiments.training.config_checks import (check_attention, check_keys, check_mesh,
                                                 check_values)
@@ -201,6 +207,8 @@ class _CopyTrainer:
         self.eval_step = jax.jit(self._eval_step)
         decoder_kind = attention_class(config.attention)
         self.greedy = config.model == "encoder_decoder" and decoder_kind.has_recurrent_form
+        # No recurrent form (LSH): greedy decoding re-runs the parallel model per token.
+        self.greedy_by_recompute = not decoder_kind.has_recurrent_form
 
     def _train_step(self, state, rng_state, batch):
         model = nnx.merge(self.graphdef, state["params"], rng_state, state["rest"])
@@ -236,7 +244,7 @@ class _CopyTrainer:
                                         num_symbols=c.num_symbols, model=c.model,
                                         seed=c.seed + EVAL_SEED_OFFSET)
         totals, greedy = {}, {}
-        model = self.eval_model() if self.greedy else None
+        model = self.eval_model() if self.greedy or self.greedy_by_recompute else None
         data_only = mesh_lib.mesh_from_shape((self.mesh.size, 1), self.mesh.devices.flat)
         for i in range(c.eval_batches):
             batch = batches.batch(i)
@@ -244,7 +252,11 @@ class _CopyTrainer:
                 counts = self.eval_step(self.state, self.shard_batch(batch))
             for k, v in counts.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-            if self.greedy:
+            if self.greedy_by_recompute:
+                predicted_BT, targets_BT, mask_BT = _greedy_by_recompute(model, batch)
+                for k, v in accuracy_counts(predicted_BT, targets_BT, mask_BT).items():
+                    greedy[k] = greedy.get(k, 0.0) + float(v)
+            elif self.greedy:
                 # Unpadded, split on "data" only if the batch divides over every device.
                 source = (batch.source_BW, batch.source_lengths_B)
                 if c.batch_size % self.mesh.size == 0:
@@ -261,6 +273,17 @@ class _CopyTrainer:
             result["greedy_token_accuracy"] = greedy["correct"] / greedy["symbols"]
             result["greedy_sequence_accuracy"] = greedy["exact"] / greedy["sequences"]
         return result
+
+
+def _greedy_by_recompute(model, batch):
+    """(greedy predictions, targets, mask) of a batch, the parallel model re-run on the
+    generated prefix for every token (greedy_recompute)."""
+    if isinstance(batch, copy_task.LanguageModelBatch):
+        predicted_BT = greedy_recompute.decoder_only(model, batch.inputs_BT, batch.mask_BT > 0)
+        return predicted_BT, batch.targets_BT, batch.mask_BT
+    predicted_BT = greedy_recompute.encoder_decoder(
+        model, batch.source_BW, batch.source_lengths_B, batch.target_in_BW, batch.mask_BW > 0)
+    return predicted_BT, batch.target_out_BW, batch.mask_BW
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
