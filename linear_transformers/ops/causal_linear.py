@@ -196,7 +196,12 @@ def _finite_products(form):
         s_BHFM = _nonfinite.mark_seen(s_BHFM, jnp.any(seen_BTHM, axis=1)[:, :, None, :])
         return _nonfinite.mark_seen(out_BTHM, seen_BTHM), (s_BHFM, z_BHF)
 
-    return guarded
+    def guarded_unless_all_finite(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, **kw):
+        args = (phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF)
+        return _nonfinite.unless_all_finite(v_BTHM, lambda: form(*args, **kw),
+                                            lambda: guarded(*args, **kw))
+
+    return guarded_unless_all_finite
 
 
 # The recurrent forms ("associative_scan", "scan") only ever add what a step can see. The
