@@ -21,7 +21,7 @@ def test_multidevice_tests_pass_on_eight_host_devices():
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_FLAG)]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags + [f"{DEVICE_FLAG}={NUM_DEVICES}"]),
                JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
+    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-n", "0",
                "tests/multidevice"]
     try:
         proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,

@@ -7,9 +7,8 @@ softmax) therefore run on `finite_part(v)` and then write NaN exactly where a qu
 non-finite value (`seen_nonfinite_BTHM`). A seen inf gives NaN rather than +-inf: either way
 the output is not finite, and the training loop refuses the step.
 
-Those passes over [B, T, H, M] cost up to ~1.4x the chunked form's own time on CPU, so
-`unless_all_finite` runs the plain form when every value is finite (one reduction decides) and
-the guarded one only otherwise.
+Finding the first bad step per query costs up to ~1.4x the chunked form's own forward on CPU,
+so `mark_unless_all_finite` does it only when some value is not finite (one reduction decides).
 
 Legend: B batch, T queries, S keys, H heads, M value features.
 """
@@ -20,10 +19,12 @@ import jax
 import jax.numpy as jnp
 
 
-def unless_all_finite(v, plain, guarded):
-    """`plain()` when every entry of v is finite, else `guarded()` (both give the same result
-    then; `lax.cond` runs one of them, and under `vmap` both, still correctly)."""
-    return jax.lax.cond(jnp.all(jnp.isfinite(v)), plain, guarded)
+def mark_unless_all_finite(v, result, mark):
+    """`result` as it is when every entry of v is finite, else `mark(result)`; `lax.cond` runs
+    the marking only when needed (under `vmap`, always: still correct). Only the marking sits
+    in the cond: a whole attention form inside it would keep both branches' residuals for the
+    backward pass (1.7x softmax's memory)."""
+    return jax.lax.cond(jnp.all(jnp.isfinite(v)), lambda r: r, mark, result)
 
 
 def finite_part(v):

@@ -189,19 +189,19 @@ def _finite_products(form):
     value at step s into NaN at every step (ops/_nonfinite.py)."""
 
     def guarded(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, **kw):
-        out_BTHM, (s_BHFM, z_BHF) = form(phi_q_BTHF, phi_k_BTHF, _nonfinite.finite_part(v_BTHM),
-                                         s0_BHFM, z0_BHF, **kw)
-        seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v_BTHM, num_queries=v_BTHM.shape[1],
-                                                   causal=True)
-        s_BHFM = _nonfinite.mark_seen(s_BHFM, jnp.any(seen_BTHM, axis=1)[:, :, None, :])
-        return _nonfinite.mark_seen(out_BTHM, seen_BTHM), (s_BHFM, z_BHF)
+        result = form(phi_q_BTHF, phi_k_BTHF, _nonfinite.finite_part(v_BTHM), s0_BHFM, z0_BHF,
+                      **kw)
 
-    def guarded_unless_all_finite(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, **kw):
-        args = (phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF)
-        return _nonfinite.unless_all_finite(v_BTHM, lambda: form(*args, **kw),
-                                            lambda: guarded(*args, **kw))
+        def mark(result):
+            out_BTHM, (s_BHFM, z_BHF) = result
+            seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v_BTHM, num_queries=v_BTHM.shape[1],
+                                                       causal=True)
+            s_BHFM = _nonfinite.mark_seen(s_BHFM, jnp.any(seen_BTHM, axis=1)[:, :, None, :])
+            return _nonfinite.mark_seen(out_BTHM, seen_BTHM), (s_BHFM, z_BHF)
 
-    return guarded_unless_all_finite
+        return _nonfinite.mark_unless_all_finite(v_BTHM, result, mark)
+
+    return guarded
 
 
 # The recurrent forms ("associative_scan", "scan") only ever add what a step can see. The

@@ -113,17 +113,16 @@ def softmax_attention(q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None,
     B, T, H, _ = q_BTHD.shape
     full_mask = None if mask is None else _build_mask_BHTS(
         B, H, T, k_BSHD.shape[1], causal=False, key_lengths=None, mask=mask)
-    def attend(v_BSHM):
-        return _dense_softmax(q_BTHD, k_BSHD, v_BSHM, causal=causal, key_lengths=key_lengths,
-                              mask=mask, full_mask=full_mask, scale=scale,
-                              implementation=implementation)
+    out_BTHM = _dense_softmax(q_BTHD, k_BSHD, _nonfinite.finite_part(v_BSHM), causal=causal,
+                              key_lengths=key_lengths, mask=mask, full_mask=full_mask,
+                              scale=scale, implementation=implementation)
 
-    def guarded():
+    def mark(out_BTHM):
         seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v_BSHM, num_queries=T, causal=causal,
                                                    key_lengths=key_lengths, mask_BHTS=full_mask)
-        return _nonfinite.mark_seen(attend(_nonfinite.finite_part(v_BSHM)), seen_BTHM)
+        return _nonfinite.mark_seen(out_BTHM, seen_BTHM)
 
-    return _nonfinite.unless_all_finite(v_BSHM, lambda: attend(v_BSHM), guarded)
+    return _nonfinite.mark_unless_all_finite(v_BSHM, out_BTHM, mark)
 
 
 def _dense_softmax(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, full_mask, scale,
