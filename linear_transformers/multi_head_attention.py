@@ -121,7 +121,8 @@ class MultiHeadAttention(nnx.Module):
     def init_state(self, batch: int, max_length: int | None = None, dtype=None):
         """Recurrent state of causal self-attention (a KV cache of `max_length` for softmax).
         `dtype` (of a KV cache) defaults to the layer's dtype, or float32 when that is None."""
-        dtype = dtype or self.dtype or jnp.float32
+        if dtype is None:
+            dtype = jnp.float32 if self.dtype is None else self.dtype
         return self.core.init_state(batch, max_length, dtype)
 
     def step(self, state, x_BE):

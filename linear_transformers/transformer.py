@@ -235,7 +235,7 @@ def dense(config: TransformerConfig, in_features: int, out_features: int, rngs, 
           dtype=None) -> nnx.Linear:
     """nnx.Linear storing its parameters in config.param_dtype and computing in `dtype`
     (default config.dtype)."""
-    return nnx.Linear(in_features, out_features, dtype=dtype or config.dtype,
+    return nnx.Linear(in_features, out_features, dtype=config.dtype if dtype is None else dtype,
                       param_dtype=config.param_dtype, rngs=rngs)
 
 

@@ -73,6 +73,7 @@ def test_non_finite_loss_stops_with_intact_checkpoint(data_dir, tmp_path):
     ("schedule=linear", "schedule must be one of"),
     ("model_dim=18", "model_dim must be a multiple of 4"),
     ("train_split=validation", "is not one of"),
+    ("dtype=float16", r"config.dtype must be one of \('float32', 'bfloat16'\).*got 'float16'"),
 ])
 def test_bad_config_values_rejected(data_dir, tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
