@@ -29,6 +29,13 @@ def embed_tokens(embed: nnx.Embed, tokens):
     return embed(tokens, out_sharding=PartitionSpec(*spec, None))
 
 
+def token_inputs(embed: nnx.Embed, tokens, positions):
+    """Token embeddings plus the sine/cosine encoding of `positions`, in the embeddings' dtype
+    (a float32 encoding would promote a bf16 model back to float32)."""
+    x = embed_tokens(embed, tokens)
+    return x + sinusoidal_encoding(positions, x.shape[-1], x.dtype)
+
+
 def sinusoidal_encoding(positions, dim: int, dtype=jnp.float32):
     """Transformer sine/cosine position encoding: positions [...] -> [..., dim]."""
     if dim % 2:
@@ -69,12 +76,8 @@ class CausalLM(nnx.Module):
         self.decoder = Encoder(config, causal=True, rngs=rngs)
         self.head = dense(config, config.model_dim, vocab_size, rngs, dtype=config.output_dtype)
 
-    def _inputs(self, tokens, positions):
-        x = embed_tokens(self.embed, tokens)
-        return x + sinusoidal_encoding(positions, self.model_dim, x.dtype)
-
     def __call__(self, tokens_BT, *, key_lengths=None):
-        x_BTE = self._inputs(tokens_BT, jnp.arange(tokens_BT.shape[1]))
+        x_BTE = token_inputs(self.embed, tokens_BT, jnp.arange(tokens_BT.shape[1]))
         return self.head(self.decoder(x_BTE, key_lengths=key_lengths))
 
     def init_state(self, batch: int, max_length: int | None = None, dtype=None) -> LMState:
@@ -84,7 +87,7 @@ class CausalLM(nnx.Module):
 
     def step(self, state: LMState, token_B):
         """Consume one token per batch element; return the logits for the next one."""
-        x_BE = self._inputs(token_B, state.position)
+        x_BE = token_inputs(self.embed, token_B, state.position)
         layers, y_BE = self.decoder.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
 
@@ -93,6 +96,6 @@ class CausalLM(nnx.Module):
         where logits at t score the token after tokens_BT[:, t]. Equal to T calls of `step`;
         the position advances by T."""
         T = tokens_BT.shape[1]
-        x_BTE = self._inputs(tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
+        x_BTE = token_inputs(self.embed, tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
         layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)
         return LMState(layers, state.position + T), self.head(y_BTE)

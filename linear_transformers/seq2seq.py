@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.lm import embed_tokens, sinusoidal_encoding
+from linear_transformers.lm import token_inputs
 from linear_transformers.transformer import (Decoder, Encoder, TransformerConfig, dense,
                                              embedding)
 
@@ -56,19 +56,15 @@ class EncoderDecoder(nnx.Module):
         self.head = dense(decoder_config, self.model_dim, vocab_size, rngs,
                           dtype=decoder_config.output_dtype)
 
-    def _inputs(self, tokens, positions):
-        x = embed_tokens(self.embed, tokens)
-        return x + sinusoidal_encoding(positions, self.model_dim, x.dtype)
-
     def encode(self, source_BS, *, source_lengths=None):
         """The memory [B, S, E]; source tokens at index >= source_lengths are padding."""
-        x_BSE = self._inputs(source_BS, jnp.arange(source_BS.shape[1]))
+        x_BSE = token_inputs(self.embed, source_BS, jnp.arange(source_BS.shape[1]))
         return self.encoder(x_BSE, key_lengths=source_lengths)
 
     def decode(self, target_in_BT, memory_BSE, *, source_lengths=None, target_lengths=None):
         """Teacher-forced decoder: logits [B, T, V] for the token after each input token;
         target tokens at index >= target_lengths are padding."""
-        y_BTE = self._inputs(target_in_BT, jnp.arange(target_in_BT.shape[1]))
+        y_BTE = token_inputs(self.embed, target_in_BT, jnp.arange(target_in_BT.shape[1]))
         return self.head(self.decoder(y_BTE, memory_BSE, memory_lengths=source_lengths,
                                       target_lengths=target_lengths))
 
@@ -86,7 +82,8 @@ class EncoderDecoder(nnx.Module):
 
     def step(self, state: Seq2SeqState, token_B):
         """Consume one target token per batch element; return the logits for the next one."""
-        layers, y_BE = self.decoder.step(state.layers, self._inputs(token_B, state.position))
+        x_BE = token_inputs(self.embed, token_B, state.position)
+        layers, y_BE = self.decoder.step(state.layers, x_BE)
         return Seq2SeqState(layers, state.position + 1), self.head(y_BE)
 
     def prefill(self, state: Seq2SeqState, tokens_BT):
@@ -94,7 +91,7 @@ class EncoderDecoder(nnx.Module):
         [B, T, V]), where logits at t score the token after tokens_BT[:, t]. Equal to T calls of
         `step`; the position advances by T."""
         T = tokens_BT.shape[1]
-        x_BTE = self._inputs(tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
+        x_BTE = token_inputs(self.embed, tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
         layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)
         return Seq2SeqState(layers, state.position + T), self.head(y_BTE)
 

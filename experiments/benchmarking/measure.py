@@ -33,17 +33,25 @@ def time_compiled(compiled, *args, min_repeats: int = 3, max_repeats: int = 50,
     A call whose warm-up takes over 2 * min_seconds (and over a second) is timed once more only:
     seconds-long calls vary little, and repeating them would dominate a benchmark's run time.
     """
+    return time_call(lambda: jax.block_until_ready(compiled(*args)), min_repeats=min_repeats,
+                     max_repeats=max_repeats, min_seconds=min_seconds)
+
+
+def time_call(call, *, min_repeats: int = 3, max_repeats: int = 50,
+              min_seconds: float = 0.5) -> Timing:
+    """`time_compiled` for any synchronous `call()` (one that returns when its work is done,
+    e.g. torch on the CPU)."""
     if min_repeats < 1 or max_repeats < min_repeats:
-        raise ValueError(f"time_compiled: need 1 <= min_repeats <= max_repeats, got "
+        raise ValueError(f"time_call: need 1 <= min_repeats <= max_repeats, got "
                          f"{min_repeats}, {max_repeats}.")
     start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))  # first call: allocation, autotuning, caches
+    call()  # first call: allocation, autotuning, caches
     if time.perf_counter() - start > max(2 * min_seconds, 1.0):
         min_repeats = 1
     times = []
     while len(times) < min_repeats or (sum(times) < min_seconds and len(times) < max_repeats):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
+        call()
         times.append(time.perf_counter() - start)
     return Timing(statistics.median(times), min(times), len(times))
 

@@ -15,15 +15,15 @@ benchmark scripts take `--peers=fast-transformers` and time the peer beside ever
 Install (CPU build, about 10 minutes on 2 cores; with nvcc on the PATH it builds CUDA kernels):
   pip install torch && PATH=<PATH without nvcc> pip install --no-build-isolation \
       pytorch-fast-transformers
-Times are medians of repeated calls after a warm-up (torch on CPU runs synchronously); peer
-cases run in float32 only (their CPU kernels have no half precision).
+Times are medians of repeated calls after a warm-up (`measure.time_call`; torch on the CPU runs
+synchronously); peer cases run in float32 only (their CPU kernels have no half precision).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
+
+from experiments.benchmarking import measure
 
 PEERS = ("fast-transformers",)
 # Our attention benchmark kind -> their attention class (and whether it gets a causal mask).
@@ -48,17 +48,6 @@ def check_peers(peers) -> tuple[str, ...]:
                 f"here ({e}); install them (see experiments/benchmarking/peers.py) or leave "
                 f"--peers out.") from None
     return peers
-
-
-def time_call(fn, *, min_repeats: int = 3, max_repeats: int = 50, min_seconds: float = 0.5):
-    """(median seconds, repeats) of fn() after one warm-up call (as `measure.time_compiled`)."""
-    fn()
-    times = []
-    while len(times) < min_repeats or (sum(times) < min_seconds and len(times) < max_repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), len(times)
 
 
 def _attention_module(name: str, head_dim: int):
@@ -103,8 +92,9 @@ def attention_row(kind: str, pass_: str, n: int, batch: int, heads: int, head_di
 
         def call():
             torch.autograd.grad(attention(q, k, v, mask, lengths, lengths), (q, k, v), g)
-    seconds, repeats = time_call(call, min_repeats=min_repeats, min_seconds=min_seconds)
-    row.update(time_ms=seconds * 1e3, time_per_sample_ms=seconds * 1e3 / batch, repeats=repeats)
+    timing = measure.time_call(call, min_repeats=min_repeats, min_seconds=min_seconds)
+    row.update(time_ms=timing.median_s * 1e3, time_per_sample_ms=timing.median_s * 1e3 / batch,
+               repeats=timing.repeats)
     return row
 
 
@@ -167,8 +157,8 @@ def generation_row(method: str, batch: int, length: int, timed_steps: int, *,
             for t in range(steps):
                 token_B, state = model.step(token_B, t, state)
 
-    seconds, repeats = time_call(generate, min_repeats=min_repeats, min_seconds=min_seconds)
-    seconds_per_step = seconds / steps
+    timing = measure.time_call(generate, min_repeats=min_repeats, min_seconds=min_seconds)
+    seconds_per_step, repeats = timing.median_s / steps, timing.repeats
     return {"arch": "mnist", "method": f"fast-transformers:{name}", "batch": batch,
             "length": length, "timed_steps": steps, "peak_mib": math.nan,
             "images_per_s": batch / (seconds_per_step * length),

@@ -205,10 +205,14 @@ class _CopyTrainer:
         self.dropout_key = jax.random.key(config.seed + 2)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
-        decoder_kind = attention_class(config.attention)
-        self.greedy = config.model == "encoder_decoder" and decoder_kind.has_recurrent_form
-        # No recurrent form (LSH): greedy decoding re-runs the parallel model per token.
-        self.greedy_by_recompute = not decoder_kind.has_recurrent_form
+        # How evaluation decodes greedily: with the recurrent decoder ("recurrent"), by
+        # re-running the parallel model per token where there is no recurrent form (LSH:
+        # "recompute"), or not at all (a recurrent decoder-only model: teacher forcing is
+        # greedy decoding).
+        if not attention_class(config.attention).has_recurrent_form:
+            self.greedy = "recompute"
+        else:
+            self.greedy = "recurrent" if config.model == "encoder_decoder" else None
 
     def _train_step(self, state, rng_state, batch):
         model = nnx.merge(self.graphdef, state["params"], rng_state, state["rest"])
@@ -244,7 +248,7 @@ class _CopyTrainer:
                                         num_symbols=c.num_symbols, model=c.model,
                                         seed=c.seed + EVAL_SEED_OFFSET)
         totals, greedy = {}, {}
-        model = self.eval_model() if self.greedy or self.greedy_by_recompute else None
+        model = self.eval_model() if self.greedy else None
         data_only = mesh_lib.mesh_from_shape((self.mesh.size, 1), self.mesh.devices.flat)
         for i in range(c.eval_batches):
             batch = batches.batch(i)
@@ -252,19 +256,19 @@ class _CopyTrainer:
                 counts = self.eval_step(self.state, self.shard_batch(batch))
             for k, v in counts.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-            if self.greedy_by_recompute:
+            if self.greedy == "recompute":
                 predicted_BT, targets_BT, mask_BT = _greedy_by_recompute(model, batch)
-                for k, v in accuracy_counts(predicted_BT, targets_BT, mask_BT).items():
-                    greedy[k] = greedy.get(k, 0.0) + float(v)
-            elif self.greedy:
+            elif self.greedy == "recurrent":
                 # Unpadded, split on "data" only if the batch divides over every device.
                 source = (batch.source_BW, batch.source_lengths_B)
                 if c.batch_size % self.mesh.size == 0:
                     source = mesh_lib.shard_batch(data_only, source)
-                tokens_BW = greedy_decode(model, source[0], batch.source_BW.shape[1],
-                                          start_token=copy_task.SEPARATOR,
-                                          source_lengths=source[1])
-                for k, v in accuracy_counts(tokens_BW, batch.target_out_BW, batch.mask_BW).items():
+                predicted_BT = greedy_decode(model, source[0], batch.source_BW.shape[1],
+                                             start_token=copy_task.SEPARATOR,
+                                             source_lengths=source[1])
+                targets_BT, mask_BT = batch.target_out_BW, batch.mask_BW
+            if self.greedy:
+                for k, v in accuracy_counts(predicted_BT, targets_BT, mask_BT).items():
                     greedy[k] = greedy.get(k, 0.0) + float(v)
         result = {"eval_loss": totals["loss_sum"] / totals["symbols"],
                   "token_accuracy": totals["correct"] / totals["symbols"],
