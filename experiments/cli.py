@@ -22,7 +22,9 @@ from experiments.training import interrupts
 from experiments.training.checkpoints import CheckpointError
 from experiments.training.workdir_lock import WorkdirInUseError
 
-USER_ERRORS = (ValueError, OSError, ArithmeticError, CheckpointError, WorkdirInUseError)
+# ImportError: an optional dependency the command needs (torch, to read a .pth file).
+USER_ERRORS = (ValueError, OSError, ArithmeticError, ImportError, CheckpointError,
+               WorkdirInUseError)
 
 
 def _program() -> str:

@@ -1,10 +1,11 @@
 """linear-transformers: Transformers are RNNs (Katharopoulos et al., 2020) in JAX and Flax NNX.
 
 `linear_transformers.ops` holds the pure-JAX attention functions; the Flax NNX modules are
-re-exported here.
+re-exported here; `linear_transformers.interop` reads the authors' PyTorch models.
 """
 
 from linear_transformers import ops
+from linear_transformers import interop
 from linear_transformers import mixture
 from linear_transformers.attention import (AttentionCore, FeatureProjection, HashRotations,
                                            register_attention, registered_attention_kinds,
@@ -20,7 +21,7 @@ from linear_transformers.transformer import (Decoder, DecoderLayer, Encoder, Enc
                                              TransformerConfig)
 
 __all__ = [
-    "ops", "AttentionCore", "FeatureProjection", "HashRotations", "register_attention",
+    "ops", "interop", "AttentionCore", "FeatureProjection", "HashRotations", "register_attention",
     "registered_attention_kinds", "sequence_parallel_kinds", "generate", "make_step_fn",
     "scan_steps", "CausalLM", "LMState",
     "MultiHeadAttention", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer",

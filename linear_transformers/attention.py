@@ -388,8 +388,9 @@ class LinearAttention(AttentionCore):
       eps: added to the normaliser.
 
     Arbitrary [T, S] masks cannot be honoured without the T x S matrix; key_lengths is the
-    supported padding mask. In causal form, right-padded keys never reach a valid position, so
-    key_lengths needs no work there.
+    supported padding mask. In causal form right-padded keys never reach a valid position; they
+    are dropped anyway, so padded positions attend to the valid keys only, as in the authors'
+    layer.
 
     With `sequence_axis` each device reduces its block to an (S, z) state: the causal form
     combines them by an exclusive prefix over devices (LASP-2), the non-causal one by a sum.
@@ -445,6 +446,7 @@ class LinearAttention(AttentionCore):
             return ops.causal_linear_attention(q_BTHD, k_BSHD, v_BSHM,
                                                feature_map=self.feature_map, impl=self.impl,
                                                chunk_size=self.chunk_size, eps=self.eps,
+                                               key_lengths=key_lengths,
                                                sequence_axis=self.sequence_axis)
         return ops.linear_attention(q_BTHD, k_BSHD, v_BSHM, feature_map=self.feature_map,
                                     key_lengths=key_lengths, eps=self.eps,

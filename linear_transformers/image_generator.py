@@ -3,13 +3,21 @@
 Legend: B batch, T time (sub-pixels, row-major, channels interleaved), E model width,
 P = 3K mixture parameters (see `mixture`), C classes (sub-pixel values 0..C-1).
 
-The input at position t is the previous sub-pixel x_{t-1}; position 0 reads a START token (index C),
-so the output at t predicts x_t from x_{<t} and every sub-pixel, the first included, is scored
-(the authors fed x[:-1] and scored x[1:], so their first sub-pixel never was).
+Two input conventions, chosen by `start_token` (f = `model.first_scored` below):
 
-  params_BTP = model(x_BT)                       parallel (training, scoring)
+- start_token=True (f = 0): position 0 reads a START token (index C) and position t > 0 the
+  previous sub-pixel x_{t-1}, so the output at t predicts x_t from x_{<t} and every sub-pixel,
+  the first included, is scored.
+- start_token=False (f = 1), the convention of pytorch-fast-transformers' MNIST demo: no START
+  token; position t reads x_t and predicts x_{t+1} (the authors fed x[:-1] and scored x[1:]).
+  The first sub-pixel is only read, never scored, so sampling needs a prefix of at least one.
+
+The position encoding is [sin | cos] ("concatenated", the default) or sin, cos, sin, ...
+("interleaved", the authors' colab): `position_layout`.
+
+  params_BTP = model(x_BT)                       parallel: [B, T - f, P], params[:, i] for x_{i+f}
   state = model.init_state(batch)                recurrent (after `model.eval()`)
-  state, params_BP = model.step(state, token_B)  token_B: START at t = 0, then x_{t-1}
+  state, params_BP = model.step(state, token_B)  reads the input of the next position (see above)
   state, params_BTP = model.prefill(state, tokens_BT)   T such tokens at once (= T steps)
   images_BT = sample_images(model, key, batch)   one compiled `lax.scan`, constant memory per step
   images_BT = sample_images(model, key, batch, prefix=x_BK)   the known prefix read by one
@@ -25,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from linear_transformers.lm import LMState, embed_tokens, sinusoidal_encoding
+from linear_transformers.lm import POSITION_LAYOUTS, LMState, embed_tokens, sinusoidal_encoding
 from linear_transformers.mixture import mol_log_prob, mol_sample, num_params
 from linear_transformers.transformer import (Encoder, TransformerConfig, check_inference_mode,
                                              dense, embedding)
@@ -34,23 +42,45 @@ from linear_transformers.transformer import (Encoder, TransformerConfig, check_i
 class ImageGenerator(nnx.Module):
     """Sub-pixel embedding + sinusoidal positions, a causal `Encoder`, and a mixture head.
 
-    The input vector is [embedding of x_{t-1} (model_dim // 2) | sine/cosine of t (the rest)], as
-    in the paper; the head outputs 3 * num_mixtures mixture-of-logistics parameters per position.
+    The input vector at position t is [embedding of the token read at t (model_dim // 2) |
+    sine/cosine of t (the rest)], as in the paper; the head outputs 3 * num_mixtures
+    mixture-of-logistics parameters per position.
+
+    `start_token=True`: the token read at t is START (index num_classes, an extra embedding row)
+    at t = 0, else x_{t-1}; the output at t is the distribution of x_t, every sub-pixel scored
+    (`first_scored` = 0). `start_token=False` (pytorch-fast-transformers' MNIST demo): the
+    embedding has num_classes rows, the token read at t is x_t and the output at t is the
+    distribution of x_{t+1}; x_0 is never scored (`first_scored` = 1), so at most max_length - 1
+    positions are read. `position_layout` orders the encoding's features: "concatenated"
+    [sin | cos] or "interleaved" (sin, cos, ...; the authors' colab). max_length is the number of
+    sub-pixels per image in both conventions.
 
     >>> config = TransformerConfig(num_layers=8, num_heads=8, model_dim=256, attention="linear")
     >>> model = ImageGenerator(config, num_classes=256, num_mixtures=10, max_length=784,
     ...                        rngs=nnx.Rngs(0))
     >>> loss = model.nll(x_BT)   # nats per sub-pixel; bits_per_dim(loss) for bits
+    >>> authors = ImageGenerator(config, num_classes=256, num_mixtures=10, max_length=784,
+    ...                          start_token=False, position_layout="interleaved", rngs=nnx.Rngs(0))
     """
 
     def __init__(self, config: TransformerConfig, *, num_classes: int, num_mixtures: int,
-                 max_length: int, rngs: nnx.Rngs):
+                 max_length: int, rngs: nnx.Rngs, position_layout: str = "concatenated",
+                 start_token: bool = True):
         if num_classes < 2:
             raise ValueError(f"ImageGenerator: num_classes must be >= 2, got {num_classes}.")
         if num_mixtures < 1:
             raise ValueError(f"ImageGenerator: num_mixtures must be >= 1, got {num_mixtures}.")
         if max_length < 1:
             raise ValueError(f"ImageGenerator: max_length must be >= 1, got {max_length}.")
+        if position_layout not in POSITION_LAYOUTS:
+            raise ValueError(f"ImageGenerator: position_layout must be one of {POSITION_LAYOUTS}, "
+                             f"got {position_layout!r}.")
+        if not isinstance(start_token, bool):
+            raise ValueError(f"ImageGenerator: start_token must be True or False, got "
+                             f"{start_token!r}.")
+        if not start_token and max_length < 2:
+            raise ValueError(f"ImageGenerator: without a start token the first sub-pixel is only "
+                             f"read, so max_length must be >= 2, got {max_length}.")
         embed_dim = config.model_dim // 2
         position_dim = config.model_dim - embed_dim
         if embed_dim < 1 or position_dim % 2:
@@ -62,9 +92,14 @@ class ImageGenerator(nnx.Module):
         self.num_classes = num_classes
         self.num_mixtures = num_mixtures
         self.max_length = max_length
-        self.start_token = num_classes
+        # START's index (an extra embedding row), or None: position t then reads x_t.
+        self.start_token = num_classes if start_token else None
+        # The first sub-pixel scored: params[:, i] are those of x_{i + first_scored}.
+        self.first_scored = 0 if start_token else 1
+        self.position_layout = position_layout
         self.position_dim = position_dim
-        self.embed = embedding(config, num_classes + 1, embed_dim, rngs)
+        vocab = num_classes + 1 if start_token else num_classes
+        self.embed = embedding(config, vocab, embed_dim, rngs)
         self.decoder = Encoder(config, causal=True, rngs=rngs)
         # float32 at least: mixture means a bin apart (2 / 255) would round together in bf16.
         self.head = dense(config, config.model_dim, num_params(num_mixtures), rngs,
@@ -72,16 +107,20 @@ class ImageGenerator(nnx.Module):
 
     def _inputs(self, tokens, positions):
         x = embed_tokens(self.embed, tokens)
-        encoding = sinusoidal_encoding(positions, self.position_dim, x.dtype)
+        encoding = sinusoidal_encoding(positions, self.position_dim, x.dtype,
+                                       layout=self.position_layout)
         return jnp.concatenate([x, jnp.broadcast_to(encoding, x.shape[:-1] + encoding.shape[-1:])],
                                axis=-1)
 
     def _check_images(self, x_BT, where: str):
         x_BT = jnp.asarray(x_BT)
-        if x_BT.ndim != 2 or not 1 <= x_BT.shape[1] <= self.max_length:
+        shortest = 1 + self.first_scored
+        if x_BT.ndim != 2 or not shortest <= x_BT.shape[1] <= self.max_length:
+            why = (" (without a start token the first sub-pixel is only read, never scored)"
+                   if self.first_scored else "")
             raise ValueError(f"ImageGenerator.{where}: expected [batch, length] sub-pixels with "
-                             f"1 <= length <= max_length={self.max_length}, got shape "
-                             f"{tuple(x_BT.shape)}.")
+                             f"{shortest} <= length <= max_length={self.max_length}, got shape "
+                             f"{tuple(x_BT.shape)}{why}.")
         if not jnp.issubdtype(x_BT.dtype, jnp.integer):
             raise ValueError(f"ImageGenerator.{where}: sub-pixels must be integers in "
                              f"[0, {self.num_classes}), got dtype {x_BT.dtype}.")
@@ -95,26 +134,35 @@ class ImageGenerator(nnx.Module):
         return x_BT
 
     def shifted_inputs(self, x_BT):
-        """The tokens the model reads: [START, x_0, ..., x_{T-2}] per row, [B, T] int32."""
+        """The tokens the model reads, int32: [START, x_0, ..., x_{T-2}] per row ([B, T]) with a
+        start token, x[:, :-1] ([B, T - 1]) without."""
         x_BT = self._check_images(x_BT, "shifted_inputs").astype(jnp.int32)
+        if self.start_token is None:
+            return x_BT[:, :-1]
         start_B1 = jnp.full((x_BT.shape[0], 1), self.start_token, jnp.int32)
         return jnp.concatenate([start_B1, x_BT[:, :-1]], axis=1)
 
     def __call__(self, x_BT):
-        """Mixture parameters params_BTP, where params at t is the distribution of x_t given x_{<t}."""
+        """Mixture parameters of the scored sub-pixels, [B, T - first_scored, P]: params[:, i] is
+        the distribution of x_{i + first_scored} given the sub-pixels before it. Without a start
+        token T must be >= 2."""
         inputs_BT = self.shifted_inputs(x_BT)
         x_BTE = self._inputs(inputs_BT, jnp.arange(inputs_BT.shape[1]))
         return self.head(self.decoder(x_BTE))
 
     def log_prob(self, x_BT):
-        """Total log-likelihood in nats of each sequence: [B] float32."""
+        """Total log-likelihood in nats of the scored sub-pixels x[:, first_scored:] of each
+        sequence, [B] float32: log p(x) with a start token, log p(x_1, ... | x_0) without."""
         x_BT = self._check_images(x_BT, "log_prob")
-        return jnp.sum(mol_log_prob(self(x_BT), x_BT, self.num_classes), axis=1)
+        scored_BT = x_BT[:, self.first_scored:]
+        return jnp.sum(mol_log_prob(self(x_BT), scored_BT, self.num_classes), axis=1)
 
     def nll(self, x_BT):
-        """Mean negative log-likelihood in nats per sub-pixel (scalar float32): the training loss."""
+        """Mean negative log-likelihood in nats per scored sub-pixel (x[:, first_scored:]), scalar
+        float32: the training loss."""
         x_BT = self._check_images(x_BT, "nll")
-        return -jnp.mean(mol_log_prob(self(x_BT), x_BT, self.num_classes))
+        scored_BT = x_BT[:, self.first_scored:]
+        return -jnp.mean(mol_log_prob(self(x_BT), scored_BT, self.num_classes))
 
     def init_state(self, batch: int, dtype=None) -> LMState:
         """Empty recurrent state at position 0; softmax kinds allocate a max_length KV cache."""
@@ -122,7 +170,9 @@ class ImageGenerator(nnx.Module):
                        jnp.zeros((), jnp.int32))
 
     def step(self, state: LMState, token_B):
-        """Read this position's input token (START at t = 0, else x_{t-1}); return its params_BP.
+        """Read the input token of this position t (state.position); return its params_BP, the
+        distribution of x_{t + first_scored}. With a start token the token is START at t = 0,
+        else x_{t-1}; without one it is x_t.
 
         Steps past max_length are not checked (the position is traced); softmax caches overflow.
         """
@@ -131,9 +181,10 @@ class ImageGenerator(nnx.Module):
         return LMState(layers, state.position + 1), self.head(y_BE)
 
     def prefill(self, state: LMState, tokens_BT):
-        """Read T input tokens at once, as T calls of `step` would (START at position 0, else
-        the previous sub-pixel): -> (state, params [B, T, P]), the distribution of the sub-pixel
-        at each of these positions; the position advances by T.
+        """Read T input tokens at once, as T calls of `step` would (with a start token: START at
+        position 0, else the previous sub-pixel; without: the sub-pixel at that position):
+        -> (state, params [B, T, P]), params[:, i] the distribution of the sub-pixel the i-th of
+        these positions predicts (`step`); the position advances by T.
 
         From `init_state`, `shifted_inputs(x_BT)[:, :k]` reads the first k positions of x.
         Positions past max_length are not checked (as in `step`).
@@ -154,13 +205,20 @@ def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
     # Before tracing, so the error names the fix rather than a dropout RNG.
     check_inference_mode(model)
     length = model.max_length
+    no_start = (f"{where}: the model has no start token (start_token=False), so it has no "
+                f"distribution for the first sub-pixel: pass a prefix of k >= 1 sub-pixels "
+                f"(the authors' demo forces the first one)")
     if prefix is None:
+        if model.first_scored:
+            raise ValueError(no_start + ".")
         return jnp.zeros((batch, 0), jnp.int32)
     prefix = jnp.asarray(prefix)
     if (prefix.ndim != 2 or prefix.shape[0] != batch or prefix.shape[1] > length
             or not jnp.issubdtype(prefix.dtype, jnp.integer)):
         raise ValueError(f"{where}: prefix must be integer sub-pixels of shape [batch={batch}, k] "
                          f"with k <= max_length={length}, got {prefix.dtype} {tuple(prefix.shape)}.")
+    if prefix.shape[1] < model.first_scored:
+        raise ValueError(f"{no_start}, got k = {prefix.shape[1]}.")
     if not isinstance(prefix, jax.core.Tracer) and prefix.size:
         low, high = int(np.min(prefix)), int(np.max(prefix))
         if low < 0 or high >= model.num_classes:
@@ -172,18 +230,24 @@ def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
 @functools.partial(jax.jit, static_argnums=(0, 3, 5))
 def _sample_recurrent(graphdef, params, key, batch, prefix_BK, num_steps):
     model = nnx.merge(graphdef, params)
-    L, k = model.max_length, prefix_BK.shape[1]
+    L, k, f = model.max_length, prefix_BK.shape[1], model.first_scored
     if num_steps <= k:  # Every requested sub-pixel is given: nothing to draw.
         return jnp.pad(prefix_BK[:, :num_steps], ((0, 0), (0, L - num_steps)))
-    # Step t reads input t: START, then x_0, ..., x_{k-1} for the known sub-pixels.
-    start_B1 = jnp.full((batch, 1), model.start_token, jnp.int32)
-    inputs_BK1 = jnp.concatenate([start_B1, prefix_BK], axis=1)
+    # Position p reads input p and predicts x_{p + f}: the inputs known are START, x_0, ...,
+    # x_{k-1} with a start token (f = 0), x_0, ..., x_{k-1} without (f = 1, k >= 1).
+    if model.start_token is None:
+        inputs_BN = prefix_BK
+    else:
+        start_B1 = jnp.full((batch, 1), model.start_token, jnp.int32)
+        inputs_BN = jnp.concatenate([start_B1, prefix_BK], axis=1)
     state = model.init_state(batch)
-    if k:
-        # The steps whose draws the prefix overrides, in one parallel pass; step k reads
-        # x_{k-1} in the scan below and draws x_k.
-        state, _ = model.prefill(state, inputs_BK1[:, :k])
-    # Step t's key is the same whatever the prefix: the draws match sample_images_full_recompute.
+    n = k - f  # positions whose predictions the prefix overrides
+    if n:
+        # In one parallel pass; position n reads x_{k-1} (or START) in the scan below and
+        # draws x_k.
+        state, _ = model.prefill(state, inputs_BN[:, :n])
+    # x_t's key is the same whatever the prefix and the convention: the draws match
+    # sample_images_full_recompute.
     keys = jax.random.split(key, L)[k:num_steps]
 
     def body(carry, key_t):
@@ -192,7 +256,7 @@ def _sample_recurrent(graphdef, params, key, batch, prefix_BK, num_steps):
         token_B = mol_sample(key_t, params_BP, model.num_classes)
         return (state, token_B), token_B
 
-    _, drawn_TB = jax.lax.scan(body, (state, inputs_BK1[:, k]), keys)
+    _, drawn_TB = jax.lax.scan(body, (state, inputs_BN[:, n]), keys)
     images_BT = jnp.concatenate([prefix_BK, drawn_TB.T], axis=1)
     return jnp.pad(images_BT, ((0, 0), (0, L - num_steps)))
 
@@ -202,10 +266,12 @@ def sample_images(model: ImageGenerator, key, batch: int, *, prefix=None, num_st
 
     `prefix` [batch, k] forces the first k sub-pixels (conditional completion, like the authors'
     demo): they are read in one parallel `prefill`, and the rest are drawn one `step` at a time
-    in a `lax.scan`. The prefix length k is static: each k compiles once. Step t uses
-    `jax.random.split(key, max_length)[t]` whatever k, so `sample_images_full_recompute` draws
-    the same samples from the same key. `num_steps` stops after that many sub-pixels (the rest
-    are 0): previews and benchmarks. The model must be in eval mode.
+    in a `lax.scan`. A model without a start token has no distribution for x_0 and needs k >= 1.
+    The prefix length k is static: each k compiles once. x_t is drawn with
+    `jax.random.split(key, max_length)[t]` whatever k and whatever the convention, so
+    `sample_images_full_recompute` draws the same samples from the same key. `num_steps` stops
+    after that many sub-pixels (the rest are 0): previews and benchmarks. The model must be in
+    eval mode.
     """
     prefix_BK = _check_sampling_args(model, batch, prefix, "sample_images")
     num_steps = _check_num_steps(model, num_steps, "sample_images")
@@ -229,8 +295,10 @@ def _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_lengt
 
     def body(images_BT, inputs):
         t, key_t = inputs
-        # Causality makes the not-yet-drawn tail of the buffer irrelevant to position t.
-        params_BP = jax.lax.dynamic_index_in_dim(model(images_BT), t, axis=1, keepdims=False)
+        # Causality makes the not-yet-drawn tail of the buffer irrelevant to x_t's params, at
+        # index t - first_scored (x_0 without a start token has none; the prefix gives it).
+        index = jnp.maximum(t - model.first_scored, 0)
+        params_BP = jax.lax.dynamic_index_in_dim(model(images_BT), index, axis=1, keepdims=False)
         drawn_B = mol_sample(key_t, params_BP, model.num_classes)
         token_B = jnp.where(t < prefix_length, prefix_BT[:, t], drawn_B)
         return images_BT.at[:, t].set(token_B), None
@@ -247,7 +315,8 @@ def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, pref
     max_length parallel forwards per image (O(T^2) work with linear attention, O(T^3) with
     softmax); the same draws as `sample_images` for the same key, so the two return the same
     images unless a draw lands within rounding error of a bin edge. Every step runs the model
-    over the whole max_length buffer, so each costs the same. `num_steps` as in `sample_images`.
+    over the whole max_length buffer, so each costs the same. `prefix` and `num_steps` as in
+    `sample_images`.
     """
     prefix_BK = _check_sampling_args(model, batch, prefix, "sample_images_full_recompute")
     num_steps = _check_num_steps(model, num_steps, "sample_images_full_recompute")

@@ -36,12 +36,26 @@ def token_inputs(embed: nnx.Embed, tokens, positions):
     return x + sinusoidal_encoding(positions, x.shape[-1], x.dtype)
 
 
-def sinusoidal_encoding(positions, dim: int, dtype=jnp.float32):
-    """Transformer sine/cosine position encoding: positions [...] -> [..., dim]."""
+POSITION_LAYOUTS = ("concatenated", "interleaved")
+
+
+def sinusoidal_encoding(positions, dim: int, dtype=jnp.float32, *, layout: str = "concatenated"):
+    """Transformer sine/cosine position encoding: positions [...] -> [..., dim].
+
+    The angles are position * 10000^(-2i / dim), i = 0 .. dim/2 - 1. `layout` orders the features:
+    "concatenated" is [sin(angles) | cos(angles)]; "interleaved" is sin, cos, sin, cos, ... as
+    pytorch-fast-transformers' colabs build it (pe[:, 0::2] = sin, pe[:, 1::2] = cos).
+    """
+    if layout not in POSITION_LAYOUTS:
+        raise ValueError(f"sinusoidal_encoding: layout must be one of {POSITION_LAYOUTS}, "
+                         f"got {layout!r}.")
     if dim % 2:
         raise ValueError(f"sinusoidal_encoding needs an even dim, got {dim}.")
     inv_freq = jnp.exp(-jnp.log(10000.0) * jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
     angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
+    if layout == "interleaved":
+        encoding = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+        return encoding.reshape(angles.shape[:-1] + (dim,)).astype(dtype)
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1).astype(dtype)
 
 

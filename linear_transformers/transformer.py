@@ -31,7 +31,10 @@ from linear_transformers.attention import (attention_class, check_attention_opti
                                            check_inference_mode, check_sequence_axis)
 from linear_transformers.multi_head_attention import MultiHeadAttention
 
-ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}
+# "gelu" is the exact erf form, as torch.nn.functional.gelu and the authors' layers compute it;
+# "gelu_tanh" is the tanh approximation (jax.nn.gelu's default).
+ACTIVATIONS = {"relu": jax.nn.relu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+               "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
@@ -75,11 +78,14 @@ class TransformerConfig:
       model_dim: width E of the residual stream.
       query_dim, value_dim: per-head D and M; default model_dim // num_heads.
       feed_forward_dim: hidden width of the feed-forward block; default 4 * model_dim.
-      activation: "relu" or "gelu".
+      activation: "relu", "gelu" (exact, with erf, as in PyTorch) or "gelu_tanh" (the tanh
+        approximation).
       dropout: on the residual branches and inside the feed-forward block.
       attention_dropout: on attention probabilities (kinds with a probability matrix only).
       softmax_temp: logit scale for softmax kinds; default 1/sqrt(query_dim).
       final_normalization: LayerNorm after the last layer.
+      layer_norm_epsilon: added to the variance in every LayerNorm (Flax's 1e-6 by default;
+        `from_kwargs` sets PyTorch's 1e-5, which the authors' models were trained with).
       attention: registered kind of self-attention ("softmax", "linear", "causal-linear", ...).
       attention_options: the kind's options, e.g. {"feature_map": "favor", "impl": "chunked"}.
       cross_attention, cross_attention_options: decoder cross-attention; default the
@@ -109,6 +115,7 @@ class TransformerConfig:
     attention_dropout: float = 0.0
     softmax_temp: float | None = None
     final_normalization: bool = True
+    layer_norm_epsilon: float = 1e-6
     attention: str = "linear"
     attention_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     cross_attention: str | None = None
@@ -132,6 +139,9 @@ class TransformerConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"TransformerConfig.activation {self.activation!r} is unknown; "
                              f"expected one of {sorted(ACTIVATIONS)}.")
+        if not self.layer_norm_epsilon > 0:
+            raise ValueError(f"TransformerConfig.layer_norm_epsilon must be > 0, got "
+                             f"{self.layer_norm_epsilon}.")
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got "
@@ -183,35 +193,18 @@ class TransformerConfig:
         return {}
 
 
-    _AUTHORS_NAMES = {
-        "n_layers": "num_layers", "n_heads": "num_heads", "query_dimensions": "query_dim",
-        "value_dimensions": "value_dim", "feed_forward_dimensions": "feed_forward_dim",
-        "attention_type": "attention", "activation": "activation", "dropout": "dropout",
-        "attention_dropout": "attention_dropout", "softmax_temp": "softmax_temp",
-        "final_normalization": "final_normalization", "feature_map": None,
-    }
-
     @classmethod
     def from_kwargs(cls, **kwargs) -> "TransformerConfig":
-        """Build from the keyword names of the authors' `TransformerEncoderBuilder.from_kwargs`.
+        """The config of the model the authors' builders (`TransformerEncoderBuilder`,
+        `RecurrentEncoderBuilder`, `TransformerDecoderBuilder`, `RecurrentDecoderBuilder`)
+        build from the same keyword arguments, with their defaults: see
+        `linear_transformers.interop.config_from_builder_kwargs`.
 
-        As there, the model width is n_heads * value_dimensions; attention_type "full" is our
-        "softmax"; feature_map goes to attention_options.
+        >>> TransformerConfig.from_kwargs(n_layers=8, n_heads=8, query_dimensions=32,
+        ...                               value_dimensions=32, attention_type="causal-linear")
         """
-        unknown = sorted(set(kwargs) - set(cls._AUTHORS_NAMES))
-        if unknown:
-            raise ValueError(f"from_kwargs: unknown arguments {unknown}; known: "
-                             f"{sorted(cls._AUTHORS_NAMES)}.")
-        fields = {cls._AUTHORS_NAMES[k]: v for k, v in kwargs.items() if k != "feature_map"}
-        if fields.get("attention") == "full":
-            fields["attention"] = "softmax"
-        if "feature_map" in kwargs:
-            fields["attention_options"] = {"feature_map": kwargs["feature_map"]}
-        fields.setdefault("num_heads", 4)
-        fields.setdefault("query_dim", 64)
-        fields.setdefault("value_dim", fields["query_dim"])
-        fields["model_dim"] = fields["num_heads"] * fields["value_dim"]
-        return cls(**fields)
+        from linear_transformers.interop.builder_kwargs import config_from_builder_kwargs
+        return config_from_builder_kwargs(**kwargs)
 
 
 def _attention(config: TransformerConfig, *, cross: bool, causal: bool, rngs) -> MultiHeadAttention:
@@ -227,8 +220,8 @@ def _attention(config: TransformerConfig, *, cross: bool, causal: bool, rngs) ->
 
 def layer_norm(config: TransformerConfig, rngs) -> nnx.LayerNorm:
     """LayerNorm in the config's dtypes; its statistics are float32 whatever the dtype."""
-    return nnx.LayerNorm(config.model_dim, dtype=config.dtype, param_dtype=config.param_dtype,
-                         rngs=rngs)
+    return nnx.LayerNorm(config.model_dim, epsilon=config.layer_norm_epsilon, dtype=config.dtype,
+                         param_dtype=config.param_dtype, rngs=rngs)
 
 
 def dense(config: TransformerConfig, in_features: int, out_features: int, rngs, *,

@@ -1,5 +1,6 @@
 """ImageGenerator: shapes, exact causality, every sub-pixel scored (START), recurrent = parallel,
-recurrent and full-recompute samplers agree draw for draw, prefixes, training lowers the NLL, errors.
+recurrent and full-recompute samplers agree draw for draw, prefixes, training lowers the NLL, errors;
+the authors' convention (no START, interleaved positions) against a reference built by hand.
 """
 
 import chex
@@ -14,17 +15,35 @@ from scipy import stats
 from linear_transformers import TransformerConfig, generation
 from linear_transformers.image_generator import (ImageGenerator, sample_images,
                                                  sample_images_full_recompute)
+from linear_transformers.lm import sinusoidal_encoding
 from linear_transformers.mixture import mol_log_prob, mol_probs
 
 B, T, C, K, E = 2, 12, 17, 3, 16
 
 
-def _model(kind="linear", seed=0, **overrides):
+def _model(kind="linear", seed=0, *, start_token=True, position_layout="concatenated",
+           **overrides):
     kwargs = dict(num_layers=2, num_heads=2, model_dim=E, feed_forward_dim=32, dropout=0.0,
                   attention=kind)
     kwargs.update(overrides)
     return ImageGenerator(TransformerConfig(**kwargs), num_classes=C, num_mixtures=K, max_length=T,
+                          start_token=start_token, position_layout=position_layout,
                           rngs=nnx.Rngs(seed))
+
+
+def _authors_model(kind="linear", seed=0, **overrides):
+    """The convention of the authors' MNIST colab: no START token, interleaved positions."""
+    return _model(kind, seed, start_token=False, position_layout="interleaved", **overrides)
+
+
+def _colab_encoding(length, dim):
+    """The authors' colab, in numpy: pe[:, 0::2] = sin(position * div_term), pe[:, 1::2] = cos."""
+    position = np.arange(length, dtype=np.float64)[:, None]
+    div_term = np.exp(np.arange(0, dim, 2) * (-np.log(10000.0) / dim))
+    pe = np.zeros((length, dim))
+    pe[:, 0::2] = np.sin(position * div_term)
+    pe[:, 1::2] = np.cos(position * div_term)
+    return pe
 
 
 def _images(shape=(B, T), seed=1):
@@ -35,6 +54,9 @@ def _images(shape=(B, T), seed=1):
 _call = nnx.jit(lambda m, x: m(x))
 _nll = nnx.jit(lambda m, x: m.nll(x))
 _log_prob = nnx.jit(lambda m, x: m.log_prob(x))
+_step = nnx.jit(lambda m, s, tok: m.step(s, tok))
+_prefill = nnx.jit(lambda m, s, toks: m.prefill(s, toks))
+_decode = nnx.jit(lambda m, x_BTE: m.head(m.decoder(x_BTE)))
 
 
 def test_shapes_and_dtypes():
@@ -225,3 +247,121 @@ def test_sampling_errors():
     for bad in (0, T + 1, 2.0):
         with pytest.raises(ValueError, match=r"num_steps must be an integer in \[1, max_length=12\]"):
             sample_images_full_recompute(model, jax.random.key(0), 2, num_steps=bad)
+
+
+def test_sinusoidal_encoding_layouts():
+    length, dim = 40, 10
+    pe = _colab_encoding(length, dim)
+    positions = np.arange(length)
+    interleaved = sinusoidal_encoding(positions, dim, layout="interleaved")
+    np.testing.assert_allclose(interleaved, pe, atol=1e-5)
+    concatenated = np.concatenate([pe[:, 0::2], pe[:, 1::2]], axis=-1)
+    np.testing.assert_allclose(sinusoidal_encoding(positions, dim), concatenated, atol=1e-5)
+    np.testing.assert_allclose(sinusoidal_encoding(positions, dim, layout="concatenated"),
+                               concatenated, atol=1e-5)
+    assert not np.allclose(interleaved, concatenated, atol=1e-2)
+    # Leading axes: each position's features in the same order.
+    grid = sinusoidal_encoding(positions.reshape(4, 10), dim, jnp.bfloat16, layout="interleaved")
+    chex.assert_shape(grid, (4, 10, dim))
+    assert grid.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(grid, np.float32).reshape(length, dim), pe, atol=1e-2)
+    with pytest.raises(ValueError, match=r"layout must be one of \('concatenated', 'interleaved'\), "
+                                         r"got 'stacked'"):
+        sinusoidal_encoding(positions, dim, layout="stacked")
+
+
+@pytest.mark.parametrize("kind", ["linear", "softmax"])
+def test_without_start_token_params_equal_a_reference_built_by_hand(kind):
+    model = _authors_model(kind)
+    assert model.start_token is None and model.first_scored == 1
+    chex.assert_shape(model.embed.embedding[...], (C, E // 2))
+    x = _images()
+    np.testing.assert_array_equal(model.shifted_inputs(x), x[:, :-1])
+    params = np.asarray(_call(model, x))
+    chex.assert_shape(params, (B, T - 1, 3 * K))
+    # Position t reads x_t with the colab's encoding of t; its output scores x_{t+1}.
+    embedded_BTE = model.embed(jnp.asarray(x[:, :-1]))
+    pe_BTE = np.broadcast_to(_colab_encoding(T - 1, E - E // 2), (B, T - 1, E - E // 2))
+    inputs_BTE = jnp.concatenate([embedded_BTE, jnp.asarray(pe_BTE, embedded_BTE.dtype)], axis=-1)
+    reference = np.asarray(_decode(model, inputs_BTE))
+    np.testing.assert_allclose(params, reference, atol=1e-5, rtol=1e-5)
+    # The layout counts: the same weights with [sin | cos] give other params.
+    assert not np.allclose(_call(_model(kind, start_token=False), x), reference, atol=1e-3)
+    # x_0 is only read, never scored: log p(x_1, ..., x_{T-1} | x_0).
+    expected = np.sum(np.asarray(mol_log_prob(jnp.asarray(reference), jnp.asarray(x[:, 1:]), C)),
+                      axis=1)
+    log_prob = _log_prob(model, x)
+    chex.assert_shape(log_prob, (B,))
+    np.testing.assert_allclose(log_prob, expected, rtol=1e-5)
+    np.testing.assert_allclose(_nll(model, x), -np.sum(expected) / (B * (T - 1)), rtol=1e-5)
+    # The last sub-pixel is scored but never read.
+    y = x.copy()
+    y[:, -1] = (y[:, -1] + 5) % C
+    np.testing.assert_array_equal(_call(model, y), params)
+    assert not np.allclose(_log_prob(model, y), log_prob)
+
+
+@pytest.mark.parametrize("kind", ["linear", "softmax", "causal-linear"])
+def test_without_start_token_recurrent_steps_and_prefill_equal_parallel(kind):
+    model = _authors_model(kind)
+    model.eval()
+    x = _images()
+    parallel = np.asarray(_call(model, x))
+    state = model.init_state(B)
+    for t in range(T - 1):  # position t reads x_t and gives the params of x_{t+1}
+        state, params_t = _step(model, state, x[:, t])
+        np.testing.assert_allclose(params_t, parallel[:, t], atol=2e-5, rtol=2e-5, err_msg=f"t={t}")
+    assert int(state.position) == T - 1
+    # A block of the first sub-pixels in one prefill, then steps.
+    state, block = _prefill(model, model.init_state(B), x[:, :5])
+    np.testing.assert_allclose(block, parallel[:, :5], atol=2e-5, rtol=2e-5)
+    for t in range(5, T - 1):
+        state, params_t = _step(model, state, x[:, t])
+        np.testing.assert_allclose(params_t, parallel[:, t], atol=2e-5, rtol=2e-5, err_msg=f"t={t}")
+
+
+@pytest.mark.parametrize("kind", ["linear", "softmax"])
+def test_without_start_token_samplers_agree_and_honour_prefix(kind):
+    model = _authors_model(kind, seed=2)
+    model.eval()
+    key = jax.random.key(11)
+    prefix = _images((3, T), seed=4)
+    completions = {}
+    for k in (1, 3):
+        images = sample_images(model, key, 3, prefix=prefix[:, :k])
+        chex.assert_shape(images, (3, T))
+        assert images.dtype == jnp.int32
+        assert int(images.min()) >= 0 and int(images.max()) < C
+        np.testing.assert_array_equal(images[:, :k], prefix[:, :k])
+        np.testing.assert_array_equal(
+            images, sample_images_full_recompute(model, key, 3, prefix=prefix[:, :k]),
+            err_msg=f"k={k}")
+        completions[k] = np.asarray(images)
+    assert not np.array_equal(
+        completions[1], sample_images(model, jax.random.key(12), 3, prefix=prefix[:, :1]))
+    # Stopping early: the same first sub-pixels, zeros after them, in both samplers.
+    for sample in (sample_images, sample_images_full_recompute):
+        partial = sample(model, key, 3, prefix=prefix[:, :1], num_steps=5)
+        np.testing.assert_array_equal(partial[:, :5], completions[1][:, :5])
+        np.testing.assert_array_equal(partial[:, 5:], 0)
+    np.testing.assert_array_equal(sample_images(model, key, 3, prefix=prefix), prefix)
+
+
+def test_without_start_token_errors():
+    model = _authors_model()
+    with pytest.raises(ValueError, match=r"2 <= length <= max_length=12, got shape \(2, 1\) "
+                                         r"\(without a start token"):
+        model(_images((B, 1)))
+    model.eval()
+    key = jax.random.key(0)
+    for sample in (sample_images, sample_images_full_recompute):
+        with pytest.raises(ValueError, match=r"no start token .* pass a prefix of k >= 1"):
+            sample(model, key, 2)
+        with pytest.raises(ValueError, match=r"pass a prefix of k >= 1 .* got k = 0"):
+            sample(model, key, 2, prefix=_images((2, 0)))
+    with pytest.raises(ValueError, match=r"position_layout must be one of \('concatenated', "
+                                         r"'interleaved'\), got 'stacked'"):
+        _model(position_layout="stacked")
+    with pytest.raises(ValueError, match="without a start token .* max_length must be >= 2"):
+        ImageGenerator(TransformerConfig(model_dim=E, num_heads=2), num_classes=C, num_mixtures=K,
+                       max_length=1, start_token=False, rngs=nnx.Rngs(0))

@@ -5,8 +5,9 @@ import inspect
 import pytest
 
 import linear_transformers as lt
-from linear_transformers import (attention, generation, image_generator, lm, mixture,
+from linear_transformers import (attention, generation, image_generator, interop, lm, mixture,
                                  multi_head_attention, ops, seq2seq, transformer)
+from linear_transformers.interop import builder_kwargs, convert
 
 PROMISED_OPS = [
     "softmax_attention", "softmax_attention_reference", "linear_attention",
@@ -16,7 +17,7 @@ PROMISED_OPS = [
     "lsh_attention", "lsh_attention_reference", "lsh_rotations", "linformer_attention",
 ]
 MODULES = [lt, ops, attention, generation, image_generator, lm, mixture, multi_head_attention,
-           seq2seq, transformer]
+           seq2seq, transformer, interop, builder_kwargs, convert]
 
 
 @pytest.mark.parametrize("name", PROMISED_OPS)

@@ -31,3 +31,20 @@ def test_readme_prefill_example_runs_and_streaming_equals_one_pass():
     # The claim under the example: the streamed segments give the one parallel pass's logits.
     np.testing.assert_allclose(logits[:, -1], model(prompt)[:, -1], atol=1e-4, rtol=1e-4)
     assert int(namespace["state"].position) == 300
+
+
+def test_readme_fast_transformers_example_runs(tmp_path):
+    # The example loads the demo's "linear.pth"; here the same arrays in a .npz of 28 x 28 images
+    # (torch is not needed to read those).
+    from test_fast_transformers_interop import _mnist_sized_state
+
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (example,) = [b for b in blocks if "image_generator_from_fast_transformers" in b]
+    path = _mnist_sized_state(tmp_path / "linear.npz")
+    namespace = {}
+    exec(compile(example.replace('"linear.pth"', repr(str(path))).replace("n_heads=8", "n_heads=2"),
+                 str(README), "exec"), namespace)
+    images = np.asarray(namespace["images"])
+    assert images.shape == (16, 784)
+    np.testing.assert_array_equal(images[:, 0], 0)
+    assert images.min() >= 0 and images.max() < 256 and len(np.unique(images)) > 1
