@@ -343,3 +343,16 @@ def test_the_sample_command_runs_an_authors_checkpoint(tmp_path):
     rc, last, err = _run("experiments.sample", f"--fast_transformers_checkpoint="
                          f"{tmp_path / 'model.pth'}", env_extra=torch_missing)
     _assert_one_line(rc, last, err, 'pip install "linear-transformers[torch]"')
+
+
+def test_live_torch_tensors_are_read_as_they_are_bfloat16_included():
+    _live()
+    import torch
+
+    from linear_transformers.interop import as_numpy_state_dict
+    weights = torch.randn(3, 4)
+    arrays = as_numpy_state_dict({"w": weights, "h": weights.to(torch.bfloat16),
+                                  "g": weights.requires_grad_(True)})
+    np.testing.assert_array_equal(arrays["g"], weights.detach().numpy())
+    assert arrays["h"].dtype == np.float32
+    np.testing.assert_array_equal(arrays["h"], weights.detach().to(torch.bfloat16).float().numpy())

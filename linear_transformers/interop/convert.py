@@ -85,7 +85,10 @@ def as_numpy_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """{name: numpy array} from numpy arrays or torch tensors (read on the CPU)."""
     def to_numpy(value):
         if hasattr(value, "detach"):  # a torch tensor
-            value = value.detach().cpu().numpy()
+            value = value.detach().cpu()
+            if str(value.dtype) == "torch.bfloat16":  # numpy has no bfloat16: widen, exactly
+                value = value.float()
+            value = value.numpy()
         return np.asarray(value)
     return {str(k): to_numpy(v) for k, v in state_dict.items()}
 
