@@ -35,8 +35,7 @@ from flax import nnx
 
 from linear_transformers.lm import POSITION_LAYOUTS, LMState, embed_tokens, sinusoidal_encoding
 from linear_transformers.mixture import mol_log_prob, mol_sample, num_params
-from linear_transformers.transformer import (Encoder, TransformerConfig, check_inference_mode,
-                                             dense, embedding)
+from linear_transformers.transformer import Encoder, TransformerConfig, check_inference_mode, dense, embedding
 
 
 class ImageGenerator(nnx.Module):

@@ -101,8 +101,8 @@ class MultiHeadAttention(nnx.Module):
         """Parallel attention of x over itself, or over `context` when given.
 
         key_lengths: int [B], number of valid keys (padding is at the end).
-        mask: boolean [T, S] or [B, H, T, S] (size-1 dimensions broadcast; True = attend); only kinds that form the T x S matrix
-          (softmax) accept it.
+        mask: boolean [T, S] or [B, H, T, S] (size-1 dimensions broadcast; True = attend); only
+          kinds that form the T x S matrix (softmax) accept it.
         """
         if self.causal and context_BSE is not None:
             raise ValueError("causal attention is self-attention; got a context. Build the "

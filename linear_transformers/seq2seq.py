@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_transformers.lm import token_inputs
-from linear_transformers.transformer import (Decoder, Encoder, TransformerConfig, dense,
-                                             embedding)
+from linear_transformers.transformer import Decoder, Encoder, TransformerConfig, dense, embedding
 
 
 class Seq2SeqState(NamedTuple):

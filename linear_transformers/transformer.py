@@ -27,8 +27,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.attention import (attention_class, check_attention_options,
-                                           check_inference_mode, check_sequence_axis)
+from linear_transformers.attention import (
+    attention_class,
+    check_attention_options,
+    check_inference_mode,
+    check_sequence_axis,
+)
 from linear_transformers.multi_head_attention import MultiHeadAttention
 
 # "gelu" is the exact erf form, as torch.nn.functional.gelu and the authors' layers compute it;

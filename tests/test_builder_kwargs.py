@@ -149,8 +149,7 @@ def test_live_the_authors_model_from_the_same_arguments_loads_into_ours(example)
     pytest.importorskip("fast_transformers")
     from fast_transformers.builders import TransformerDecoderBuilder, TransformerEncoderBuilder
 
-    from linear_transformers.interop import (decoder_from_fast_transformers,
-                                             encoder_from_fast_transformers)
+    from linear_transformers.interop import decoder_from_fast_transformers, encoder_from_fast_transformers
 
     example = dict(example, n_layers=1)  # the same layer, once: loading checks every shape
     with warnings.catch_warnings():

@@ -82,8 +82,8 @@ def test_damaged_checkpoints_without_checksums(trained, tmp_path):
             (step_dir / "checksums.json").unlink()
             for path in step_dir.rglob("d/*"):
                 path.write_bytes(path.read_bytes()[:20])
-    config = (f"configs/digits.py:smoke,num_steps=4,checkpoint_every=2,eval_every=0,"
-              f"sample_every=0")
+    config = ("configs/digits.py:smoke,num_steps=4,checkpoint_every=2,eval_every=0,"
+              "sample_every=0")
     rc, last, err = _run("experiments.train", f"--config={config}", f"--workdir={workdir}")
     _assert_one_line(rc, last, err, "train: error: no intact checkpoint in ")
     assert "checkpoint step 4" in last and "checkpoint step 2" in last and "moved to" in last

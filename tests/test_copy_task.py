@@ -1,9 +1,9 @@
 """The copy task: data layouts (lengths, separators, loss masks), accuracy counting, the step
 learning-rate schedule, config checks, and end-to-end runs that learn to copy in CI time."""
 
+import pathlib
 import subprocess
 import sys
-import pathlib
 
 import jax
 import jax.numpy as jnp

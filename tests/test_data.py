@@ -8,6 +8,7 @@ import os
 import pickle
 import sys
 import tarfile
+import tempfile
 import time
 
 import numpy as np
@@ -269,3 +270,13 @@ def test_batches_reject_bad_arguments():
 def test_no_tensorflow_imported(tmp_path):
     data.load_images("digits", "test", data_dir=tmp_path)
     assert "tensorflow" not in sys.modules
+
+
+def test_preparing_leaves_nothing_in_the_system_temp_folder(tmp_path, monkeypatch):
+    system_tmp = tmp_path / "system_tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    _write_mnist(tmp_path / "manual", splits=("test",))
+    data.load_images("mnist", "test", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "manual")
+    data.load_images("mnist", "test", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "manual")
+    assert list(system_tmp.iterdir()) == []

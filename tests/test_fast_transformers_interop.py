@@ -12,16 +12,19 @@ import json
 import sys
 import warnings
 
+import fast_transformers_cases as cases
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fast_transformers_cases as cases
 from linear_transformers import mixture
-from linear_transformers.interop import (decoder_from_fast_transformers,
-                                         encoder_from_fast_transformers, generator_config,
-                                         image_generator_from_fast_transformers,
-                                         load_torch_checkpoint)
+from linear_transformers.interop import (
+    decoder_from_fast_transformers,
+    encoder_from_fast_transformers,
+    generator_config,
+    image_generator_from_fast_transformers,
+    load_torch_checkpoint,
+)
 from linear_transformers.transformer import TransformerConfig
 
 ATOL = 1e-5

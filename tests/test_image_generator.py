@@ -13,8 +13,7 @@ from flax import nnx
 from scipy import stats
 
 from linear_transformers import TransformerConfig, generation
-from linear_transformers.image_generator import (ImageGenerator, sample_images,
-                                                 sample_images_full_recompute)
+from linear_transformers.image_generator import ImageGenerator, sample_images, sample_images_full_recompute
 from linear_transformers.lm import sinusoidal_encoding
 from linear_transformers.mixture import mol_log_prob, mol_probs
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import enable_x64
+
 from linear_transformers import ops
 
 B, T, S, H, D, M = 2, 5, 9, 2, 4, 6

@@ -12,8 +12,16 @@ import pytest
 from scipy import special, stats
 
 from linear_transformers import mixture
-from linear_transformers.mixture import (LOG_SCALE_MIN, bits_per_dim, class_centers, mol_log_prob,
-                                         mol_probs, mol_sample, num_params, split_params)
+from linear_transformers.mixture import (
+    LOG_SCALE_MIN,
+    bits_per_dim,
+    class_centers,
+    mol_log_prob,
+    mol_probs,
+    mol_sample,
+    num_params,
+    split_params,
+)
 
 K = 4
 

@@ -5,8 +5,15 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from linear_transformers import (CausalLM, Decoder, Encoder, MultiHeadAttention,
-                                 TransformerConfig, generation, registered_attention_kinds)
+from linear_transformers import (
+    CausalLM,
+    Decoder,
+    Encoder,
+    MultiHeadAttention,
+    TransformerConfig,
+    generation,
+    registered_attention_kinds,
+)
 
 E, H = 16, 2
 

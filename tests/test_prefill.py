@@ -14,9 +14,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from linear_transformers import (CausalLM, Decoder, DecoderLayer, Encoder, EncoderDecoder,
-                                 EncoderLayer, MultiHeadAttention, TransformerConfig, generation,
-                                 greedy_decode, sequence_parallel_kinds)
+from linear_transformers import (
+    CausalLM,
+    Decoder,
+    DecoderLayer,
+    Encoder,
+    EncoderDecoder,
+    EncoderLayer,
+    MultiHeadAttention,
+    TransformerConfig,
+    generation,
+    greedy_decode,
+    sequence_parallel_kinds,
+)
 from linear_transformers.attention import attention_class, attention_options, make_attention_core
 from linear_transformers.image_generator import ImageGenerator, sample_images
 from linear_transformers.mixture import mol_sample

@@ -5,8 +5,18 @@ import inspect
 import pytest
 
 import linear_transformers as lt
-from linear_transformers import (attention, generation, image_generator, interop, lm, mixture,
-                                 multi_head_attention, ops, seq2seq, transformer)
+from linear_transformers import (
+    attention,
+    generation,
+    image_generator,
+    interop,
+    lm,
+    mixture,
+    multi_head_attention,
+    ops,
+    seq2seq,
+    transformer,
+)
 from linear_transformers.interop import builder_kwargs, convert
 
 PROMISED_OPS = [

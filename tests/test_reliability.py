@@ -19,8 +19,7 @@ import pytest
 
 from configs import digits
 from experiments.training import interrupts, loop
-from experiments.training.checkpoints import (CheckpointError, Checkpointer,
-                                              DamagedCheckpointError)
+from experiments.training.checkpoints import Checkpointer, CheckpointError, DamagedCheckpointError
 from experiments.training.config_checks import ConfigTypeError
 from experiments.training.metrics import read_metrics
 from experiments.training.workdir_lock import WorkdirInUseError

@@ -57,9 +57,10 @@ def test_non_finite_loss_stops_with_intact_checkpoint(data_dir, tmp_path):
     latest = int(str(error.value).split("latest checkpoint (")[1].split(")")[0])
     assert latest == bad_step  # the last finished (finite) step was saved; nothing after it
     # The last good checkpoint restores and holds finite parameters.
+    import jax
+
     from experiments.data import pipeline
     from experiments.training.checkpoints import Checkpointer
-    import jax
     trainer = loop._Trainer(config, pipeline.dataset_info("digits"),
                             loop.data_mesh())
     restored = Checkpointer(tmp_path / "checkpoints").restore(trainer.state)
@@ -176,6 +177,7 @@ def test_mesh_shape_resolves_the_rest_of_the_devices():
 
 def test_mesh_sequence_one_builds_the_model_without_sequence_parallelism(data_dir):
     from flax import nnx
+
     from experiments.data import pipeline
     config = _smoke(data_dir, "mesh.sequence=1")
     info = pipeline.dataset_info("digits")

@@ -83,15 +83,15 @@ def run_and_report(options: CopyComparisonOptions, log=print) -> list[dict]:
         curves[name] = [(r["step"], r["wall_time"], r["loss"]) for r in records if "loss" in r]
     report.write_csv(out / "copy_results.csv", rows)
     report.write_csv(out / "copy_curves.csv", [
-        {"run": n, "step": s, "wall_time_s": w, "loss": l} for n, pts in curves.items()
-        for s, w, l in pts])
+        {"run": n, "step": s, "wall_time_s": w, "loss": loss} for n, pts in curves.items()
+        for s, w, loss in pts])
     report.write_json(out / "copy_results.json", machine=measure.machine_description(),
                       options=dataclasses.asdict(options), rows=rows)
     report.plot_series(out / "copy_convergence.png", [
         {"xlabel": "step", "ylabel": "train loss (copied symbols, nats)",
-         "series": {n: [(s, l) for s, _, l in pts] for n, pts in curves.items()}},
+         "series": {n: [(s, loss) for s, _, loss in pts] for n, pts in curves.items()}},
         {"xlabel": "training wall time (s)", "ylabel": "train loss (copied symbols, nats)",
-         "series": {n: [(w, l) for _, w, l in pts] for n, pts in curves.items()}},
+         "series": {n: [(w, loss) for _, w, loss in pts] for n, pts in curves.items()}},
     ], title=f"copy task, size variant {options.size!r}", log_x=False, marker=None)
     log(report.markdown_table(rows, TABLE_COLUMNS))
     return rows

@@ -51,8 +51,7 @@ def check_peers(peers) -> tuple[str, ...]:
 
 
 def _attention_module(name: str, head_dim: int):
-    from fast_transformers.attention import (CausalLinearAttention, FullAttention,
-                                             LinearAttention)
+    from fast_transformers.attention import CausalLinearAttention, FullAttention, LinearAttention
     if name == "causal-linear":
         return CausalLinearAttention(head_dim)
     if name == "linear":

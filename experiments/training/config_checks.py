@@ -7,8 +7,12 @@ import ml_collections
 from configs import base
 from experiments.training import mesh as mesh_lib
 from experiments.training.optimizer import OPTIMIZERS, SCHEDULES
-from linear_transformers.attention import (attention_class, check_attention_options,
-                                           registered_attention_kinds, sequence_parallel_kinds)
+from linear_transformers.attention import (
+    attention_class,
+    check_attention_options,
+    registered_attention_kinds,
+    sequence_parallel_kinds,
+)
 
 _POSITIVE = ("num_layers", "num_heads", "model_dim", "feed_forward_dim", "num_mixtures",
              "batch_size", "eval_batch_size", "num_samples", "num_symbols", "max_length",

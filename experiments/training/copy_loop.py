@@ -34,7 +34,6 @@ Legend: B batch, T time, V vocabulary, W widest sequence.
 
 from __future__ import annotations
 
-import pathlib
 import time
 from collections.abc import Callable
 
@@ -49,8 +48,7 @@ from configs import copy as copy_config
 from experiments.data import copy_task
 from experiments.training import greedy_recompute
 from experiments.training import mesh as mesh_lib
-from experiments.training.config_checks import (check_attention, check_keys, check_mesh,
-                                                check_values)
+from experiments.training.config_checks import check_attention, check_keys, check_mesh, check_values
 from experiments.training.loop import NonFiniteLossError, due, transformer_config
 from experiments.training.metrics import MetricsWriter, read_metrics
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule

@@ -33,8 +33,8 @@ from experiments.training import images
 from experiments.training import mesh as mesh_lib
 from experiments.training.config_checks import check_config, check_mesh
 from experiments.training.metrics import MetricsWriter
-from experiments.training.run_dir import RunDirectory
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
+from experiments.training.run_dir import RunDirectory
 from linear_transformers import mixture
 from linear_transformers.image_generator import ImageGenerator, sample_images
 from linear_transformers.transformer import TransformerConfig

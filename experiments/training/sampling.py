@@ -14,8 +14,7 @@ import numpy as np
 
 from experiments.data import pipeline
 from experiments.training import images
-from experiments.training.checkpoints import (Checkpointer, CheckpointError,
-                                              DamagedCheckpointError)
+from experiments.training.checkpoints import Checkpointer, CheckpointError, DamagedCheckpointError
 from experiments.training.loop import _Trainer, data_mesh
 from linear_transformers import interop
 from linear_transformers.image_generator import sample_images, sample_images_full_recompute

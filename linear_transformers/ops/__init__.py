@@ -6,25 +6,52 @@ values [B, S, H, M].
 """
 
 from linear_transformers.ops import sequence_parallel
-from linear_transformers.ops.causal_linear import (DEFAULT_CHUNK_SIZE, IMPLS,
-                                                   causal_linear_attention, default_chunk_size)
-from linear_transformers.ops.feature_maps import (CallableFeatureMap, FavorFeatureMap, FeatureMap,
-                                                  elu_plus_one, favor_projection, make_feature_map,
-                                                  register_feature_map, registered_feature_maps)
-from linear_transformers.ops.linear import (LinearState, init_linear_state, linear_attention,
-                                            linear_attention_from_state,
-                                            linear_attention_reference, linear_attention_step,
-                                            linear_state_from_keys)
+from linear_transformers.ops.causal_linear import (
+                                                   DEFAULT_CHUNK_SIZE,
+                                                   IMPLS,
+                                                   causal_linear_attention,
+                                                   default_chunk_size,
+)
+from linear_transformers.ops.feature_maps import (
+                                                   CallableFeatureMap,
+                                                   FavorFeatureMap,
+                                                   FeatureMap,
+                                                   elu_plus_one,
+                                                   favor_projection,
+                                                   make_feature_map,
+                                                   register_feature_map,
+                                                   registered_feature_maps,
+)
+from linear_transformers.ops.linear import (
+                                                   LinearState,
+                                                   init_linear_state,
+                                                   linear_attention,
+                                                   linear_attention_from_state,
+                                                   linear_attention_reference,
+                                                   linear_attention_step,
+                                                   linear_state_from_keys,
+)
 from linear_transformers.ops.linformer import linformer_attention, linformer_project
-from linear_transformers.ops.lsh import (check_lsh_options, lsh_attention, lsh_attention_reference,
-                                         lsh_hashes, lsh_rotations)
-from linear_transformers.ops.softmax import (KVCache, init_kv_cache, softmax_attention,
-                                             softmax_attention_prefill,
-                                             softmax_attention_reference, softmax_attention_step,
-                                             softmax_attention_weights)
+from linear_transformers.ops.lsh import (
+                                                   check_lsh_options,
+                                                   lsh_attention,
+                                                   lsh_attention_reference,
+                                                   lsh_hashes,
+                                                   lsh_rotations,
+)
+from linear_transformers.ops.softmax import (
+                                                   KVCache,
+                                                   init_kv_cache,
+                                                   softmax_attention,
+                                                   softmax_attention_prefill,
+                                                   softmax_attention_reference,
+                                                   softmax_attention_step,
+                                                   softmax_attention_weights,
+)
 
 __all__ = [
-    "sequence_parallel", "DEFAULT_CHUNK_SIZE", "IMPLS", "causal_linear_attention", "default_chunk_size", "CallableFeatureMap",
+    "sequence_parallel", "DEFAULT_CHUNK_SIZE", "IMPLS", "causal_linear_attention", "default_chunk_size",
+    "CallableFeatureMap",
     "FavorFeatureMap", "FeatureMap", "elu_plus_one", "favor_projection", "make_feature_map",
     "register_feature_map", "registered_feature_maps", "LinearState", "init_linear_state",
     "linear_attention", "linear_attention_from_state", "linear_attention_reference",

@@ -9,7 +9,8 @@ attention ops wrap themselves in `jax.shard_map` over "seq".
 
 Needs 8 devices: tests/test_multidevice.py runs this folder on 8 host CPU devices; elsewhere each
 test skips (tests/conftest.py). Run alone with
-XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests/multidevice/test_sequence_parallel_models.py
+XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    pytest -q tests/multidevice/test_sequence_parallel_models.py
 """
 
 import functools
