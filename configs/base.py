@@ -16,15 +16,15 @@ def get_config() -> ml_collections.ConfigDict:
     # Data: a name from experiments.data, where prepared data lives, where raw files are.
     c.dataset = "digits"
     c.data_dir = "~/tensorflow_datasets"
-    c.manual_dir = ""            # raw files (IDX .gz, cifar-10-batches-py); "" = <data_dir>/downloads/manual
-    c.download = False           # fetch raw files with the TFDS download manager when missing
-    c.train_split = "train"      # "train", "test", or a slice such as "test[:9000]"
+    c.manual_dir = ""  # raw files (IDX .gz, cifar-10-batches-py); "" = <data_dir>/downloads/manual
+    c.download = False  # fetch raw files with the TFDS download manager when missing
+    c.train_split = "train"  # "train", "test", or a slice such as "test[:9000]"
     c.eval_split = "test"
-    c.max_train_examples = 0     # 0 = all; >0 keeps the first N (quick runs)
-    c.max_eval_examples = 0      # 0 = the whole test split
+    c.max_train_examples = 0  # 0 = all; >0 keeps the first N (quick runs)
+    c.max_eval_examples = 0  # 0 = the whole test split
 
     # Model: the paper's image generator (embedding ++ positions, causal transformer, mixture).
-    c.attention = "linear"       # any registered kind: linear, causal-linear, softmax
+    c.attention = "linear"  # any registered kind: linear, causal-linear, softmax
     c.attention_options = ml_collections.ConfigDict()
     c.num_layers = 8
     c.num_heads = 8
@@ -32,19 +32,19 @@ def get_config() -> ml_collections.ConfigDict:
     c.feed_forward_dim = 1024
     c.dropout = 0.1
     c.attention_dropout = 0.0
-    c.softmax_temp = 0.0         # 0 = 1/sqrt(head dim); softmax only
+    c.softmax_temp = 0.0  # 0 = 1/sqrt(head dim); softmax only
     c.num_mixtures = 10
-    c.dtype = "float32"          # computation: float32 | bfloat16 (parameters stay float32)
+    c.dtype = "float32"  # computation: float32 | bfloat16 (parameters stay float32)
 
     # Optimisation.
-    c.optimizer = "radam"        # radam | adamw
+    c.optimizer = "radam"  # radam | adamw
     c.learning_rate = 1e-4
-    c.schedule = "constant"      # constant | cosine (to 0 at num_steps) | step
-    c.decay_steps = 0            # schedule "step": multiply the rate by decay_factor from here
+    c.schedule = "constant"  # constant | cosine (to 0 at num_steps) | step
+    c.decay_steps = 0  # schedule "step": multiply the rate by decay_factor from here
     c.decay_factor = 0.1
     c.warmup_steps = 0
     c.weight_decay = 0.01
-    c.grad_clip = 1.0            # global norm; 0 = off
+    c.grad_clip = 1.0  # global norm; 0 = off
     c.batch_size = 16
     c.num_steps = 1000
 
@@ -64,5 +64,5 @@ def get_config() -> ml_collections.ConfigDict:
     # data = batch split (data parallel), -1 = the devices left over. E.g. on 8 devices
     # --config.mesh.sequence=4 gives data=2 x sequence=4.
     c.mesh = ml_collections.ConfigDict({"data": -1, "sequence": 1})
-    c.distributed = False        # jax.distributed.initialize() for multi-host runs
+    c.distributed = False  # jax.distributed.initialize() for multi-host runs
     return c

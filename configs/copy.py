@@ -53,19 +53,19 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     # Model: "decoder" (the paper's) or "encoder_decoder" (the replication's).
     c.model = "decoder"
-    c.attention = "linear"       # decoder self-attention; encoder too unless encoder_attention
+    c.attention = "linear"  # decoder self-attention; encoder too unless encoder_attention
     c.attention_options = ml_collections.ConfigDict()
-    c.encoder_attention = ""     # encoder_decoder only; "" = attention
+    c.encoder_attention = ""  # encoder_decoder only; "" = attention
     c.encoder_attention_options = ml_collections.ConfigDict()
-    c.cross_attention = ""       # encoder_decoder only; "" = the default for `attention`
+    c.cross_attention = ""  # encoder_decoder only; "" = the default for `attention`
     c.num_layers = 4
     c.num_heads = 8
     c.model_dim = 256
     c.feed_forward_dim = 1024
     c.dropout = 0.0
     c.attention_dropout = 0.0
-    c.softmax_temp = 0.0         # 0 = 1/sqrt(head dim)
-    c.dtype = "float32"          # computation: float32 | bfloat16 (parameters stay float32)
+    c.softmax_temp = 0.0  # 0 = 1/sqrt(head dim)
+    c.dtype = "float32"  # computation: float32 | bfloat16 (parameters stay float32)
 
     # Optimisation.
     c.optimizer = "radam"
@@ -82,10 +82,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # Bookkeeping (0 = never, except at the end of the run).
     c.log_every = 100
     c.eval_every = 1000
-    c.eval_batches = 4           # held-out batches of batch_size for the accuracies
+    c.eval_batches = 4  # held-out batches of batch_size for the accuracies
     c.checkpoint_every = 1000
     c.keep_checkpoints = 2
-    c.progress_bar = True        # a line per log_every steps
+    c.progress_bar = True  # a line per log_every steps
 
     # Devices: a ("data", "sequence") mesh whose sizes multiply to the device count.
     # sequence > 1 splits time over that many devices (sequence parallelism; every attention
@@ -107,8 +107,7 @@ def encoder_decoder(c):
 def linformer(c):
     """Linformer encoder (its max_length defaults to the longest source)."""
     c.encoder_attention = "linformer"
-    c.encoder_attention_options = ml_collections.ConfigDict(
-        {"projected_length": max(4, c.max_length // 8)})
+    c.encoder_attention_options = ml_collections.ConfigDict({"projected_length": max(4, c.max_length // 8)})
 
 
 def performer(c):
@@ -121,9 +120,10 @@ def _lsh(rounds):
     def apply(c):
         c.attention = "reformer"
         c.attention_options = ml_collections.ConfigDict(
-            {"num_rounds": rounds, "num_buckets": 8, "chunk_size": max(4, c.max_length // 8)})
-    apply.__doc__ = (f"Reformer LSH attention, {rounds} hashing round(s), 8 buckets, chunks of "
-                     f"max_length / 8.")
+            {"num_rounds": rounds, "num_buckets": 8, "chunk_size": max(4, c.max_length // 8)}
+        )
+
+    apply.__doc__ = f"Reformer LSH attention, {rounds} hashing round(s), 8 buckets, chunks of max_length / 8."
     return apply
 
 
@@ -136,7 +136,7 @@ def cpu(c):
     c.feed_forward_dim = 256
     c.batch_size = 32
     c.num_steps = 3000
-    c.learning_rate = 3e-3       # 1e-3 learns too slowly for 3000 steps at this size
+    c.learning_rate = 3e-3  # 1e-3 learns too slowly for 3000 steps at this size
     c.decay_steps = 2000
     c.log_every = 50
     c.eval_every = 500
@@ -190,12 +190,20 @@ def long(c):
     c.learning_rate = 3e-3
     c.schedule = "constant"
     c.log_every = 5
-    c.eval_every = 0             # once, at the end
+    c.eval_every = 0  # once, at the end
     c.eval_batches = 1
-    c.checkpoint_every = 0       # once, at the end
+    c.checkpoint_every = 0  # once, at the end
     c.mesh.sequence = 8
 
 
-VARIANTS = {"encoder_decoder": encoder_decoder, "linformer": linformer, "performer": performer,
-            "lsh1": _lsh(1), "lsh4": _lsh(4), "lsh8": _lsh(8), "cpu": cpu, "smoke": smoke,
-            "long": long}
+VARIANTS = {
+    "encoder_decoder": encoder_decoder,
+    "linformer": linformer,
+    "performer": performer,
+    "lsh1": _lsh(1),
+    "lsh4": _lsh(4),
+    "lsh8": _lsh(8),
+    "cpu": cpu,
+    "smoke": smoke,
+    "long": long,
+}

@@ -40,12 +40,10 @@ def apply(c: ml_collections.ConfigDict, arg: str, variants=None) -> ml_collectio
             node = c
             for name in path:
                 if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
-                    raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: "
-                                     f"{sorted(node)}.")
+                    raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: {sorted(node)}.")
                 node = node[name]
             if leaf not in node:
-                raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: "
-                                 f"{sorted(node)}.")
+                raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: {sorted(node)}.")
             current = node[leaf]
             if isinstance(current, bool):
                 if value.lower() not in ("true", "false"):
@@ -56,6 +54,5 @@ def apply(c: ml_collections.ConfigDict, arg: str, variants=None) -> ml_collectio
         elif item in variants:
             variants[item](c)
         else:
-            raise ValueError(f"unknown config variant {item!r}; variants: {sorted(variants)} or "
-                             f"key=value.")
+            raise ValueError(f"unknown config variant {item!r}; variants: {sorted(variants)} or key=value.")
     return c

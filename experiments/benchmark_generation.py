@@ -17,37 +17,50 @@ the MNIST architecture in the same run and prints theirs / ours per step.
 from absl import app, flags
 
 _ARCHS = flags.DEFINE_list("archs", ["mnist", "cifar10"], "mnist (784 steps), cifar10 (3072).")
-_METHODS = flags.DEFINE_list("methods", ["linear/recurrent", "softmax/kv-cache",
-                                         "softmax/recompute"],
-                             "linear/recurrent, softmax/kv-cache, softmax/recompute, "
-                             "linear/recompute.")
+_METHODS = flags.DEFINE_list(
+    "methods",
+    ["linear/recurrent", "softmax/kv-cache", "softmax/recompute"],
+    "linear/recurrent, softmax/kv-cache, softmax/recompute, linear/recompute.",
+)
 _BATCHES = flags.DEFINE_list("batches", ["1", "16"], "Batch sizes.")
 _TIMED = flags.DEFINE_integer("timed_steps", 128, "Sub-pixels timed per image (0: all).")
 _RECOMPUTE = flags.DEFINE_integer("recompute_steps", 1, "Sub-pixels timed for recompute methods.")
-_MEM_LENGTHS = flags.DEFINE_list("memory_lengths", ["256", "1024", "4096", "16384", "65536"],
-                                 "Generated lengths for the memory table (compile only).")
+_MEM_LENGTHS = flags.DEFINE_list(
+    "memory_lengths",
+    ["256", "1024", "4096", "16384", "65536"],
+    "Generated lengths for the memory table (compile only).",
+)
 _MIN_SECONDS = flags.DEFINE_float("min_seconds", 1.0, "Repeat each case for at least this long.")
 _DEVICE = flags.DEFINE_enum("device", None, ["cpu", "gpu", "tpu"], "Backend (default: JAX's).")
 _OUT = flags.DEFINE_string("out_dir", "benchmark_results/generation", "Where CSV/JSON/PNG go.")
-_PEERS = flags.DEFINE_list("peers", [], "Also time these libraries on the MNIST architecture, in "
-                           "this run: fast-transformers (the authors'; needs torch and "
-                           "pytorch-fast-transformers importable).")
+_PEERS = flags.DEFINE_list(
+    "peers",
+    [],
+    "Also time these libraries on the MNIST architecture, in "
+    "this run: fast-transformers (the authors'; needs torch and "
+    "pytorch-fast-transformers importable).",
+)
 
 
 def main(argv):
     del argv
     import jax
+
     if _DEVICE.value:
         jax.config.update("jax_platforms", _DEVICE.value)
 
     from experiments.benchmarking import generation_bench
 
     opts = generation_bench.GenerationBenchOptions(
-        archs=tuple(_ARCHS.value), methods=tuple(_METHODS.value),
-        batches=tuple(int(b) for b in _BATCHES.value), timed_steps=_TIMED.value,
+        archs=tuple(_ARCHS.value),
+        methods=tuple(_METHODS.value),
+        batches=tuple(int(b) for b in _BATCHES.value),
+        timed_steps=_TIMED.value,
         recompute_steps=_RECOMPUTE.value,
-        memory_lengths=tuple(int(n) for n in _MEM_LENGTHS.value), min_seconds=_MIN_SECONDS.value,
-        peers=tuple(_PEERS.value))
+        memory_lengths=tuple(int(n) for n in _MEM_LENGTHS.value),
+        min_seconds=_MIN_SECONDS.value,
+        peers=tuple(_PEERS.value),
+    )
     generation_bench.run_and_report(opts, _OUT.value)
 
 

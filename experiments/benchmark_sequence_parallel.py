@@ -38,8 +38,9 @@ def _host_devices_wanted(argv) -> int:
 
 # Before anything imports jax: the host platform's device count is fixed when jax starts.
 if _COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" {_COUNT_FLAG}={_host_devices_wanted(sys.argv)}").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" {_COUNT_FLAG}={_host_devices_wanted(sys.argv)}"
+    ).strip()
 
 from absl import app, flags  # noqa: E402  (after XLA_FLAGS on purpose)
 
@@ -54,23 +55,30 @@ _HEADS = flags.DEFINE_integer("num_heads", 4, "Heads.")
 _VOCAB = flags.DEFINE_integer("vocab_size", 256, "Vocabulary.")
 _MIN_SECONDS = flags.DEFINE_float("min_seconds", 1.0, "Repeat each case for at least this long.")
 _DEVICE = flags.DEFINE_enum("device", None, ["cpu", "gpu", "tpu"], "Backend (default: JAX's).")
-_OUT = flags.DEFINE_string("out_dir", "benchmark_results/sequence_parallel",
-                           "Where CSV/JSON/PNG go.")
+_OUT = flags.DEFINE_string("out_dir", "benchmark_results/sequence_parallel", "Where CSV/JSON/PNG go.")
 
 
 def main(argv):
     del argv
     import jax
+
     if _DEVICE.value:
         jax.config.update("jax_platforms", _DEVICE.value)
 
     from experiments.benchmarking import sequence_parallel_bench
 
     opts = sequence_parallel_bench.SequenceParallelBenchOptions(
-        parallelism=tuple(int(p) for p in _PARALLELISM.value), length=_LENGTH.value,
-        softmax_length=_SOFTMAX_LENGTH.value, batch=_BATCH.value, kinds=tuple(_KINDS.value),
-        num_layers=_LAYERS.value, model_dim=_WIDTH.value, num_heads=_HEADS.value,
-        vocab_size=_VOCAB.value, min_seconds=_MIN_SECONDS.value)
+        parallelism=tuple(int(p) for p in _PARALLELISM.value),
+        length=_LENGTH.value,
+        softmax_length=_SOFTMAX_LENGTH.value,
+        batch=_BATCH.value,
+        kinds=tuple(_KINDS.value),
+        num_layers=_LAYERS.value,
+        model_dim=_WIDTH.value,
+        num_heads=_HEADS.value,
+        vocab_size=_VOCAB.value,
+        min_seconds=_MIN_SECONDS.value,
+    )
     sequence_parallel_bench.run_and_report(opts, _OUT.value)
 
 

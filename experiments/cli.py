@@ -23,8 +23,7 @@ from experiments.training.checkpoints import CheckpointError
 from experiments.training.workdir_lock import WorkdirInUseError
 
 # ImportError: an optional dependency the command needs (torch, to read a .pth file).
-USER_ERRORS = (ValueError, OSError, ArithmeticError, ImportError, CheckpointError,
-               WorkdirInUseError)
+USER_ERRORS = (ValueError, OSError, ArithmeticError, ImportError, CheckpointError, WorkdirInUseError)
 
 
 def _program() -> str:
@@ -47,8 +46,11 @@ def one_line_errors(main):
         except KeyboardInterrupt:  # before training started, or a second Ctrl-C
             if verbose:
                 raise
-            print(f"{_program()}: interrupted; re-run the same command to resume from the "
-                  f"newest checkpoint.", file=sys.stderr, flush=True)
+            print(
+                f"{_program()}: interrupted; re-run the same command to resume from the newest checkpoint.",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(128 + signal.SIGINT)
         except USER_ERRORS as e:
             if verbose:
@@ -67,8 +69,13 @@ def check_config_file(flag_name: str = "config") -> None:
     path = config_flags.get_config_filename(flags.FLAGS[flag_name]).split(":", 1)[0]
     if path and not os.path.isfile(path):
         configs = pathlib.Path("configs")
-        choices = sorted(p.name for p in configs.glob("*.py")
-                         if "def get_config" in p.read_text()) if configs.is_dir() else []
-        raise FileNotFoundError(f"config file {path!r} (--{flag_name}) does not exist"
-                                + (f"; the configs are configs/{{{','.join(choices)}}}"
-                                   if choices else "") + ".")
+        choices = (
+            sorted(p.name for p in configs.glob("*.py") if "def get_config" in p.read_text())
+            if configs.is_dir()
+            else []
+        )
+        raise FileNotFoundError(
+            f"config file {path!r} (--{flag_name}) does not exist"
+            + (f"; the configs are configs/{{{','.join(choices)}}}" if choices else "")
+            + "."
+        )

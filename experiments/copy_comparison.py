@@ -21,8 +21,11 @@ _OUT = flags.DEFINE_string("out_dir", "benchmark_results/copy", "Where runs and 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    run_and_report(CopyComparisonOptions(runs=tuple(_RUNS.value), size=_SIZE.value,
-                                         overrides=_OVERRIDES.value, out_dir=_OUT.value))
+    run_and_report(
+        CopyComparisonOptions(
+            runs=tuple(_RUNS.value), size=_SIZE.value, overrides=_OVERRIDES.value, out_dir=_OUT.value
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,7 @@ def main(argv):
     del argv
     check_config_file()
     result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                   for k, v in result.items()))
+    print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@ re-exported here; `linear_transformers.interop` reads the authors' PyTorch model
 
 from linear_transformers import interop, mixture, ops
 from linear_transformers.attention import (
-                                           AttentionCore,
-                                           FeatureProjection,
-                                           HashRotations,
-                                           register_attention,
-                                           registered_attention_kinds,
-                                           sequence_parallel_kinds,
+    AttentionCore,
+    FeatureProjection,
+    HashRotations,
+    register_attention,
+    registered_attention_kinds,
+    sequence_parallel_kinds,
 )
 from linear_transformers.generation import generate, make_step_fn, scan_steps
 from linear_transformers.image_generator import ImageGenerator, sample_images, sample_images_full_recompute
@@ -22,11 +22,34 @@ from linear_transformers.seq2seq import EncoderDecoder, Seq2SeqState, greedy_dec
 from linear_transformers.transformer import Decoder, DecoderLayer, Encoder, EncoderLayer, TransformerConfig
 
 __all__ = [
-    "ops", "interop", "AttentionCore", "FeatureProjection", "HashRotations", "register_attention",
-    "registered_attention_kinds", "sequence_parallel_kinds", "generate", "make_step_fn",
-    "scan_steps", "CausalLM", "LMState",
-    "MultiHeadAttention", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer",
+    "ops",
+    "interop",
+    "AttentionCore",
+    "FeatureProjection",
+    "HashRotations",
+    "register_attention",
+    "registered_attention_kinds",
+    "sequence_parallel_kinds",
+    "generate",
+    "make_step_fn",
+    "scan_steps",
+    "CausalLM",
+    "LMState",
+    "MultiHeadAttention",
+    "Decoder",
+    "DecoderLayer",
+    "Encoder",
+    "EncoderLayer",
     "TransformerConfig",
-    "mixture", "ImageGenerator", "sample_images", "sample_images_full_recompute", "bits_per_dim",
-    "mol_log_prob", "mol_probs", "mol_sample", "EncoderDecoder", "Seq2SeqState", "greedy_decode",
+    "mixture",
+    "ImageGenerator",
+    "sample_images",
+    "sample_images_full_recompute",
+    "bits_per_dim",
+    "mol_log_prob",
+    "mol_probs",
+    "mol_sample",
+    "EncoderDecoder",
+    "Seq2SeqState",
+    "greedy_decode",
 ]

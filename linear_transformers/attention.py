@@ -63,16 +63,16 @@ def attention_options(kind: str) -> list[str]:
     """The options (keyword-only constructor arguments) that attention `kind` accepts."""
     cls = attention_class(kind)
     params = inspect.signature(cls.__init__).parameters.values()
-    common = {"causal", "num_heads", "head_dim", "value_dim", "rngs", "sequence_axis",
-              "param_dtype"}
+    common = {"causal", "num_heads", "head_dim", "value_dim", "rngs", "sequence_axis", "param_dtype"}
     return sorted(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in common)
 
 
 def attention_class(kind: str) -> type["AttentionCore"]:
     """The core class registered as `kind`; an unknown kind lists the registered ones."""
     if kind not in _KINDS:
-        raise ValueError(f"unknown attention kind {kind!r}; registered kinds: "
-                         f"{registered_attention_kinds()}.")
+        raise ValueError(
+            f"unknown attention kind {kind!r}; registered kinds: {registered_attention_kinds()}."
+        )
     return _KINDS[kind]
 
 
@@ -81,8 +81,9 @@ def check_attention_options(kind: str, options: Mapping[str, Any]) -> None:
     allowed = attention_options(kind)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ValueError(f"attention kind {kind!r} does not accept options {unknown}; "
-                         f"its options are {allowed}.")
+        raise ValueError(
+            f"attention kind {kind!r} does not accept options {unknown}; its options are {allowed}."
+        )
 
 
 def sequence_parallel_kinds() -> list[str]:
@@ -101,17 +102,27 @@ def _check_sequence_axis(cls: type["AttentionCore"], sequence_axis) -> None:
         return
     kind = cls.kind
     if not isinstance(sequence_axis, str) or not sequence_axis:
-        raise ValueError(f"sequence_axis must be a mesh axis name (str) or None, got "
-                         f"{sequence_axis!r}.")
+        raise ValueError(f"sequence_axis must be a mesh axis name (str) or None, got {sequence_axis!r}.")
     if not cls.has_sequence_parallel_form:
-        raise ValueError(f"attention kind {kind!r} has no sequence-parallel form, so it cannot "
-                         f"run with sequence_axis={sequence_axis!r}; kinds with one: "
-                         f"{sequence_parallel_kinds()} (or use sequence_axis=None).")
+        raise ValueError(
+            f"attention kind {kind!r} has no sequence-parallel form, so it cannot "
+            f"run with sequence_axis={sequence_axis!r}; kinds with one: "
+            f"{sequence_parallel_kinds()} (or use sequence_axis=None)."
+        )
 
 
-def make_attention_core(kind: str, *, causal: bool, num_heads: int, head_dim: int,
-                        value_dim: int, rngs: nnx.Rngs, sequence_axis: str | None = None,
-                        param_dtype=jnp.float32, **options) -> "AttentionCore":
+def make_attention_core(
+    kind: str,
+    *,
+    causal: bool,
+    num_heads: int,
+    head_dim: int,
+    value_dim: int,
+    rngs: nnx.Rngs,
+    sequence_axis: str | None = None,
+    param_dtype=jnp.float32,
+    **options,
+) -> "AttentionCore":
     """Build the registered core `kind`, rejecting options it does not accept.
 
     `sequence_axis` (a mesh axis name) is handed to the core only when set, so kinds written
@@ -126,17 +137,20 @@ def make_attention_core(kind: str, *, causal: bool, num_heads: int, head_dim: in
         options["sequence_axis"] = sequence_axis
     if "param_dtype" in inspect.signature(cls.__init__).parameters:
         options["param_dtype"] = param_dtype
-    return cls(causal=causal, num_heads=num_heads, head_dim=head_dim, value_dim=value_dim,
-               rngs=rngs, **options)
+    return cls(
+        causal=causal, num_heads=num_heads, head_dim=head_dim, value_dim=value_dim, rngs=rngs, **options
+    )
 
 
 def check_inference_mode(module: nnx.Module):
     """Recurrent steps are for inference: refuse to run them with dropout switched on."""
     for _, m in nnx.iter_graph(module):
         if isinstance(m, nnx.Dropout) and m.rate > 0 and not m.deterministic:
-            raise ValueError("recurrent inference with dropout active: call model.eval() "
-                             "before init_state/step/prefill (and model.train() to train "
-                             "again).")
+            raise ValueError(
+                "recurrent inference with dropout active: call model.eval() "
+                "before init_state/step/prefill (and model.train() to train "
+                "again)."
+            )
 
 
 def _prefill_axis(axis: str | None, length: int) -> str | None:
@@ -176,8 +190,16 @@ class AttentionCore(nnx.Module):
     shares_query_key = False
     no_recurrent_form_reason = "it does not implement one"
 
-    def __init__(self, *, causal: bool, num_heads: int, head_dim: int, value_dim: int,
-                 rngs: nnx.Rngs, sequence_axis: str | None = None):
+    def __init__(
+        self,
+        *,
+        causal: bool,
+        num_heads: int,
+        head_dim: int,
+        value_dim: int,
+        rngs: nnx.Rngs,
+        sequence_axis: str | None = None,
+    ):
         _check_sequence_axis(type(self), sequence_axis)
         self.causal = causal
         self.num_heads = num_heads
@@ -218,43 +240,52 @@ class AttentionCore(nnx.Module):
         raise self._no_memory_form("attend_memory")
 
     def _no_memory_form(self, what: str) -> ValueError:
-        return ValueError(f"attention kind {self.kind!r} cannot attend over a fixed memory "
-                          f"({what}); use 'softmax', 'linear' or 'linformer' for cross-attention.")
+        return ValueError(
+            f"attention kind {self.kind!r} cannot attend over a fixed memory "
+            f"({what}); use 'softmax', 'linear' or 'linformer' for cross-attention."
+        )
 
     def _no_recurrent_form(self, what: str) -> ValueError:
-        return ValueError(f"attention kind {self.kind!r} has no recurrent form ({what}): "
-                          f"{self.no_recurrent_form_reason}. Kinds with one: "
-                          f"{[k for k in registered_attention_kinds() if _KINDS[k].has_recurrent_form]}.")
+        return ValueError(
+            f"attention kind {self.kind!r} has no recurrent form ({what}): "
+            f"{self.no_recurrent_form_reason}. Kinds with one: "
+            f"{[k for k in registered_attention_kinds() if _KINDS[k].has_recurrent_form]}."
+        )
 
     def _require_causal(self, what: str):
         if not self.causal:
-            raise ValueError(f"{what} is the recurrent form of causal self-attention, but this "
-                             f"{self.kind!r} attention is non-causal; build it with causal=True.")
+            raise ValueError(
+                f"{what} is the recurrent form of causal self-attention, but this "
+                f"{self.kind!r} attention is non-causal; build it with causal=True."
+            )
 
     def _check_prefill(self, state, q_BTHD, k_BTHD, v_BTHM):
         self._require_causal("prefill")
         check_inference_mode(self)
         ops._checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=f"{self.kind} prefill")
         if q_BTHD.shape[1] != k_BTHD.shape[1]:
-            raise ValueError(f"{self.kind} prefill: a block of causal self-attention needs as "
-                             f"many queries as keys, got T={q_BTHD.shape[1]} and "
-                             f"S={k_BTHD.shape[1]}.")
+            raise ValueError(
+                f"{self.kind} prefill: a block of causal self-attention needs as "
+                f"many queries as keys, got T={q_BTHD.shape[1]} and "
+                f"S={k_BTHD.shape[1]}."
+            )
 
 
 def _memory_queries(q, name: str):
     """q [B, H, D] (one step) or [B, T, H, D] (a block) -> ([B, T, H, D], whether one step)."""
     if q.ndim not in (3, 4):
-        raise ValueError(f"{name}: queries must be [batch, heads, features] (one step) or "
-                         f"[batch, time, heads, features] (a block), got shape "
-                         f"{tuple(q.shape)}.")
+        raise ValueError(
+            f"{name}: queries must be [batch, heads, features] (one step) or "
+            f"[batch, time, heads, features] (a block), got shape "
+            f"{tuple(q.shape)}."
+        )
     return (q[:, None], True) if q.ndim == 3 else (q, False)
 
 
 def _softmax_over_memory(q, k_BSHD, v_BSHM, *, key_lengths=None, scale=None, name):
     """Queries [B, H, D] or [B, T, H, D] over fixed keys/values (cross-attention memories)."""
     q_BTHD, one_step = _memory_queries(q, name)
-    out_BTHM = ops.softmax_attention_reference(q_BTHD, k_BSHD, v_BSHM, key_lengths=key_lengths,
-                                               scale=scale)
+    out_BTHM = ops.softmax_attention_reference(q_BTHD, k_BSHD, v_BSHM, key_lengths=key_lengths, scale=scale)
     return out_BTHM[:, 0] if one_step else out_BTHM
 
 
@@ -283,18 +314,39 @@ class SoftmaxAttention(AttentionCore):
     has_recurrent_form = True
     has_sequence_parallel_form = True
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
-                 softmax_temp=None, attention_dropout=0.0, implementation=None,
-                 sow_weights=False):
-        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis)
+    def __init__(
+        self,
+        *,
+        causal,
+        num_heads,
+        head_dim,
+        value_dim,
+        rngs,
+        sequence_axis=None,
+        softmax_temp=None,
+        attention_dropout=0.0,
+        implementation=None,
+        sow_weights=False,
+    ):
+        super().__init__(
+            causal=causal,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            rngs=rngs,
+            sequence_axis=sequence_axis,
+        )
         if sow_weights and sequence_axis is not None:
-            raise ValueError(f"softmax attention: sow_weights records the whole [B, H, T, S] "
-                             f"matrix, which sequence_axis={sequence_axis!r} never forms; use "
-                             f"one or the other.")
+            raise ValueError(
+                f"softmax attention: sow_weights records the whole [B, H, T, S] "
+                f"matrix, which sequence_axis={sequence_axis!r} never forms; use "
+                f"one or the other."
+            )
         if implementation not in ops.softmax.IMPLEMENTATIONS:
-            raise ValueError(f"softmax attention: unknown implementation {implementation!r}; "
-                             f"expected one of {ops.softmax.IMPLEMENTATIONS}.")
+            raise ValueError(
+                f"softmax attention: unknown implementation {implementation!r}; "
+                f"expected one of {ops.softmax.IMPLEMENTATIONS}."
+            )
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}.")
         self.softmax_temp = softmax_temp
@@ -305,21 +357,30 @@ class SoftmaxAttention(AttentionCore):
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
         dropout_active = self.attention_dropout.rate > 0 and not self.attention_dropout.deterministic
         if not (self.sow_weights or dropout_active):
-            return ops.softmax_attention(q_BTHD, k_BSHD, v_BSHM, causal=self.causal,
-                                         key_lengths=key_lengths, mask=mask,
-                                         scale=self.softmax_temp,
-                                         implementation=self.implementation,
-                                         sequence_axis=self.sequence_axis)
+            return ops.softmax_attention(
+                q_BTHD,
+                k_BSHD,
+                v_BSHM,
+                causal=self.causal,
+                key_lengths=key_lengths,
+                mask=mask,
+                scale=self.softmax_temp,
+                implementation=self.implementation,
+                sequence_axis=self.sequence_axis,
+            )
         if self.sequence_axis is not None:
-            raise ValueError(f"softmax attention: attention dropout drops entries of the whole "
-                             f"[B, H, T, S] matrix, which sequence_axis={self.sequence_axis!r} "
-                             f"never forms; train with attention_dropout=0 or without a "
-                             f"sequence axis.")
+            raise ValueError(
+                f"softmax attention: attention dropout drops entries of the whole "
+                f"[B, H, T, S] matrix, which sequence_axis={self.sequence_axis!r} "
+                f"never forms; train with attention_dropout=0 or without a "
+                f"sequence axis."
+            )
         key_lengths = ops.softmax.validate_softmax_inputs(
-            q_BTHD, k_BSHD, v_BSHM, causal=self.causal, key_lengths=key_lengths)
-        w_BHTS = ops.softmax_attention_weights(q_BTHD, k_BSHD, causal=self.causal,
-                                               key_lengths=key_lengths, mask=mask,
-                                               scale=self.softmax_temp)
+            q_BTHD, k_BSHD, v_BSHM, causal=self.causal, key_lengths=key_lengths
+        )
+        w_BHTS = ops.softmax_attention_weights(
+            q_BTHD, k_BSHD, causal=self.causal, key_lengths=key_lengths, mask=mask, scale=self.softmax_temp
+        )
         if self.sow_weights:
             self.sow(nnx.Intermediate, "attention_weights", w_BHTS)
         w_BHTS = self.attention_dropout(w_BHTS)
@@ -330,10 +391,10 @@ class SoftmaxAttention(AttentionCore):
         """A preallocated KV cache of `max_length` slots."""
         self._require_causal("init_state")
         if max_length is None:
-            raise ValueError("softmax attention keeps a KV cache and needs max_length, the "
-                             "number of steps to allocate.")
-        return ops.init_kv_cache(batch, max_length, self.num_heads, self.head_dim,
-                                 self.value_dim, dtype)
+            raise ValueError(
+                "softmax attention keeps a KV cache and needs max_length, the number of steps to allocate."
+            )
+        return ops.init_kv_cache(batch, max_length, self.num_heads, self.head_dim, self.value_dim, dtype)
 
     def step(self, state, q_BHD, k_BHD, v_BHM):
         """Append k_t, v_t to the cache and attend over the filled slots."""
@@ -350,11 +411,12 @@ class SoftmaxAttention(AttentionCore):
         """
         self._check_prefill(state, q_BTHD, k_BTHD, v_BTHM)
         if key_lengths is not None:
-            raise ValueError("softmax prefill: the KV cache keeps one length for the whole batch, "
-                             "so per-example key_lengths cannot be honoured; prefill the prefix "
-                             "every example shares and step the rest, or use a linear kind.")
-        return ops.softmax_attention_prefill(state, q_BTHD, k_BTHD, v_BTHM,
-                                             scale=self.softmax_temp)
+            raise ValueError(
+                "softmax prefill: the KV cache keeps one length for the whole batch, "
+                "so per-example key_lengths cannot be honoured; prefill the prefix "
+                "every example shares and step the rest, or use a linear kind."
+            )
+        return ops.softmax_attention_prefill(state, q_BTHD, k_BTHD, v_BTHM, scale=self.softmax_temp)
 
     def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
         """The memory's projected keys and values, kept whole."""
@@ -363,9 +425,14 @@ class SoftmaxAttention(AttentionCore):
     def attend_memory(self, memory, q):
         """Softmax over all valid memory keys for one query step q [B, H, D] or a block
         q [B, T, H, D]."""
-        return _softmax_over_memory(q, memory.k_BSHD, memory.v_BSHM,
-                                    key_lengths=memory.key_lengths, scale=self.softmax_temp,
-                                    name="softmax attend_memory")
+        return _softmax_over_memory(
+            q,
+            memory.k_BSHD,
+            memory.v_BSHM,
+            key_lengths=memory.key_lengths,
+            scale=self.softmax_temp,
+            name="softmax attend_memory",
+        )
 
 
 class FeatureProjection(nnx.Variable):
@@ -399,28 +466,49 @@ class LinearAttention(AttentionCore):
     has_recurrent_form = True
     has_sequence_parallel_form = True
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
-                 feature_map="elu", num_features=None, impl="chunked", chunk_size=None,
-                 eps=1e-6):
-        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis)
+    def __init__(
+        self,
+        *,
+        causal,
+        num_heads,
+        head_dim,
+        value_dim,
+        rngs,
+        sequence_axis=None,
+        feature_map="elu",
+        num_features=None,
+        impl="chunked",
+        chunk_size=None,
+        eps=1e-6,
+    ):
+        super().__init__(
+            causal=causal,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            rngs=rngs,
+            sequence_axis=sequence_axis,
+        )
         if impl not in ops.IMPLS:
-            raise ValueError(f"linear attention: unknown impl {impl!r}; expected one of "
-                             f"{ops.IMPLS}.")
+            raise ValueError(f"linear attention: unknown impl {impl!r}; expected one of {ops.IMPLS}.")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"linear attention: chunk_size must be None or an integer >= 1, got "
-                             f"{chunk_size!r}.")
+            raise ValueError(
+                f"linear attention: chunk_size must be None or an integer >= 1, got {chunk_size!r}."
+            )
         self.impl = impl
         self.chunk_size = chunk_size
         self.eps = eps
         self.feature_map_spec = feature_map
         if feature_map == "favor":
-            self.feature_projection = FeatureProjection(ops.favor_projection(
-                rngs.params(), num_features or head_dim, head_dim))
+            self.feature_projection = FeatureProjection(
+                ops.favor_projection(rngs.params(), num_features or head_dim, head_dim)
+            )
         else:
             if num_features is not None:
-                raise ValueError(f"num_features is the size of FAVOR+ random features; feature "
-                                 f"map {feature_map!r} does not take it.")
+                raise ValueError(
+                    f"num_features is the size of FAVOR+ random features; feature "
+                    f"map {feature_map!r} does not take it."
+                )
             ops.make_feature_map(feature_map)  # Fail at construction on an unknown name.
 
     def redraw_features(self, key):
@@ -441,29 +529,44 @@ class LinearAttention(AttentionCore):
             raise ValueError(
                 f"{self.kind!r} attention cannot honour an arbitrary [T, S] mask (that needs the "
                 "T x S matrix linear attention avoids); use key_lengths for padding and "
-                "causal=True for causality, or kind='softmax'.")
+                "causal=True for causality, or kind='softmax'."
+            )
         if self.causal:
-            return ops.causal_linear_attention(q_BTHD, k_BSHD, v_BSHM,
-                                               feature_map=self.feature_map, impl=self.impl,
-                                               chunk_size=self.chunk_size, eps=self.eps,
-                                               key_lengths=key_lengths,
-                                               sequence_axis=self.sequence_axis)
-        return ops.linear_attention(q_BTHD, k_BSHD, v_BSHM, feature_map=self.feature_map,
-                                    key_lengths=key_lengths, eps=self.eps,
-                                    sequence_axis=self.sequence_axis)
+            return ops.causal_linear_attention(
+                q_BTHD,
+                k_BSHD,
+                v_BSHM,
+                feature_map=self.feature_map,
+                impl=self.impl,
+                chunk_size=self.chunk_size,
+                eps=self.eps,
+                key_lengths=key_lengths,
+                sequence_axis=self.sequence_axis,
+            )
+        return ops.linear_attention(
+            q_BTHD,
+            k_BSHD,
+            v_BSHM,
+            feature_map=self.feature_map,
+            key_lengths=key_lengths,
+            eps=self.eps,
+            sequence_axis=self.sequence_axis,
+        )
 
     def init_state(self, batch, max_length=None, dtype=jnp.float32):
         """(S, z) zeros; `max_length` is accepted for a uniform interface and not needed."""
         self._require_causal("init_state")
         f = self.feature_map.num_features(self.head_dim)
-        return ops.init_linear_state(batch, self.num_heads, f, self.value_dim,
-                                     jnp.promote_types(dtype, jnp.float32))
+        return ops.init_linear_state(
+            batch, self.num_heads, f, self.value_dim, jnp.promote_types(dtype, jnp.float32)
+        )
 
     def step(self, state, q_BHD, k_BHD, v_BHM):
         """S += phi(k_t) v_t^T, z += phi(k_t); out_t = phi(q_t)^T S / phi(q_t)^T z."""
         self._require_causal("step")
-        return ops.linear_attention_step(state, q_BHD, k_BHD, v_BHM,
-                                         feature_map=self.feature_map, eps=self.eps)
+        return ops.linear_attention_step(
+            state, q_BHD, k_BHD, v_BHM, feature_map=self.feature_map, eps=self.eps
+        )
 
     def prefill(self, state, q_BTHD, k_BTHD, v_BTHM, *, key_lengths=None):
         """The causal parallel form (this layer's impl) started from the state (S, z) and
@@ -475,10 +578,18 @@ class LinearAttention(AttentionCore):
         """
         self._check_prefill(state, q_BTHD, k_BTHD, v_BTHM)
         out_BTHM, new_state = ops.causal_linear_attention(
-            q_BTHD, k_BTHD, v_BTHM, feature_map=self.feature_map, impl=self.impl,
-            chunk_size=self.chunk_size, eps=self.eps, initial_state=state, return_state=True,
+            q_BTHD,
+            k_BTHD,
+            v_BTHM,
+            feature_map=self.feature_map,
+            impl=self.impl,
+            chunk_size=self.chunk_size,
+            eps=self.eps,
+            initial_state=state,
+            return_state=True,
             key_lengths=key_lengths,
-            sequence_axis=_prefill_axis(self.sequence_axis, q_BTHD.shape[1]))
+            sequence_axis=_prefill_axis(self.sequence_axis, q_BTHD.shape[1]),
+        )
         # The state keeps its dtypes, as `step` keeps them, so it stays a valid scan carry.
         new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state)
         return new_state, out_BTHM
@@ -490,32 +601,58 @@ class LinearAttention(AttentionCore):
         divides over it (as the parallel form); otherwise on the arrays as they are.
         """
         return ops.linear_state_from_keys(
-            k_BSHD, v_BSHM, feature_map=self.feature_map, key_lengths=key_lengths,
-            sequence_axis=_prefill_axis(self.sequence_axis, k_BSHD.shape[1]))
+            k_BSHD,
+            v_BSHM,
+            feature_map=self.feature_map,
+            key_lengths=key_lengths,
+            sequence_axis=_prefill_axis(self.sequence_axis, k_BSHD.shape[1]),
+        )
 
     def attend_memory(self, memory, q):
         """Read one query step q [B, H, D], or a block q [B, T, H, D], out of the (S, z)
         summary."""
         _memory_queries(q, "linear attend_memory")
-        return ops.linear_attention_from_state(memory, q, feature_map=self.feature_map,
-                                               eps=self.eps)
+        return ops.linear_attention_from_state(memory, q, feature_map=self.feature_map, eps=self.eps)
 
 
 @register_attention("causal-linear")
 class CausalLinearAttention(LinearAttention):
     """`"linear"` that insists on the causal form (the authors' name for it)."""
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
-                 feature_map="elu", num_features=None, impl="chunked", chunk_size=None,
-                 eps=1e-6):
+    def __init__(
+        self,
+        *,
+        causal,
+        num_heads,
+        head_dim,
+        value_dim,
+        rngs,
+        sequence_axis=None,
+        feature_map="elu",
+        num_features=None,
+        impl="chunked",
+        chunk_size=None,
+        eps=1e-6,
+    ):
         if not causal:
-            raise ValueError("attention kind 'causal-linear' is causal by definition but was "
-                             "built for non-causal attention (an encoder or cross-attention); "
-                             "use kind='linear' there.")
-        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis,
-                         feature_map=feature_map, num_features=num_features, impl=impl,
-                         chunk_size=chunk_size, eps=eps)
+            raise ValueError(
+                "attention kind 'causal-linear' is causal by definition but was "
+                "built for non-causal attention (an encoder or cross-attention); "
+                "use kind='linear' there."
+            )
+        super().__init__(
+            causal=causal,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            rngs=rngs,
+            sequence_axis=sequence_axis,
+            feature_map=feature_map,
+            num_features=num_features,
+            impl=impl,
+            chunk_size=chunk_size,
+            eps=eps,
+        )
 
 
 class HashRotations(nnx.Variable):
@@ -541,21 +678,39 @@ class ReformerAttention(AttentionCore):
     """
 
     shares_query_key = True
-    no_recurrent_form_reason = ("which keys share a chunk depends on the hash-sorted order of the "
-                                "whole sequence, so no per-token state reproduces the parallel form")
+    no_recurrent_form_reason = (
+        "which keys share a chunk depends on the hash-sorted order of the "
+        "whole sequence, so no per-token state reproduces the parallel form"
+    )
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
-                 num_buckets=8, num_rounds=4, chunk_size=32, softmax_temp=None):
+    def __init__(
+        self,
+        *,
+        causal,
+        num_heads,
+        head_dim,
+        value_dim,
+        rngs,
+        sequence_axis=None,
+        num_buckets=8,
+        num_rounds=4,
+        chunk_size=32,
+        softmax_temp=None,
+    ):
         # No sequence-parallel form (the hash-sorted chunks span the whole sequence): the base
         # class rejects a sequence_axis with the list of kinds that have one.
-        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis)
-        ops.check_lsh_options(num_rounds=num_rounds, num_buckets=num_buckets,
-                              chunk_size=chunk_size)
+        super().__init__(
+            causal=causal,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            rngs=rngs,
+            sequence_axis=sequence_axis,
+        )
+        ops.check_lsh_options(num_rounds=num_rounds, num_buckets=num_buckets, chunk_size=chunk_size)
         self.chunk_size = chunk_size
         self.softmax_temp = softmax_temp
-        self.rotations = HashRotations(ops.lsh_rotations(rngs.params(), num_rounds, head_dim,
-                                                         num_buckets))
+        self.rotations = HashRotations(ops.lsh_rotations(rngs.params(), num_rounds, head_dim, num_buckets))
 
     def redraw_hashes(self, key):
         """Draw new random rotations (same rounds and buckets)."""
@@ -564,15 +719,25 @@ class ReformerAttention(AttentionCore):
 
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
         if mask is not None:
-            raise ValueError(f"{self.kind!r} attention cannot honour an arbitrary [T, S] mask; use "
-                             "key_lengths for padding and causal=True for causality.")
+            raise ValueError(
+                f"{self.kind!r} attention cannot honour an arbitrary [T, S] mask; use "
+                "key_lengths for padding and causal=True for causality."
+            )
         if k_BSHD is not q_BTHD:
-            raise ValueError(f"{self.kind!r} attention shares queries and keys (its keys are the "
-                             "normalised queries), so it takes k=q: self-attention only. Use "
-                             "another kind for cross-attention.")
-        return ops.lsh_attention(q_BTHD, v_BSHM, self.rotations[...], chunk_size=self.chunk_size,
-                                 causal=self.causal, key_lengths=key_lengths,
-                                 scale=self.softmax_temp)
+            raise ValueError(
+                f"{self.kind!r} attention shares queries and keys (its keys are the "
+                "normalised queries), so it takes k=q: self-attention only. Use "
+                "another kind for cross-attention."
+            )
+        return ops.lsh_attention(
+            q_BTHD,
+            v_BSHM,
+            self.rotations[...],
+            chunk_size=self.chunk_size,
+            causal=self.causal,
+            key_lengths=key_lengths,
+            scale=self.softmax_temp,
+        )
 
 
 class LinformerMemory(NamedTuple):
@@ -597,28 +762,50 @@ class LinformerAttention(AttentionCore):
 
     no_recurrent_form_reason = "it is non-causal: every projected row mixes every position"
 
-    def __init__(self, *, causal, num_heads, head_dim, value_dim, rngs, sequence_axis=None,
-                 max_length=None, projected_length=64, share_kv=False, softmax_temp=None,
-                 param_dtype=jnp.float32):
+    def __init__(
+        self,
+        *,
+        causal,
+        num_heads,
+        head_dim,
+        value_dim,
+        rngs,
+        sequence_axis=None,
+        max_length=None,
+        projected_length=64,
+        share_kv=False,
+        softmax_temp=None,
+        param_dtype=jnp.float32,
+    ):
         # No sequence-parallel form (not implemented): the base class rejects a sequence_axis.
-        super().__init__(causal=causal, num_heads=num_heads, head_dim=head_dim,
-                         value_dim=value_dim, rngs=rngs, sequence_axis=sequence_axis)
+        super().__init__(
+            causal=causal,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            rngs=rngs,
+            sequence_axis=sequence_axis,
+        )
         if causal:
-            raise ValueError("attention kind 'linformer' has no causal form (each projected row "
-                             "mixes every position, future ones included); use it in an encoder "
-                             "or for cross-attention, and 'linear' or 'softmax' for causal "
-                             "self-attention.")
+            raise ValueError(
+                "attention kind 'linformer' has no causal form (each projected row "
+                "mixes every position, future ones included); use it in an encoder "
+                "or for cross-attention, and 'linear' or 'softmax' for causal "
+                "self-attention."
+            )
         for name, value in (("max_length", max_length), ("projected_length", projected_length)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"linformer attention: {name} must be an integer >= 1, got "
-                                 f"{value!r}" + (" (it is required: the most keys the layer "
-                                                 "accepts)" if name == "max_length" else "") + ".")
+                raise ValueError(
+                    f"linformer attention: {name} must be an integer >= 1, got "
+                    f"{value!r}"
+                    + (" (it is required: the most keys the layer accepts)" if name == "max_length" else "")
+                    + "."
+                )
         # fan-in L: a projected row keeps the scale of one key.
         init = nnx.initializers.lecun_normal()
         shape = (max_length, projected_length)
         self.key_projection = nnx.Param(init(rngs.params(), shape, param_dtype))
-        self.value_projection = (None if share_kv else
-                                 nnx.Param(init(rngs.params(), shape, param_dtype)))
+        self.value_projection = None if share_kv else nnx.Param(init(rngs.params(), shape, param_dtype))
         self.softmax_temp = softmax_temp
 
     def _projections(self):
@@ -628,19 +815,28 @@ class LinformerAttention(AttentionCore):
 
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
         if mask is not None:
-            raise ValueError(f"{self.kind!r} attention cannot honour an arbitrary [T, S] mask (its "
-                             "keys are mixtures of positions); use key_lengths for padding.")
-        return ops.linformer_attention(q_BTHD, k_BSHD, v_BSHM, *self._projections(),
-                                       key_lengths=key_lengths, scale=self.softmax_temp)
+            raise ValueError(
+                f"{self.kind!r} attention cannot honour an arbitrary [T, S] mask (its "
+                "keys are mixtures of positions); use key_lengths for padding."
+            )
+        return ops.linformer_attention(
+            q_BTHD, k_BSHD, v_BSHM, *self._projections(), key_lengths=key_lengths, scale=self.softmax_temp
+        )
 
     def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
         """The memory's K projected keys and values, computed once."""
-        return LinformerMemory(*ops.linformer_project(k_BSHD, v_BSHM, *self._projections(),
-                                                      key_lengths=key_lengths))
+        return LinformerMemory(
+            *ops.linformer_project(k_BSHD, v_BSHM, *self._projections(), key_lengths=key_lengths)
+        )
 
     def attend_memory(self, memory, q):
         """Softmax of one query step q [B, H, D], or a block q [B, T, H, D], over the K
         projected rows."""
-        out = _softmax_over_memory(q.astype(memory.k_BKHD.dtype), memory.k_BKHD, memory.v_BKHM,
-                                   scale=self.softmax_temp, name="linformer attend_memory")
+        out = _softmax_over_memory(
+            q.astype(memory.k_BKHD.dtype),
+            memory.k_BKHD,
+            memory.v_BKHM,
+            scale=self.softmax_temp,
+            name="linformer attend_memory",
+        )
         return out.astype(q.dtype)

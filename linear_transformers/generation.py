@@ -84,8 +84,9 @@ def generate(model: nnx.Module, prompt_BP, num_steps: int, *, key, temperature: 
     """
     prompt_BP = jnp.asarray(prompt_BP)
     if prompt_BP.ndim != 2 or prompt_BP.shape[1] < 1:
-        raise ValueError(f"generate: prompt must be [batch, length >= 1] tokens, got shape "
-                         f"{tuple(prompt_BP.shape)}.")
+        raise ValueError(
+            f"generate: prompt must be [batch, length >= 1] tokens, got shape {tuple(prompt_BP.shape)}."
+        )
     if num_steps < 0:
         raise ValueError(f"generate: num_steps must be >= 0, got {num_steps}.")
     if temperature < 0:

@@ -62,9 +62,17 @@ class ImageGenerator(nnx.Module):
     ...                          start_token=False, position_layout="interleaved", rngs=nnx.Rngs(0))
     """
 
-    def __init__(self, config: TransformerConfig, *, num_classes: int, num_mixtures: int,
-                 max_length: int, rngs: nnx.Rngs, position_layout: str = "concatenated",
-                 start_token: bool = True):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        num_classes: int,
+        num_mixtures: int,
+        max_length: int,
+        rngs: nnx.Rngs,
+        position_layout: str = "concatenated",
+        start_token: bool = True,
+    ):
         if num_classes < 2:
             raise ValueError(f"ImageGenerator: num_classes must be >= 2, got {num_classes}.")
         if num_mixtures < 1:
@@ -72,14 +80,16 @@ class ImageGenerator(nnx.Module):
         if max_length < 1:
             raise ValueError(f"ImageGenerator: max_length must be >= 1, got {max_length}.")
         if position_layout not in POSITION_LAYOUTS:
-            raise ValueError(f"ImageGenerator: position_layout must be one of {POSITION_LAYOUTS}, "
-                             f"got {position_layout!r}.")
+            raise ValueError(
+                f"ImageGenerator: position_layout must be one of {POSITION_LAYOUTS}, got {position_layout!r}."
+            )
         if not isinstance(start_token, bool):
-            raise ValueError(f"ImageGenerator: start_token must be True or False, got "
-                             f"{start_token!r}.")
+            raise ValueError(f"ImageGenerator: start_token must be True or False, got {start_token!r}.")
         if not start_token and max_length < 2:
-            raise ValueError(f"ImageGenerator: without a start token the first sub-pixel is only "
-                             f"read, so max_length must be >= 2, got {max_length}.")
+            raise ValueError(
+                f"ImageGenerator: without a start token the first sub-pixel is only "
+                f"read, so max_length must be >= 2, got {max_length}."
+            )
         embed_dim = config.model_dim // 2
         position_dim = config.model_dim - embed_dim
         if embed_dim < 1 or position_dim % 2:
@@ -87,7 +97,8 @@ class ImageGenerator(nnx.Module):
                 f"ImageGenerator: model_dim={config.model_dim} splits into a {embed_dim}-wide "
                 f"embedding and a {position_dim}-wide sinusoidal position encoding, which needs a "
                 f"positive even width; use a model_dim that is a multiple of 4 (e.g. "
-                f"{max(4, config.model_dim // 4 * 4)}).")
+                f"{max(4, config.model_dim // 4 * 4)})."
+            )
         self.num_classes = num_classes
         self.num_mixtures = num_mixtures
         self.max_length = max_length
@@ -101,35 +112,41 @@ class ImageGenerator(nnx.Module):
         self.embed = embedding(config, vocab, embed_dim, rngs)
         self.decoder = Encoder(config, causal=True, rngs=rngs)
         # float32 at least: mixture means a bin apart (2 / 255) would round together in bf16.
-        self.head = dense(config, config.model_dim, num_params(num_mixtures), rngs,
-                          dtype=config.output_dtype)
+        self.head = dense(config, config.model_dim, num_params(num_mixtures), rngs, dtype=config.output_dtype)
 
     def _inputs(self, tokens, positions):
         x = embed_tokens(self.embed, tokens)
-        encoding = sinusoidal_encoding(positions, self.position_dim, x.dtype,
-                                       layout=self.position_layout)
-        return jnp.concatenate([x, jnp.broadcast_to(encoding, x.shape[:-1] + encoding.shape[-1:])],
-                               axis=-1)
+        encoding = sinusoidal_encoding(positions, self.position_dim, x.dtype, layout=self.position_layout)
+        return jnp.concatenate([x, jnp.broadcast_to(encoding, x.shape[:-1] + encoding.shape[-1:])], axis=-1)
 
     def _check_images(self, x_BT, where: str):
         x_BT = jnp.asarray(x_BT)
         shortest = 1 + self.first_scored
         if x_BT.ndim != 2 or not shortest <= x_BT.shape[1] <= self.max_length:
-            why = (" (without a start token the first sub-pixel is only read, never scored)"
-                   if self.first_scored else "")
-            raise ValueError(f"ImageGenerator.{where}: expected [batch, length] sub-pixels with "
-                             f"{shortest} <= length <= max_length={self.max_length}, got shape "
-                             f"{tuple(x_BT.shape)}{why}.")
+            why = (
+                " (without a start token the first sub-pixel is only read, never scored)"
+                if self.first_scored
+                else ""
+            )
+            raise ValueError(
+                f"ImageGenerator.{where}: expected [batch, length] sub-pixels with "
+                f"{shortest} <= length <= max_length={self.max_length}, got shape "
+                f"{tuple(x_BT.shape)}{why}."
+            )
         if not jnp.issubdtype(x_BT.dtype, jnp.integer):
-            raise ValueError(f"ImageGenerator.{where}: sub-pixels must be integers in "
-                             f"[0, {self.num_classes}), got dtype {x_BT.dtype}.")
+            raise ValueError(
+                f"ImageGenerator.{where}: sub-pixels must be integers in "
+                f"[0, {self.num_classes}), got dtype {x_BT.dtype}."
+            )
         # Out-of-range values would give a NaN likelihood (or embed another value). Traced
         # values (under jit) cannot be read here: the trainer checks its data when it loads it.
         if not isinstance(x_BT, jax.core.Tracer) and x_BT.size:
             low, high = int(jnp.min(x_BT)), int(jnp.max(x_BT))
             if low < 0 or high >= self.num_classes:
-                raise ValueError(f"ImageGenerator.{where}: sub-pixels must be in "
-                                 f"[0, {self.num_classes}), got values in [{low}, {high}].")
+                raise ValueError(
+                    f"ImageGenerator.{where}: sub-pixels must be in "
+                    f"[0, {self.num_classes}), got values in [{low}, {high}]."
+                )
         return x_BT
 
     def shifted_inputs(self, x_BT):
@@ -153,20 +170,19 @@ class ImageGenerator(nnx.Module):
         """Total log-likelihood in nats of the scored sub-pixels x[:, first_scored:] of each
         sequence, [B] float32: log p(x) with a start token, log p(x_1, ... | x_0) without."""
         x_BT = self._check_images(x_BT, "log_prob")
-        scored_BT = x_BT[:, self.first_scored:]
+        scored_BT = x_BT[:, self.first_scored :]
         return jnp.sum(mol_log_prob(self(x_BT), scored_BT, self.num_classes), axis=1)
 
     def nll(self, x_BT):
         """Mean negative log-likelihood in nats per scored sub-pixel (x[:, first_scored:]), scalar
         float32: the training loss."""
         x_BT = self._check_images(x_BT, "nll")
-        scored_BT = x_BT[:, self.first_scored:]
+        scored_BT = x_BT[:, self.first_scored :]
         return -jnp.mean(mol_log_prob(self(x_BT), scored_BT, self.num_classes))
 
     def init_state(self, batch: int, dtype=None) -> LMState:
         """Empty recurrent state at position 0; softmax kinds allocate a max_length KV cache."""
-        return LMState(self.decoder.init_state(batch, self.max_length, dtype),
-                       jnp.zeros((), jnp.int32))
+        return LMState(self.decoder.init_state(batch, self.max_length, dtype), jnp.zeros((), jnp.int32))
 
     def step(self, state: LMState, token_B):
         """Read the input token of this position t (state.position); return its params_BP, the
@@ -204,25 +220,34 @@ def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
     # Before tracing, so the error names the fix rather than a dropout RNG.
     check_inference_mode(model)
     length = model.max_length
-    no_start = (f"{where}: the model has no start token (start_token=False), so it has no "
-                f"distribution for the first sub-pixel: pass a prefix of k >= 1 sub-pixels "
-                f"(the authors' demo forces the first one)")
+    no_start = (
+        f"{where}: the model has no start token (start_token=False), so it has no "
+        f"distribution for the first sub-pixel: pass a prefix of k >= 1 sub-pixels "
+        f"(the authors' demo forces the first one)"
+    )
     if prefix is None:
         if model.first_scored:
             raise ValueError(no_start + ".")
         return jnp.zeros((batch, 0), jnp.int32)
     prefix = jnp.asarray(prefix)
-    if (prefix.ndim != 2 or prefix.shape[0] != batch or prefix.shape[1] > length
-            or not jnp.issubdtype(prefix.dtype, jnp.integer)):
-        raise ValueError(f"{where}: prefix must be integer sub-pixels of shape [batch={batch}, k] "
-                         f"with k <= max_length={length}, got {prefix.dtype} {tuple(prefix.shape)}.")
+    if (
+        prefix.ndim != 2
+        or prefix.shape[0] != batch
+        or prefix.shape[1] > length
+        or not jnp.issubdtype(prefix.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"{where}: prefix must be integer sub-pixels of shape [batch={batch}, k] "
+            f"with k <= max_length={length}, got {prefix.dtype} {tuple(prefix.shape)}."
+        )
     if prefix.shape[1] < model.first_scored:
         raise ValueError(f"{no_start}, got k = {prefix.shape[1]}.")
     if not isinstance(prefix, jax.core.Tracer) and prefix.size:
         low, high = int(np.min(prefix)), int(np.max(prefix))
         if low < 0 or high >= model.num_classes:
-            raise ValueError(f"{where}: prefix values must be in [0, {model.num_classes}), got "
-                             f"values in [{low}, {high}].")
+            raise ValueError(
+                f"{where}: prefix values must be in [0, {model.num_classes}), got values in [{low}, {high}]."
+            )
     return prefix.astype(jnp.int32)
 
 
@@ -282,8 +307,9 @@ def _check_num_steps(model: ImageGenerator, num_steps, where: str) -> int:
     if num_steps is None:
         return model.max_length
     if not isinstance(num_steps, int) or not 1 <= num_steps <= model.max_length:
-        raise ValueError(f"{where}: num_steps must be an integer in [1, max_length="
-                         f"{model.max_length}], got {num_steps!r}.")
+        raise ValueError(
+            f"{where}: num_steps must be an integer in [1, max_length={model.max_length}], got {num_steps!r}."
+        )
     return num_steps
 
 
@@ -307,8 +333,7 @@ def _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_lengt
     return images_BT
 
 
-def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, prefix=None,
-                                 num_steps=None):
+def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, prefix=None, num_steps=None):
     """`sample_images` by the paper's slow baseline: the full parallel forward at every step.
 
     max_length parallel forwards per image (O(T^2) work with linear attention, O(T^3) with
@@ -324,5 +349,4 @@ def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, pref
     prefix_BT = jnp.pad(prefix_BK, ((0, 0), (0, model.max_length - k)))
     prefix_length = jnp.int32(k)
     graphdef, params = nnx.split(model)
-    return _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_length,
-                                  num_steps)
+    return _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_length, num_steps)

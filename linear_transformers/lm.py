@@ -47,8 +47,7 @@ def sinusoidal_encoding(positions, dim: int, dtype=jnp.float32, *, layout: str =
     pytorch-fast-transformers' colabs build it (pe[:, 0::2] = sin, pe[:, 1::2] = cos).
     """
     if layout not in POSITION_LAYOUTS:
-        raise ValueError(f"sinusoidal_encoding: layout must be one of {POSITION_LAYOUTS}, "
-                         f"got {layout!r}.")
+        raise ValueError(f"sinusoidal_encoding: layout must be one of {POSITION_LAYOUTS}, got {layout!r}.")
     if dim % 2:
         raise ValueError(f"sinusoidal_encoding needs an even dim, got {dim}.")
     inv_freq = jnp.exp(-jnp.log(10000.0) * jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
@@ -60,7 +59,7 @@ def sinusoidal_encoding(positions, dim: int, dtype=jnp.float32, *, layout: str =
 
 
 class LMState(NamedTuple):
-    layers: Any          # per-layer attention states (linear (S, z) or KV caches)
+    layers: Any  # per-layer attention states (linear (S, z) or KV caches)
     position: jax.Array  # int32 scalar: index of the next token
 
 
@@ -96,8 +95,7 @@ class CausalLM(nnx.Module):
 
     def init_state(self, batch: int, max_length: int | None = None, dtype=None) -> LMState:
         """Empty state; softmax kinds allocate a KV cache of `max_length` steps."""
-        return LMState(self.decoder.init_state(batch, max_length, dtype),
-                       jnp.zeros((), jnp.int32))
+        return LMState(self.decoder.init_state(batch, max_length, dtype), jnp.zeros((), jnp.int32))
 
     def step(self, state: LMState, token_B):
         """Consume one token per batch element; return the logits for the next one."""

@@ -29,8 +29,10 @@ def _check_num_classes(num_classes: int, where: str):
 
 def _check_params(params_P, where: str):
     if params_P.ndim < 1 or params_P.shape[-1] == 0 or params_P.shape[-1] % 3:
-        raise ValueError(f"{where}: mixture params need a last axis of 3 * num_mixtures (logits | "
-                         f"means | log_scales), got shape {tuple(params_P.shape)}.")
+        raise ValueError(
+            f"{where}: mixture params need a last axis of 3 * num_mixtures (logits | "
+            f"means | log_scales), got shape {tuple(params_P.shape)}."
+        )
 
 
 def num_params(num_mixtures: int) -> int:
@@ -78,10 +80,9 @@ def _log_prob(params_P, x, num_classes: int):
     # difference of two large numbers, so it stays accurate where PixelCNN++ needs a log-pdf fallback.
     # The floor only guards against log(0) once exp(-log_scale) underflows (log_scale > ~87).
     width_K = jnp.maximum(2.0 * half_width * inv_scale_K, jnp.finfo(jnp.float32).tiny)
-    middle_K = (jax.nn.log_sigmoid(upper_K) + jax.nn.log_sigmoid(-lower_K)
-                + jnp.log(-jnp.expm1(-width_K)))
-    first_K = jax.nn.log_sigmoid(upper_K)   # bin (-inf, upper]
-    last_K = jax.nn.log_sigmoid(-lower_K)   # bin [lower, +inf)
+    middle_K = jax.nn.log_sigmoid(upper_K) + jax.nn.log_sigmoid(-lower_K) + jnp.log(-jnp.expm1(-width_K))
+    first_K = jax.nn.log_sigmoid(upper_K)  # bin (-inf, upper]
+    last_K = jax.nn.log_sigmoid(-lower_K)  # bin [lower, +inf)
     x_K = x[..., None]
     # All three branches are finite everywhere, so jnp.where passes finite gradients.
     component_K = jnp.where(x_K == 0, first_K, jnp.where(x_K == num_classes - 1, last_K, middle_K))
@@ -101,8 +102,10 @@ def mol_log_prob(params_P, x, num_classes: int):
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(f"mol_log_prob: x must hold integer classes, got dtype {x.dtype}.")
     if tuple(x.shape) != tuple(params_P.shape[:-1]):
-        raise ValueError(f"mol_log_prob: x shape {tuple(x.shape)} must equal the params' leading "
-                         f"shape {tuple(params_P.shape[:-1])} (params shape {tuple(params_P.shape)}).")
+        raise ValueError(
+            f"mol_log_prob: x shape {tuple(x.shape)} must equal the params' leading "
+            f"shape {tuple(params_P.shape[:-1])} (params shape {tuple(params_P.shape)})."
+        )
     return _log_prob(params_P, x, num_classes)
 
 

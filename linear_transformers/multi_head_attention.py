@@ -48,20 +48,34 @@ class MultiHeadAttention(nnx.Module):
       param_dtype: storage dtype of the projections and of the core's own parameters.
     """
 
-    def __init__(self, in_features: int, num_heads: int, *, query_dim: int | None = None,
-                 value_dim: int | None = None, kind: str = "softmax", causal: bool = False,
-                 kv_features: int | None = None, out_features: int | None = None,
-                 attention_dropout: float = 0.0, softmax_temp: float | None = None,
-                 attention_options: Mapping[str, Any] | None = None, use_bias: bool = True,
-                 dtype=None, param_dtype=jnp.float32, sequence_axis: str | None = None,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        in_features: int,
+        num_heads: int,
+        *,
+        query_dim: int | None = None,
+        value_dim: int | None = None,
+        kind: str = "softmax",
+        causal: bool = False,
+        kv_features: int | None = None,
+        out_features: int | None = None,
+        attention_dropout: float = 0.0,
+        softmax_temp: float | None = None,
+        attention_options: Mapping[str, Any] | None = None,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        sequence_axis: str | None = None,
+        rngs: nnx.Rngs,
+    ):
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}.")
         if query_dim is None:
             if in_features % num_heads:
                 raise ValueError(
                     f"in_features={in_features} is not divisible by num_heads={num_heads}; "
-                    "choose a width that divides or give query_dim (per head) explicitly.")
+                    "choose a width that divides or give query_dim (per head) explicitly."
+                )
             query_dim = in_features // num_heads
         value_dim = query_dim if value_dim is None else value_dim
         kv_features = in_features if kv_features is None else kv_features
@@ -75,14 +89,20 @@ class MultiHeadAttention(nnx.Module):
             options["attention_dropout"] = attention_dropout
         if softmax_temp is not None:
             options["softmax_temp"] = softmax_temp
-        self.core = make_attention_core(kind, causal=causal, num_heads=num_heads,
-                                        head_dim=query_dim, value_dim=value_dim, rngs=rngs,
-                                        sequence_axis=sequence_axis, param_dtype=param_dtype,
-                                        **options)
+        self.core = make_attention_core(
+            kind,
+            causal=causal,
+            num_heads=num_heads,
+            head_dim=query_dim,
+            value_dim=value_dim,
+            rngs=rngs,
+            sequence_axis=sequence_axis,
+            param_dtype=param_dtype,
+            **options,
+        )
 
         def linear(i, o):
-            return nnx.Linear(i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                              rngs=rngs)
+            return nnx.Linear(i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
         self.query = linear(in_features, num_heads * query_dim)
         # Shared-QK kinds (reformer) derive keys from the queries: a key projection would be
@@ -105,16 +125,19 @@ class MultiHeadAttention(nnx.Module):
           kinds that form the T x S matrix (softmax) accept it.
         """
         if self.causal and context_BSE is not None:
-            raise ValueError("causal attention is self-attention; got a context. Build the "
-                             "cross-attention layer with causal=False.")
+            raise ValueError(
+                "causal attention is self-attention; got a context. Build the "
+                "cross-attention layer with causal=False."
+            )
         if self.key is None and context_BSE is not None:
-            raise ValueError(f"attention kind {self.core.kind!r} shares queries and keys, so it is "
-                             "self-attention only; got a context. Use another kind for "
-                             "cross-attention.")
+            raise ValueError(
+                f"attention kind {self.core.kind!r} shares queries and keys, so it is "
+                "self-attention only; got a context. Use another kind for "
+                "cross-attention."
+            )
         context_BSE = x_BTE if context_BSE is None else context_BSE
         q_BTHD = self._heads(self.query, x_BTE, self.query_dim)
-        k_BSHD = (q_BTHD if self.key is None else
-                  self._heads(self.key, context_BSE, self.query_dim))
+        k_BSHD = q_BTHD if self.key is None else self._heads(self.key, context_BSE, self.query_dim)
         v_BSHM = self._heads(self.value, context_BSE, self.value_dim)
         return self._merge(self.core(q_BTHD, k_BSHD, v_BSHM, key_lengths=key_lengths, mask=mask))
 
@@ -159,7 +182,8 @@ class MultiHeadAttention(nnx.Module):
         """Cross-attention over a memory from `init_memory` of one query per batch element,
         x [B, E] -> [B, E_out], or of a block of queries, x [B, T, E] -> [B, T, E_out]."""
         if x.ndim not in (2, 3):
-            raise ValueError(f"attend_memory: x must be [batch, features] (one step) or "
-                             f"[batch, time, features] (a block), got shape {tuple(x.shape)}.")
-        return self._merge(self.core.attend_memory(
-            memory, self._heads(self.query, x, self.query_dim)))
+            raise ValueError(
+                f"attend_memory: x must be [batch, features] (one step) or "
+                f"[batch, time, features] (a block), got shape {tuple(x.shape)}."
+            )
+        return self._merge(self.core.attend_memory(memory, self._heads(self.query, x, self.query_dim)))

@@ -30,7 +30,7 @@ from linear_transformers.transformer import Decoder, Encoder, TransformerConfig,
 
 
 class Seq2SeqState(NamedTuple):
-    layers: Any          # per-decoder-layer (self-attention state, cross-attention memory)
+    layers: Any  # per-decoder-layer (self-attention state, cross-attention memory)
     position: jax.Array  # int32 scalar: index of the next target token
 
 
@@ -41,19 +41,26 @@ class EncoderDecoder(nnx.Module):
     and a linear decoder) but must share `model_dim`.
     """
 
-    def __init__(self, encoder_config: TransformerConfig, decoder_config: TransformerConfig,
-                 vocab_size: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        encoder_config: TransformerConfig,
+        decoder_config: TransformerConfig,
+        vocab_size: int,
+        *,
+        rngs: nnx.Rngs,
+    ):
         if encoder_config.model_dim != decoder_config.model_dim:
-            raise ValueError(f"EncoderDecoder: encoder model_dim {encoder_config.model_dim} and "
-                             f"decoder model_dim {decoder_config.model_dim} must be equal.")
+            raise ValueError(
+                f"EncoderDecoder: encoder model_dim {encoder_config.model_dim} and "
+                f"decoder model_dim {decoder_config.model_dim} must be equal."
+            )
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}.")
         self.model_dim = encoder_config.model_dim
         self.embed = embedding(encoder_config, vocab_size, self.model_dim, rngs)
         self.encoder = Encoder(encoder_config, causal=False, rngs=rngs)
         self.decoder = Decoder(decoder_config, rngs=rngs)
-        self.head = dense(decoder_config, self.model_dim, vocab_size, rngs,
-                          dtype=decoder_config.output_dtype)
+        self.head = dense(decoder_config, self.model_dim, vocab_size, rngs, dtype=decoder_config.output_dtype)
 
     def encode(self, source_BS, *, source_lengths=None):
         """The memory [B, S, E]; source tokens at index >= source_lengths are padding."""
@@ -64,19 +71,23 @@ class EncoderDecoder(nnx.Module):
         """Teacher-forced decoder: logits [B, T, V] for the token after each input token;
         target tokens at index >= target_lengths are padding."""
         y_BTE = token_inputs(self.embed, target_in_BT, jnp.arange(target_in_BT.shape[1]))
-        return self.head(self.decoder(y_BTE, memory_BSE, memory_lengths=source_lengths,
-                                      target_lengths=target_lengths))
+        return self.head(
+            self.decoder(y_BTE, memory_BSE, memory_lengths=source_lengths, target_lengths=target_lengths)
+        )
 
     def __call__(self, source_BS, target_in_BT, *, source_lengths=None, target_lengths=None):
         memory_BSE = self.encode(source_BS, source_lengths=source_lengths)
-        return self.decode(target_in_BT, memory_BSE, source_lengths=source_lengths,
-                           target_lengths=target_lengths)
+        return self.decode(
+            target_in_BT, memory_BSE, source_lengths=source_lengths, target_lengths=target_lengths
+        )
 
-    def init_state(self, memory_BSE, max_length: int | None = None, *, source_lengths=None,
-                   dtype=None) -> Seq2SeqState:
+    def init_state(
+        self, memory_BSE, max_length: int | None = None, *, source_lengths=None, dtype=None
+    ) -> Seq2SeqState:
         """Decoder state over an encoded memory (call `model.eval()` first)."""
-        layers = self.decoder.init_state(memory_BSE.shape[0], max_length, memory_BSE,
-                                         memory_lengths=source_lengths, dtype=dtype)
+        layers = self.decoder.init_state(
+            memory_BSE.shape[0], max_length, memory_BSE, memory_lengths=source_lengths, dtype=dtype
+        )
         return Seq2SeqState(layers, jnp.zeros((), jnp.int32))
 
     def step(self, state: Seq2SeqState, token_B):
@@ -96,8 +107,7 @@ class EncoderDecoder(nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_lengths,
-                   prefix_BK):
+def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_lengths, prefix_BK):
     model = nnx.merge(graphdef, params)
     memory_BSE = model.encode(source_BS, source_lengths=source_lengths)
     K = prefix_BK.shape[1]
@@ -119,8 +129,9 @@ def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_l
     return tokens_TB.T
 
 
-def greedy_decode(model: EncoderDecoder, source_BS, num_steps: int, *, start_token: int,
-                  source_lengths=None, prefix=None):
+def greedy_decode(
+    model: EncoderDecoder, source_BS, num_steps: int, *, start_token: int, source_lengths=None, prefix=None
+):
     """Decode `num_steps` tokens greedily after `start_token`: [B, num_steps] tokens.
 
     `prefix` [B, K] forces the first K target tokens after `start_token` (e.g. a known start of
@@ -133,8 +144,9 @@ def greedy_decode(model: EncoderDecoder, source_BS, num_steps: int, *, start_tok
     """
     source_BS = jnp.asarray(source_BS)
     if source_BS.ndim != 2:
-        raise ValueError(f"greedy_decode: source must be [batch, length] tokens, got shape "
-                         f"{tuple(source_BS.shape)}.")
+        raise ValueError(
+            f"greedy_decode: source must be [batch, length] tokens, got shape {tuple(source_BS.shape)}."
+        )
     if num_steps < 1:
         raise ValueError(f"greedy_decode: num_steps must be >= 1, got {num_steps}.")
     batch = source_BS.shape[0]
@@ -142,13 +154,24 @@ def greedy_decode(model: EncoderDecoder, source_BS, num_steps: int, *, start_tok
         prefix_BK = jnp.zeros((batch, 0), source_BS.dtype)
     else:
         prefix_BK = jnp.asarray(prefix)
-        if (prefix_BK.ndim != 2 or prefix_BK.shape[0] != batch
-                or not jnp.issubdtype(prefix_BK.dtype, jnp.integer)):
-            raise ValueError(f"greedy_decode: prefix must be integer tokens of shape "
-                             f"[batch={batch}, K], got {prefix_BK.dtype} "
-                             f"{tuple(prefix_BK.shape)}.")
+        if (
+            prefix_BK.ndim != 2
+            or prefix_BK.shape[0] != batch
+            or not jnp.issubdtype(prefix_BK.dtype, jnp.integer)
+        ):
+            raise ValueError(
+                f"greedy_decode: prefix must be integer tokens of shape "
+                f"[batch={batch}, K], got {prefix_BK.dtype} "
+                f"{tuple(prefix_BK.shape)}."
+            )
         prefix_BK = prefix_BK.astype(source_BS.dtype)
     graphdef, params = nnx.split(model)
-    return _greedy_decode(graphdef, params, source_BS, num_steps, int(start_token),
-                          None if source_lengths is None else jnp.asarray(source_lengths),
-                          prefix_BK)
+    return _greedy_decode(
+        graphdef,
+        params,
+        source_BS,
+        num_steps,
+        int(start_token),
+        None if source_lengths is None else jnp.asarray(source_lengths),
+        prefix_BK,
+    )

@@ -37,8 +37,11 @@ from linear_transformers.multi_head_attention import MultiHeadAttention
 
 # "gelu" is the exact erf form, as torch.nn.functional.gelu and the authors' layers compute it;
 # "gelu_tanh" is the tanh approximation (jax.nn.gelu's default).
-ACTIVATIONS = {"relu": jax.nn.relu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-               "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
@@ -56,6 +59,7 @@ def float_dtype(value, name: str, *, allow_none: bool = False):
         allowed = ", ".join(FLOAT_DTYPES) + (" or None" if allow_none else "")
         raise ValueError(f"{name} must be one of {allowed}; got {value!r}.")
     return dtype
+
 
 # Cross-attention when only the self-attention kind is given, as (kind, whether it inherits the
 # self-attention options): the non-causal relative of a causal-only kind, and full softmax for
@@ -129,35 +133,43 @@ class TransformerConfig:
     param_dtype: Any = jnp.float32
 
     def __post_init__(self):
-        object.__setattr__(self, "dtype", float_dtype(self.dtype, "TransformerConfig.dtype",
-                                                      allow_none=True))
-        object.__setattr__(self, "param_dtype",
-                           float_dtype(self.param_dtype, "TransformerConfig.param_dtype"))
+        object.__setattr__(self, "dtype", float_dtype(self.dtype, "TransformerConfig.dtype", allow_none=True))
+        object.__setattr__(
+            self, "param_dtype", float_dtype(self.param_dtype, "TransformerConfig.param_dtype")
+        )
         for name in ("num_layers", "num_heads", "model_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
         if self.query_dim is None and self.model_dim % self.num_heads:
             raise ValueError(
                 f"TransformerConfig: model_dim={self.model_dim} is not divisible by "
-                f"num_heads={self.num_heads}; choose a width that divides or set query_dim.")
+                f"num_heads={self.num_heads}; choose a width that divides or set query_dim."
+            )
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"TransformerConfig.activation {self.activation!r} is unknown; "
-                             f"expected one of {sorted(ACTIVATIONS)}.")
+            raise ValueError(
+                f"TransformerConfig.activation {self.activation!r} is unknown; "
+                f"expected one of {sorted(ACTIVATIONS)}."
+            )
         if not self.layer_norm_epsilon > 0:
-            raise ValueError(f"TransformerConfig.layer_norm_epsilon must be > 0, got "
-                             f"{self.layer_norm_epsilon}.")
+            raise ValueError(
+                f"TransformerConfig.layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon}."
+            )
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got "
-                                 f"{getattr(self, name)}.")
+                raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {getattr(self, name)}.")
         if attention_class(self.cross_kind).shares_query_key:
-            raise ValueError(f"TransformerConfig.cross_attention {self.cross_kind!r} shares queries "
-                             "and keys, so it cannot attend to a memory; choose another kind.")
-        for kind, options in ((self.attention, self.attention_options),
-                              (self.cross_kind, self.cross_options)):
+            raise ValueError(
+                f"TransformerConfig.cross_attention {self.cross_kind!r} shares queries "
+                "and keys, so it cannot attend to a memory; choose another kind."
+            )
+        for kind, options in (
+            (self.attention, self.attention_options),
+            (self.cross_kind, self.cross_options),
+        ):
             attention_class(kind)
             check_attention_options(
-                kind, _core_options(kind, options, self.attention_dropout, self.softmax_temp))
+                kind, _core_options(kind, options, self.attention_dropout, self.softmax_temp)
+            )
         try:
             for kind in dict.fromkeys((self.attention, self.cross_kind)):
                 check_sequence_axis(kind, self.sequence_axis)
@@ -196,7 +208,6 @@ class TransformerConfig:
             return self.attention_options
         return {}
 
-
     @classmethod
     def from_kwargs(cls, **kwargs) -> "TransformerConfig":
         """The config of the model the authors' builders (`TransformerEncoderBuilder`,
@@ -208,38 +219,55 @@ class TransformerConfig:
         ...                               value_dimensions=32, attention_type="causal-linear")
         """
         from linear_transformers.interop.builder_kwargs import config_from_builder_kwargs
+
         return config_from_builder_kwargs(**kwargs)
 
 
 def _attention(config: TransformerConfig, *, cross: bool, causal: bool, rngs) -> MultiHeadAttention:
     kind = config.cross_kind if cross else config.attention
     return MultiHeadAttention(
-        config.model_dim, config.num_heads, query_dim=config.head_query_dim,
-        value_dim=config.head_value_dim, kind=kind, causal=causal,
-        attention_dropout=config.attention_dropout, softmax_temp=config.softmax_temp,
+        config.model_dim,
+        config.num_heads,
+        query_dim=config.head_query_dim,
+        value_dim=config.head_value_dim,
+        kind=kind,
+        causal=causal,
+        attention_dropout=config.attention_dropout,
+        softmax_temp=config.softmax_temp,
         attention_options=config.cross_options if cross else config.attention_options,
-        sequence_axis=config.sequence_axis, dtype=config.dtype, param_dtype=config.param_dtype,
-        rngs=rngs)
+        sequence_axis=config.sequence_axis,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        rngs=rngs,
+    )
 
 
 def layer_norm(config: TransformerConfig, rngs) -> nnx.LayerNorm:
     """LayerNorm in the config's dtypes; its statistics are float32 whatever the dtype."""
-    return nnx.LayerNorm(config.model_dim, epsilon=config.layer_norm_epsilon, dtype=config.dtype,
-                         param_dtype=config.param_dtype, rngs=rngs)
+    return nnx.LayerNorm(
+        config.model_dim,
+        epsilon=config.layer_norm_epsilon,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        rngs=rngs,
+    )
 
 
-def dense(config: TransformerConfig, in_features: int, out_features: int, rngs, *,
-          dtype=None) -> nnx.Linear:
+def dense(config: TransformerConfig, in_features: int, out_features: int, rngs, *, dtype=None) -> nnx.Linear:
     """nnx.Linear storing its parameters in config.param_dtype and computing in `dtype`
     (default config.dtype)."""
-    return nnx.Linear(in_features, out_features, dtype=config.dtype if dtype is None else dtype,
-                      param_dtype=config.param_dtype, rngs=rngs)
+    return nnx.Linear(
+        in_features,
+        out_features,
+        dtype=config.dtype if dtype is None else dtype,
+        param_dtype=config.param_dtype,
+        rngs=rngs,
+    )
 
 
 def embedding(config: TransformerConfig, num_embeddings: int, features: int, rngs) -> nnx.Embed:
     """nnx.Embed in the config's dtypes."""
-    return nnx.Embed(num_embeddings, features, dtype=config.dtype,
-                     param_dtype=config.param_dtype, rngs=rngs)
+    return nnx.Embed(num_embeddings, features, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
 
 
 class _Residual(nnx.Module):
@@ -276,8 +304,7 @@ class EncoderLayer(nnx.Module):
         self.feed_forward_residual = _Residual(config, rngs)
 
     def __call__(self, x_BTE, *, key_lengths=None, mask=None):
-        x_BTE = self.attention_residual(x_BTE, self.attention(x_BTE, key_lengths=key_lengths,
-                                                              mask=mask))
+        x_BTE = self.attention_residual(x_BTE, self.attention(x_BTE, key_lengths=key_lengths, mask=mask))
         return self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
 
     def init_state(self, batch: int, max_length: int | None = None, dtype=None):
@@ -314,24 +341,26 @@ class DecoderLayer(nnx.Module):
         self.feed_forward_residual = _Residual(config, rngs)
 
     def __call__(self, x_BTE, memory_BSE, *, memory_lengths=None, target_lengths=None):
-        x_BTE = self.self_attention_residual(
-            x_BTE, self.self_attention(x_BTE, key_lengths=target_lengths))
+        x_BTE = self.self_attention_residual(x_BTE, self.self_attention(x_BTE, key_lengths=target_lengths))
         x_BTE = self.cross_attention_residual(
-            x_BTE, self.cross_attention(x_BTE, memory_BSE, key_lengths=memory_lengths))
+            x_BTE, self.cross_attention(x_BTE, memory_BSE, key_lengths=memory_lengths)
+        )
         return self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
 
-    def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None,
-                   dtype=None) -> DecoderLayerState:
+    def init_state(
+        self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None, dtype=None
+    ) -> DecoderLayerState:
         """Self-attention state plus the memory's keys/values (or their linear summary)."""
-        return DecoderLayerState(self.self_attention.init_state(batch, max_length, dtype),
-                                 self.cross_attention.init_memory(memory_BSE, memory_lengths))
+        return DecoderLayerState(
+            self.self_attention.init_state(batch, max_length, dtype),
+            self.cross_attention.init_memory(memory_BSE, memory_lengths),
+        )
 
     def step(self, state: DecoderLayerState, x_BE):
         """One token: causal self-attention step, cross-attention over the memory, feed-forward."""
         self_state, y_BE = self.self_attention.step(state.self_attention, x_BE)
         x_BE = self.self_attention_residual(x_BE, y_BE)
-        x_BE = self.cross_attention_residual(
-            x_BE, self.cross_attention.attend_memory(state.memory, x_BE))
+        x_BE = self.cross_attention_residual(x_BE, self.cross_attention.attend_memory(state.memory, x_BE))
         x_BE = self.feed_forward_residual(x_BE, self.feed_forward(x_BE))
         return DecoderLayerState(self_state, state.memory), x_BE
 
@@ -340,8 +369,7 @@ class DecoderLayer(nnx.Module):
         kept in the state, feed-forward -> (state, y [B, T, E]); equals T `step`s."""
         self_state, y_BTE = self.self_attention.prefill(state.self_attention, x_BTE)
         x_BTE = self.self_attention_residual(x_BTE, y_BTE)
-        x_BTE = self.cross_attention_residual(
-            x_BTE, self.cross_attention.attend_memory(state.memory, x_BTE))
+        x_BTE = self.cross_attention_residual(x_BTE, self.cross_attention.attend_memory(state.memory, x_BTE))
         x_BTE = self.feed_forward_residual(x_BTE, self.feed_forward(x_BTE))
         return DecoderLayerState(self_state, state.memory), x_BTE
 
@@ -378,8 +406,9 @@ class Encoder(_Stack):
 
     def __init__(self, config: TransformerConfig, *, causal: bool = False, rngs: nnx.Rngs):
         self.causal = causal
-        self.layers = nnx.List([EncoderLayer(config, causal=causal, rngs=rngs)
-                                for _ in range(config.num_layers)])
+        self.layers = nnx.List(
+            [EncoderLayer(config, causal=causal, rngs=rngs) for _ in range(config.num_layers)]
+        )
         self.final_norm = layer_norm(config, rngs) if config.final_normalization else None
 
     def __call__(self, x_BTE, *, key_lengths=None, mask=None):
@@ -421,17 +450,16 @@ class Decoder(_Stack):
         no valid position attends to (what matters where a kind's causal outputs depend on
         later positions, as LSH's buckets do)."""
         for layer in self.layers:
-            x_BTE = layer(x_BTE, memory_BSE, memory_lengths=memory_lengths,
-                          target_lengths=target_lengths)
+            x_BTE = layer(x_BTE, memory_BSE, memory_lengths=memory_lengths, target_lengths=target_lengths)
         return self._final(x_BTE)
 
-    def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None,
-                   dtype=None):
+    def init_state(self, batch: int, max_length: int | None, memory_BSE, *, memory_lengths=None, dtype=None):
         """Per-layer states; each layer projects the memory's keys/values here, once."""
         check_inference_mode(self)
-        return tuple(layer.init_state(batch, max_length, memory_BSE,
-                                      memory_lengths=memory_lengths, dtype=dtype)
-                     for layer in self.layers)
+        return tuple(
+            layer.init_state(batch, max_length, memory_BSE, memory_lengths=memory_lengths, dtype=dtype)
+            for layer in self.layers
+        )
 
     def step(self, state, x_BE):
         """One decoder token through every layer -> (state, y_t [B, E])."""

@@ -15,8 +15,10 @@ def enable_x64():
         return jax.enable_x64(True)
     try:
         from jax.experimental import enable_x64  # older jax
+
         return enable_x64()
     except ImportError:
+
         @contextlib.contextmanager
         def _update():
             old = jax.config.jax_enable_x64
@@ -25,6 +27,7 @@ def enable_x64():
                 yield
             finally:
                 jax.config.update("jax_enable_x64", old)
+
         return _update()
 
 
@@ -52,5 +55,7 @@ def _multidevice_tests_need_eight_devices(request):
     if MULTIDEVICE_DIR not in pathlib.Path(str(request.node.path)).parents:
         return
     if jax.device_count() < MULTIDEVICE_COUNT:
-        pytest.skip(f"needs {MULTIDEVICE_COUNT} devices, found {jax.device_count()}: "
-                    "tests/test_multidevice.py runs this folder on 8 host CPU devices")
+        pytest.skip(
+            f"needs {MULTIDEVICE_COUNT} devices, found {jax.device_count()}: "
+            "tests/test_multidevice.py runs this folder on 8 host CPU devices"
+        )

@@ -29,6 +29,7 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "fast_transformers"
 
 def _torch():
     import torch
+
     return torch
 
 
@@ -64,11 +65,18 @@ def encoder_case(builder_kwargs: dict, *, causal: bool, batch=3, length=7, seed=
     lengths = torch.randint(1, length + 1, (batch,), generator=g)
     lengths[0] = length
     with torch.no_grad():
-        out = model(x, attn_mask=TriangularCausalMask(length) if causal else None,
-                    length_mask=LengthMask(lengths, max_len=length))
-    case = {**_meta(model="encoder", causal=causal, builder_kwargs=builder_kwargs), **_state(model),
-            "input/x": x.numpy(), "input/lengths": lengths.numpy(),
-            "output/parallel": out.numpy()}
+        out = model(
+            x,
+            attn_mask=TriangularCausalMask(length) if causal else None,
+            length_mask=LengthMask(lengths, max_len=length),
+        )
+    case = {
+        **_meta(model="encoder", causal=causal, builder_kwargs=builder_kwargs),
+        **_state(model),
+        "input/x": x.numpy(),
+        "input/lengths": lengths.numpy(),
+        "output/parallel": out.numpy(),
+    }
     if causal:
         recurrent_kwargs = dict(builder_kwargs)
         recurrent = RecurrentEncoderBuilder.from_kwargs(**recurrent_kwargs).get().eval()
@@ -101,9 +109,13 @@ def decoder_case(builder_kwargs: dict, *, batch=3, length=6, memory_length=5, se
     lengths[0], memory_lengths[0] = length, memory_length
     memory_mask = LengthMask(memory_lengths, max_len=memory_length)
     with torch.no_grad():
-        out = model(x, memory, x_mask=TriangularCausalMask(length),
-                    x_length_mask=LengthMask(lengths, max_len=length),
-                    memory_length_mask=memory_mask)
+        out = model(
+            x,
+            memory,
+            x_mask=TriangularCausalMask(length),
+            x_length_mask=LengthMask(lengths, max_len=length),
+            memory_length_mask=memory_mask,
+        )
     recurrent_kwargs = dict(builder_kwargs)
     for role in ("self_attention_type", "cross_attention_type"):
         # Their recurrent registry names causal linear self-attention "causal-linear" or
@@ -117,10 +129,16 @@ def decoder_case(builder_kwargs: dict, *, batch=3, length=6, memory_length=5, se
         for t in range(length):
             y, state = recurrent(x[:, t], memory, memory_length_mask=memory_mask, state=state)
             steps.append(y)
-    return {**_meta(model="decoder", causal=True, builder_kwargs=builder_kwargs), **_state(model),
-            "input/x": x.numpy(), "input/lengths": lengths.numpy(), "input/memory": memory.numpy(),
-            "input/memory_lengths": memory_lengths.numpy(), "output/parallel": out.numpy(),
-            "output/recurrent": torch.stack(steps, 1).numpy()}
+    return {
+        **_meta(model="decoder", causal=True, builder_kwargs=builder_kwargs),
+        **_state(model),
+        "input/x": x.numpy(),
+        "input/lengths": lengths.numpy(),
+        "input/memory": memory.numpy(),
+        "input/memory_lengths": memory_lengths.numpy(),
+        "output/parallel": out.numpy(),
+        "output/recurrent": torch.stack(steps, 1).numpy(),
+    }
 
 
 def _positional_table(d_model: int, max_len: int):
@@ -134,8 +152,9 @@ def _positional_table(d_model: int, max_len: int):
     return pe.unsqueeze(0)
 
 
-def _generator_modules(recurrent: bool, d_model, sequence_length, mixtures, attention_type,
-                       n_layers, n_heads, d_query):
+def _generator_modules(
+    recurrent: bool, d_model, sequence_length, mixtures, attention_type, n_layers, n_heads, d_query
+):
     """The colab's Generator (recurrent=False) or RecurrentGenerator: the same submodule names
     (pos_embedding with its `pe` buffer, value_embedding, transformer, predictor)."""
     torch = _torch()
@@ -153,23 +172,29 @@ def _generator_modules(recurrent: bool, d_model, sequence_length, mixtures, atte
             self.value_embedding = torch.nn.Embedding(256, d_model // 2)
             builder = RecurrentEncoderBuilder if recurrent else TransformerEncoderBuilder
             self.transformer = builder.from_kwargs(
-                attention_type=attention_type, n_layers=n_layers, n_heads=n_heads,
-                feed_forward_dimensions=n_heads * d_query * 4, query_dimensions=d_query,
-                value_dimensions=d_query, dropout=0.1, softmax_temp=None,
-                attention_dropout=0.1).get()
+                attention_type=attention_type,
+                n_layers=n_layers,
+                n_heads=n_heads,
+                feed_forward_dimensions=n_heads * d_query * 4,
+                query_dimensions=d_query,
+                value_dimensions=d_query,
+                dropout=0.1,
+                softmax_temp=None,
+                attention_dropout=0.1,
+            ).get()
             self.predictor = torch.nn.Linear(n_heads * d_query, mixtures * 3)
 
         def forward(self, x):  # Generator.forward
             from fast_transformers.masking import TriangularCausalMask
+
             x = self.value_embedding(x.view(x.shape[0], -1))
-            pe = self.pos_embedding.pe[:, :x.size(1), :].expand(x.shape[0], -1, -1)
+            pe = self.pos_embedding.pe[:, : x.size(1), :].expand(x.shape[0], -1, -1)
             x = torch.cat([x, pe], dim=2)
-            return self.predictor(self.transformer(
-                x, attn_mask=TriangularCausalMask(x.shape[1])))
+            return self.predictor(self.transformer(x, attn_mask=TriangularCausalMask(x.shape[1])))
 
         def step(self, x, i, memory):  # RecurrentGenerator.forward
             x = self.value_embedding(x.view(x.shape[0]))
-            x = torch.cat([x, self.pos_embedding.pe[0, i:i + 1].expand_as(x)], dim=1)
+            x = torch.cat([x, self.pos_embedding.pe[0, i : i + 1].expand_as(x)], dim=1)
             y, memory = self.transformer(x, memory)
             return self.predictor(y), memory
 
@@ -182,7 +207,7 @@ def pixelcnn_log_prob(y_hat, x, num_classes=256):
     torch = _torch()
     F = torch.nn.functional
     K = y_hat.shape[-1] // 3
-    logits, means, log_scales = y_hat[..., :K], y_hat[..., K:2 * K], y_hat[..., 2 * K:]
+    logits, means, log_scales = y_hat[..., :K], y_hat[..., K : 2 * K], y_hat[..., 2 * K :]
     log_scales = torch.clamp(log_scales, min=-7.0)
     x = (x.float() / (num_classes - 1) * 2 - 1).unsqueeze(-1)
     centered = x - means
@@ -190,19 +215,22 @@ def pixelcnn_log_prob(y_hat, x, num_classes=256):
     plus_in = inv_scale * (centered + 1.0 / (num_classes - 1))
     min_in = inv_scale * (centered - 1.0 / (num_classes - 1))
     cdf_delta = torch.sigmoid(plus_in) - torch.sigmoid(min_in)
-    log_cdf_plus = plus_in - F.softplus(plus_in)          # first bin, (-inf, upper]
-    log_one_minus_cdf_min = -F.softplus(min_in)           # last bin, [lower, inf)
+    log_cdf_plus = plus_in - F.softplus(plus_in)  # first bin, (-inf, upper]
+    log_one_minus_cdf_min = -F.softplus(min_in)  # last bin, [lower, inf)
     mid_in = inv_scale * centered
     log_pdf_mid = mid_in - log_scales - 2.0 * F.softplus(mid_in)
-    middle = torch.where(cdf_delta > 1e-5, torch.log(torch.clamp(cdf_delta, min=1e-12)),
-                         log_pdf_mid - math.log((num_classes - 1) / 2))
-    log_probs = torch.where(x < -0.999, log_cdf_plus,
-                            torch.where(x > 0.999, log_one_minus_cdf_min, middle))
+    middle = torch.where(
+        cdf_delta > 1e-5,
+        torch.log(torch.clamp(cdf_delta, min=1e-12)),
+        log_pdf_mid - math.log((num_classes - 1) / 2),
+    )
+    log_probs = torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, middle))
     return torch.logsumexp(log_probs + torch.log_softmax(logits, -1), dim=-1)
 
 
-def generator_case(attention_type: str, *, d_model=16, n_heads=2, n_layers=2, mixtures=3,
-                   image_length=12, batch=2, seed=0) -> dict:
+def generator_case(
+    attention_type: str, *, d_model=16, n_heads=2, n_layers=2, mixtures=3, image_length=12, batch=2, seed=0
+) -> dict:
     """The colab's Generator on random images (parallel, reading x[:-1]), the same weights in its
     RecurrentGenerator stepped, PixelCNN++ log-likelihoods of x[1:] and every class's
     probability at every position."""
@@ -221,38 +249,44 @@ def generator_case(attention_type: str, *, d_model=16, n_heads=2, n_layers=2, mi
         y_hat = model(images[:, :-1])
         memory, steps = None, []
         for i in range(image_length - 1):
-            y, memory = recurrent.step(images[:, i:i + 1], i, memory)
+            y, memory = recurrent.step(images[:, i : i + 1], i, memory)
             steps.append(y)
         log_prob = pixelcnn_log_prob(y_hat, images[:, 1:]).sum(-1)
         classes = torch.arange(256)
-        probs = torch.exp(pixelcnn_log_prob(y_hat[..., None, :], classes.expand(
-            *y_hat.shape[:-1], 256)))
-    generator_kwargs = dict(d_model=d_model, n_heads=n_heads, n_layers=n_layers,
-                            mixtures=mixtures, attention_type=attention_type)
-    return {**_meta(model="generator", generator_kwargs=generator_kwargs), **_state(model),
-            "input/images": images.numpy(), "output/parallel": y_hat.numpy(),
-            "output/recurrent": torch.stack(steps, 1).numpy(),
-            "output/log_prob": log_prob.numpy(), "output/probs": probs.numpy()}
+        probs = torch.exp(pixelcnn_log_prob(y_hat[..., None, :], classes.expand(*y_hat.shape[:-1], 256)))
+    generator_kwargs = dict(
+        d_model=d_model, n_heads=n_heads, n_layers=n_layers, mixtures=mixtures, attention_type=attention_type
+    )
+    return {
+        **_meta(model="generator", generator_kwargs=generator_kwargs),
+        **_state(model),
+        "input/images": images.numpy(),
+        "output/parallel": y_hat.numpy(),
+        "output/recurrent": torch.stack(steps, 1).numpy(),
+        "output/log_prob": log_prob.numpy(),
+        "output/probs": probs.numpy(),
+    }
 
 
-_SMALL = dict(n_layers=2, n_heads=3, query_dimensions=5, value_dimensions=4,
-              feed_forward_dimensions=24)
+_SMALL = dict(n_layers=2, n_heads=3, query_dimensions=5, value_dimensions=4, feed_forward_dimensions=24)
 
 CASES = {
     "encoder_full": lambda: encoder_case(
-        dict(_SMALL, attention_type="full", activation="gelu"), causal=False),
+        dict(_SMALL, attention_type="full", activation="gelu"), causal=False
+    ),
     "encoder_full_causal": lambda: encoder_case(
-        dict(_SMALL, attention_type="full", softmax_temp=0.3), causal=True, seed=1),
-    "encoder_linear": lambda: encoder_case(dict(_SMALL, attention_type="linear"), causal=False,
-                                           seed=2),
+        dict(_SMALL, attention_type="full", softmax_temp=0.3), causal=True, seed=1
+    ),
+    "encoder_linear": lambda: encoder_case(dict(_SMALL, attention_type="linear"), causal=False, seed=2),
     "encoder_causal_linear": lambda: encoder_case(
-        dict(_SMALL, attention_type="causal-linear", final_normalization=False), causal=True,
-        seed=3),
+        dict(_SMALL, attention_type="causal-linear", final_normalization=False), causal=True, seed=3
+    ),
     "decoder_full": lambda: decoder_case(
-        dict(_SMALL, self_attention_type="full", cross_attention_type="full"), seed=4),
+        dict(_SMALL, self_attention_type="full", cross_attention_type="full"), seed=4
+    ),
     "decoder_causal_linear": lambda: decoder_case(
-        dict(_SMALL, self_attention_type="causal-linear", cross_attention_type="linear"),
-        seed=5),
+        dict(_SMALL, self_attention_type="causal-linear", cross_attention_type="linear"), seed=5
+    ),
     "generator_causal_linear": lambda: generator_case("causal-linear", seed=6),
     "generator_full": lambda: generator_case("full", seed=7),
 }

@@ -26,14 +26,14 @@ CAUSAL_KINDS = {
     "relu": ("linear", {"feature_map": "relu"}),
     "linear-chunk3": ("linear", {"chunk_size": 3}),
 }
-NONCAUSAL_KINDS = {k: v for k, v in CAUSAL_KINDS.items()
-                   if k not in ("causal-linear", "linear-chunk3")}
+NONCAUSAL_KINDS = {k: v for k, v in CAUSAL_KINDS.items() if k not in ("causal-linear", "linear-chunk3")}
 
 
 def _mha(name, *, causal, seed=0, table=CAUSAL_KINDS, **kwargs):
     kind, options = table[name]
-    return MultiHeadAttention(E, H, kind=kind, causal=causal, attention_options=options,
-                              rngs=nnx.Rngs(seed), **kwargs)
+    return MultiHeadAttention(
+        E, H, kind=kind, causal=causal, attention_options=options, rngs=nnx.Rngs(seed), **kwargs
+    )
 
 
 def _x(shape, seed=1, scale=1.0):
@@ -61,8 +61,10 @@ def _step_loop(mha, x_BTE, max_length=None):
 
 # --- parallel shapes -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, causal", [(name, True) for name in CAUSAL_KINDS] +
-                         [(name, False) for name in NONCAUSAL_KINDS])
+
+@pytest.mark.parametrize(
+    "name, causal", [(name, True) for name in CAUSAL_KINDS] + [(name, False) for name in NONCAUSAL_KINDS]
+)
 def test_parallel_self_attention_shape_under_jit(name, causal):
     mha = _mha(name, causal=causal)
     x = _x((B, T, E))
@@ -75,8 +77,16 @@ def test_parallel_self_attention_shape_under_jit(name, causal):
 @pytest.mark.parametrize("name", list(NONCAUSAL_KINDS))
 def test_parallel_cross_attention_shape_under_jit(name):
     kind, options = NONCAUSAL_KINDS[name]
-    mha = MultiHeadAttention(E, H, kind=kind, kv_features=12, out_features=10, value_dim=5,
-                             attention_options=options, rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(
+        E,
+        H,
+        kind=kind,
+        kv_features=12,
+        out_features=10,
+        value_dim=5,
+        attention_options=options,
+        rngs=nnx.Rngs(0),
+    )
     x, ctx = _x((B, T, E)), _x((B, S, 12), seed=2)
     y = _call(mha, x, ctx, jnp.array([S, 4]))
     chex.assert_shape(y, (B, T, 10))
@@ -84,6 +94,7 @@ def test_parallel_cross_attention_shape_under_jit(name):
 
 
 # --- recurrent form equals the parallel causal call ---------------------------------------------
+
 
 @pytest.mark.parametrize("name", list(CAUSAL_KINDS))
 def test_step_loop_matches_parallel_causal(name):
@@ -122,17 +133,16 @@ def test_recurrent_prefix_depends_only_on_past():
     # The first steps of a longer sequence equal the steps of its prefix (no lookahead in state).
     mha = _mha("softmax", causal=True)
     x = _x((B, T, E))
-    np.testing.assert_allclose(_step_loop(mha, x, 2 * T)[:, :4],
-                               _step_loop(mha, x[:, :4], 2 * T), atol=1e-6)
+    np.testing.assert_allclose(_step_loop(mha, x, 2 * T)[:, :4], _step_loop(mha, x[:, :4], 2 * T), atol=1e-6)
 
 
 # --- cross-attention over a fixed memory ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(NONCAUSAL_KINDS))
 def test_attend_memory_matches_parallel_cross_attention(name):
     kind, options = NONCAUSAL_KINDS[name]
-    mha = MultiHeadAttention(E, H, kind=kind, kv_features=12, attention_options=options,
-                             rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(E, H, kind=kind, kv_features=12, attention_options=options, rngs=nnx.Rngs(0))
     x, ctx = _x((B, T, E)), _x((B, S, 12), seed=2)
     lengths = jnp.array([S, 3])
     y_par = _call(mha, x, ctx, lengths)
@@ -144,6 +154,7 @@ def test_attend_memory_matches_parallel_cross_attention(name):
 
 
 # --- padding --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["softmax", "linear", "favor"])
 def test_padded_context_rows_change_nothing(name):
@@ -169,11 +180,11 @@ def test_padded_self_attention_valid_positions_unchanged(name):
     valid = (np.arange(T)[None, :] < np.asarray(lengths)[:, None])[..., None]
     x_changed = np.where(valid, x, _x(x.shape, seed=4, scale=10.0))
     y1, y2 = _call(mha, x, None, lengths), _call(mha, x_changed, None, lengths)
-    np.testing.assert_allclose(np.where(valid, y1, 0), np.where(valid, y2, 0), atol=1e-5,
-                               rtol=1e-5)
+    np.testing.assert_allclose(np.where(valid, y1, 0), np.where(valid, y2, 0), atol=1e-5, rtol=1e-5)
 
 
 # --- causality by gradients -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["softmax", "linear", "causal-linear", "favor", "linear-chunk3"])
 def test_causal_output_has_no_gradient_from_future_inputs(name):
@@ -202,10 +213,10 @@ def test_causal_output_unchanged_by_future_inputs_exactly(name):
     x = _x((B, T, E))
     t = 3
     x_changed = x.copy()
-    x_changed[:, t + 1:] = _x((B, T - t - 1, E), seed=7, scale=100.0)
+    x_changed[:, t + 1 :] = _x((B, T - t - 1, E), seed=7, scale=100.0)
     y, y_changed = np.asarray(_call(mha, x)), np.asarray(_call(mha, x_changed))
-    np.testing.assert_array_equal(y_changed[:, :t + 1], y[:, :t + 1])
-    assert not np.allclose(y_changed[:, t + 1:], y[:, t + 1:], atol=1e-3)
+    np.testing.assert_array_equal(y_changed[:, : t + 1], y[:, : t + 1])
+    assert not np.allclose(y_changed[:, t + 1 :], y[:, t + 1 :], atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["softmax", "linear"])
@@ -217,6 +228,7 @@ def test_noncausal_output_has_gradient_from_future_inputs(name):
 
 
 # --- FAVOR+ random features -----------------------------------------------------------------------
+
 
 def test_favor_projection_is_fixed_state_not_a_param():
     mha = _mha("favor", causal=True)
@@ -267,10 +279,12 @@ def test_favor_projection_depends_on_rngs_seed():
 
 # --- attention weights ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sown_attention_weights(causal):
-    mha = MultiHeadAttention(E, H, kind="softmax", causal=causal,
-                             attention_options={"sow_weights": True}, rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(
+        E, H, kind="softmax", causal=causal, attention_options={"sow_weights": True}, rngs=nnx.Rngs(0)
+    )
     plain = MultiHeadAttention(E, H, kind="softmax", causal=causal, rngs=nnx.Rngs(0))
     x = _x((B, T, E))
     y, inter = nnx.capture(mha, nnx.Intermediate)(x)  # eager, as a user would
@@ -291,15 +305,14 @@ def test_sown_attention_weights(causal):
     np.testing.assert_allclose(y, _call(plain, x), atol=1e-5, rtol=1e-5)
     # The weights are the ones used: output before the out projection is w @ v.
     p = nnx.state(mha, nnx.Param)
-    v = (x @ np.asarray(p["value"]["kernel"][...]) + np.asarray(p["value"]["bias"][...]))
+    v = x @ np.asarray(p["value"]["kernel"][...]) + np.asarray(p["value"]["bias"][...])
     heads = np.einsum("bhts,bshm->bthm", w, v.reshape(B, T, H, -1)).reshape(B, T, -1)
     out = heads @ np.asarray(p["out"]["kernel"][...]) + np.asarray(p["out"]["bias"][...])
     np.testing.assert_allclose(out, y, atol=1e-5, rtol=1e-5)
 
 
 def test_sown_cross_attention_weights_respect_key_lengths():
-    mha = MultiHeadAttention(E, H, kind="softmax", attention_options={"sow_weights": True},
-                             rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(E, H, kind="softmax", attention_options={"sow_weights": True}, rngs=nnx.Rngs(0))
     x, ctx = _x((B, T, E)), _x((B, S, E), seed=2)
     _, inter = _capture(mha, x, ctx, key_lengths=jnp.array([S, 2]))
     (w,) = inter["core"]["attention_weights"].get_value()
@@ -312,9 +325,9 @@ def test_sown_cross_attention_weights_respect_key_lengths():
 
 # --- attention dropout ----------------------------------------------------------------------------
 
+
 def test_attention_dropout_active_in_train_mode_only():
-    mha = MultiHeadAttention(E, H, kind="softmax", causal=True, attention_dropout=0.5,
-                             rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(E, H, kind="softmax", causal=True, attention_dropout=0.5, rngs=nnx.Rngs(0))
     ref = MultiHeadAttention(E, H, kind="softmax", causal=True, rngs=nnx.Rngs(7))
     nnx.update(ref, nnx.state(mha, nnx.Param))
     x = _x((B, T, E))
@@ -333,14 +346,14 @@ def test_attention_dropout_active_in_train_mode_only():
 
 # --- Linen bridge ---------------------------------------------------------------------------------
 
+
 class _LinenNet(nn.Module):
     kind: str
 
     @nn.compact
     def __call__(self, x):
         h = nn.Dense(E, name="embed")(x)
-        h = bridge.to_linen(MultiHeadAttention, E, H, kind=self.kind, causal=True,
-                            name="attn")(h)
+        h = bridge.to_linen(MultiHeadAttention, E, H, kind=self.kind, causal=True, name="attn")(h)
         return nn.Dense(3, name="head")(h)
 
 

@@ -45,19 +45,21 @@ def test_peak_bytes_counts_temporaries():
 def test_attention_cases_agree_with_each_other():
     # Every causal kind computes the same function; the benchmark must time the right thing.
     q, k, v, _ = attention_bench._inputs(
-        attention_bench.AttentionBenchOptions(heads=2, head_dim=8, value_dim=8), 2, 37)
-    outs = {kind: attention_bench.attention_fn(kind, 16)(q, k, v)
-            for kind in ("causal-linear/chunked", "causal-linear/associative_scan",
-                         "causal-linear/scan")}
+        attention_bench.AttentionBenchOptions(heads=2, head_dim=8, value_dim=8), 2, 37
+    )
+    outs = {
+        kind: attention_bench.attention_fn(kind, 16)(q, k, v)
+        for kind in ("causal-linear/chunked", "causal-linear/associative_scan", "causal-linear/scan")
+    }
     for kind, out in outs.items():
-        np.testing.assert_allclose(out, outs["causal-linear/chunked"], atol=1e-5, rtol=1e-4,
-                                   err_msg=kind)
+        np.testing.assert_allclose(out, outs["causal-linear/chunked"], atol=1e-5, rtol=1e-4, err_msg=kind)
 
 
 def test_lsh_baselines_are_opt_in_and_time_causal_lsh():
     assert not any(k.startswith("lsh-") for k in attention_bench.default_kinds("gpu"))
     q, k, v, _ = attention_bench._inputs(
-        attention_bench.AttentionBenchOptions(heads=2, head_dim=8, value_dim=8), 2, 70)
+        attention_bench.AttentionBenchOptions(heads=2, head_dim=8, value_dim=8), 2, 70
+    )
     out = attention_bench.attention_fn("lsh-4", 16)(q, k, v)
     rot = ops.lsh_rotations(jax.random.key(0), 4, 8, attention_bench.LSH_BUCKETS)
     expected = ops.lsh_attention(q, v, rot, chunk_size=attention_bench.LSH_CHUNK, causal=True)
@@ -66,8 +68,15 @@ def test_lsh_baselines_are_opt_in_and_time_causal_lsh():
 
 def test_attention_run_writes_rows_files_and_skips_what_does_not_fit(tmp_path):
     opts = attention_bench.AttentionBenchOptions(
-        lengths=(32, 64), tokens=64, heads=2, head_dim=8, value_dim=8, min_repeats=1,
-        min_seconds=0.0, chunk_size=16)
+        lengths=(32, 64),
+        tokens=64,
+        heads=2,
+        head_dim=8,
+        value_dim=8,
+        min_repeats=1,
+        min_seconds=0.0,
+        chunk_size=16,
+    )
     result = attention_bench.run_and_report(opts, tmp_path, log=lambda *_: None)
     rows = result["rows"]
     kinds = attention_bench.default_kinds(jax.devices()[0].platform)
@@ -80,10 +89,10 @@ def test_attention_run_writes_rows_files_and_skips_what_does_not_fit(tmp_path):
     assert saved["machine"]["jax"] == jax.__version__ and len(saved["rows"]) == len(rows)
     assert result["files"]["png"].stat().st_size > 10_000
 
-    starved = attention_bench.AttentionBenchOptions(lengths=(64,), tokens=64, heads=2, head_dim=8,
-                                                    value_dim=8, kinds=("softmax",),
-                                                    memory_fraction=1e-12)
-    (row, *_), = [attention_bench.run(starved, log=lambda *_: None)]
+    starved = attention_bench.AttentionBenchOptions(
+        lengths=(64,), tokens=64, heads=2, head_dim=8, value_dim=8, kinds=("softmax",), memory_fraction=1e-12
+    )
+    ((row, *_),) = [attention_bench.run(starved, log=lambda *_: None)]
     assert row["status"].startswith("skipped: needs") and math.isnan(row["time_ms"])
 
 
@@ -97,29 +106,39 @@ def test_attention_options_reject_bad_values():
 
 
 def _row(kind, n, time_ms, peak_mib, batch=1, pass_="forward+backward"):
-    return {"kind": kind, "pass": pass_, "n": n, "batch": batch, "time_ms": time_ms,
-            "peak_mib": peak_mib, "status": "ok"}
+    return {
+        "kind": kind,
+        "pass": pass_,
+        "n": n,
+        "batch": batch,
+        "time_ms": time_ms,
+        "peak_mib": peak_mib,
+        "status": "ok",
+    }
 
 
 def test_speedups_and_memory_slopes():
     ns = [1024, 2048, 4096, 8192]
-    rows = ([_row("causal-linear/chunked", n, n / 1024, 3.0 * n) for n in ns] +
-            [_row("softmax", n, (n / 1024) ** 2, 5e-4 * n * n) for n in ns] +
-            [_row("softmax", 512, 1.0, 1.0, batch=8)])  # batch > 1: not a pure function of N
+    rows = (
+        [_row("causal-linear/chunked", n, n / 1024, 3.0 * n) for n in ns]
+        + [_row("softmax", n, (n / 1024) ** 2, 5e-4 * n * n) for n in ns]
+        + [_row("softmax", 512, 1.0, 1.0, batch=8)]
+    )  # batch > 1: not a pure function of N
     slopes = attention_bench.memory_slopes(rows)
     assert slopes["causal-linear/chunked"] == pytest.approx(1.0)
     assert slopes["softmax"] == pytest.approx(2.0)
-    ratio = {r["n"]: r["slower_than_causal-linear/chunked"]
-             for r in attention_bench.speedups(rows)}
+    ratio = {r["n"]: r["slower_than_causal-linear/chunked"] for r in attention_bench.speedups(rows)}
     assert ratio == pytest.approx({n: n / 1024 for n in ns})
 
 
 def test_generation_ratios_and_option_errors():
-    speed = [{"arch": "mnist", "batch": 1, "method": "linear/recurrent", "images_per_s": 10.0},
-             {"arch": "mnist", "batch": 1, "method": "softmax/kv-cache", "images_per_s": 2.5}]
+    speed = [
+        {"arch": "mnist", "batch": 1, "method": "linear/recurrent", "images_per_s": 10.0},
+        {"arch": "mnist", "batch": 1, "method": "softmax/kv-cache", "images_per_s": 2.5},
+    ]
     assert generation_bench.ratios(speed) == [
-        {"arch": "mnist", "batch": 1, "method": "softmax/kv-cache",
-         "linear/recurrent_speedup": 4.0}]
+        {"arch": "mnist", "batch": 1, "method": "softmax/kv-cache", "linear/recurrent_speedup": 4.0}
+    ]
     with pytest.raises(ValueError, match="unknown method 'softmax/flash'"):
         generation_bench.GenerationBenchOptions(methods=("softmax/flash",))
     with pytest.raises(ValueError, match="unknown architecture 'imagenet'"):
@@ -127,16 +146,26 @@ def test_generation_ratios_and_option_errors():
 
 
 def test_peer_ratios_pair_each_of_our_cases_with_the_peers_same_case():
-    rows = [_row("causal-linear/chunked", 4096, 50.0, 1.0),
-            _row("fast-transformers:causal-linear", 4096, 100.0, math.nan),
-            _row("softmax", 4096, 80.0, 1.0),
-            _row("fast-transformers:full", 4096, math.nan, math.nan),   # did not run
-            _row("causal-linear/chunked", 8192, 90.0, 1.0)]             # no peer case
-    ratios = peers.same_run_ratios(rows, ("n", "batch", "pass"), "time_ms",
-                                   peers.ATTENTION_KINDS, "kind")
-    assert ratios == [{"n": 4096, "batch": 1, "pass": "forward+backward",
-                       "ours": "causal-linear/chunked", "theirs": "fast-transformers:causal-linear",
-                       "ours_time_ms": 50.0, "theirs_time_ms": 100.0, "theirs_over_ours": 2.0}]
+    rows = [
+        _row("causal-linear/chunked", 4096, 50.0, 1.0),
+        _row("fast-transformers:causal-linear", 4096, 100.0, math.nan),
+        _row("softmax", 4096, 80.0, 1.0),
+        _row("fast-transformers:full", 4096, math.nan, math.nan),  # did not run
+        _row("causal-linear/chunked", 8192, 90.0, 1.0),
+    ]  # no peer case
+    ratios = peers.same_run_ratios(rows, ("n", "batch", "pass"), "time_ms", peers.ATTENTION_KINDS, "kind")
+    assert ratios == [
+        {
+            "n": 4096,
+            "batch": 1,
+            "pass": "forward+backward",
+            "ours": "causal-linear/chunked",
+            "theirs": "fast-transformers:causal-linear",
+            "ours_time_ms": 50.0,
+            "theirs_time_ms": 100.0,
+            "theirs_over_ours": 2.0,
+        }
+    ]
 
 
 def test_peers_that_are_unknown_or_not_installed_are_refused(monkeypatch):
@@ -155,15 +184,18 @@ def test_the_peer_computes_what_ours_computes():
     pytest.importorskip("fast_transformers")
     from fast_transformers.masking import LengthMask, TriangularCausalMask
 
-    q, k, v = (np.random.default_rng(i).standard_normal((2, 48, 3, 8), np.float32)
-               for i in range(3))
+    q, k, v = (np.random.default_rng(i).standard_normal((2, 48, 3, 8), np.float32) for i in range(3))
     theirs = peers._attention_module("causal-linear", 8)(
-        *(torch.from_numpy(x) for x in (q, k, v)), TriangularCausalMask(48),
-        LengthMask(torch.full((2,), 48)), LengthMask(torch.full((2,), 48))).numpy()
+        *(torch.from_numpy(x) for x in (q, k, v)),
+        TriangularCausalMask(48),
+        LengthMask(torch.full((2,), 48)),
+        LengthMask(torch.full((2,), 48)),
+    ).numpy()
     ours = ops.causal_linear_attention(q, k, v, impl="chunked", chunk_size=16)
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-4)
-    row = peers.attention_row("causal-linear/chunked", "forward+backward", 48, 2, 3, 8, 8,
-                              "float32", min_seconds=0)
+    row = peers.attention_row(
+        "causal-linear/chunked", "forward+backward", 48, 2, 3, 8, 8, "float32", min_seconds=0
+    )
     assert row["status"] == "ok" and row["time_ms"] > 0
     generation = peers.generation_row("linear/recurrent", 2, 784, 3, min_seconds=0)
     assert generation["timed_steps"] == 3 and generation["ms_per_step"] > 0
@@ -179,41 +211,60 @@ def test_paper_models_have_the_paper_architecture():
 def test_markdown_table_and_plot(tmp_path):
     table = report.markdown_table([{"a": 1.23456, "b": math.nan}, {"a": 2, "b": "x"}], ["a", "b"])
     assert table.splitlines() == ["| a | b |", "|---|---|", "| 1.23 | - |", "| 2 | x |"]
-    path = report.plot_series(tmp_path / "p.png", [
-        {"xlabel": "N", "ylabel": "ms", "series": {"a": [(1, 1.0), (2, math.nan), (4, 3.0)]}}],
-        title="t")
+    path = report.plot_series(
+        tmp_path / "p.png",
+        [{"xlabel": "N", "ylabel": "ms", "series": {"a": [(1, 1.0), (2, math.nan), (4, 3.0)]}}],
+        title="t",
+    )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _run_script(module, *args, tmp_path):
     out = tmp_path / module
-    proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", f"--out_dir={out}",
-                           "--device=cpu", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"experiments.{module}", f"--out_dir={out}", "--device=cpu", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout
 
 
 def test_benchmark_attention_script_smoke(tmp_path):
-    out, stdout = _run_script("benchmark_attention", "--lengths=16,64", "--tokens=32",
-                              "--heads=2", "--head_dim=8", "--value_dim=8", "--min_seconds=0",
-                              tmp_path=tmp_path)
+    out, stdout = _run_script(
+        "benchmark_attention",
+        "--lengths=16,64",
+        "--tokens=32",
+        "--heads=2",
+        "--head_dim=8",
+        "--value_dim=8",
+        "--min_seconds=0",
+        tmp_path=tmp_path,
+    )
     assert "causal-linear/chunked" in stdout and "slope" in stdout
     assert {p.name for p in out.iterdir()} == {"attention.csv", "attention.json", "attention.png"}
 
 
 def test_benchmark_generation_script_smoke(tmp_path):
-    out, stdout = _run_script("benchmark_generation", "--archs=mnist", "--batches=1",
-                              "--timed_steps=2", "--recompute_steps=1", "--memory_lengths=8,32",
-                              "--min_seconds=0", tmp_path=tmp_path)
+    out, stdout = _run_script(
+        "benchmark_generation",
+        "--archs=mnist",
+        "--batches=1",
+        "--timed_steps=2",
+        "--recompute_steps=1",
+        "--memory_lengths=8,32",
+        "--min_seconds=0",
+        tmp_path=tmp_path,
+    )
     assert "images/s" in stdout
     rows = json.loads((out / "generation.json").read_text())
     assert [r["method"] for r in rows["rows"]] == list(generation_bench.DEFAULT_METHODS)
     assert all(r["images_per_s"] > 0 and r["timed_steps"] <= 2 for r in rows["rows"])
     memory = {(r["method"], r["length"]): r["peak_mib"] for r in rows["memory"]}
     # The RNN's state does not grow with the generated length; the KV cache does.
-    assert memory[("linear/recurrent", 32)] == pytest.approx(memory[("linear/recurrent", 8)],
-                                                             rel=0.01)
+    assert memory[("linear/recurrent", 32)] == pytest.approx(memory[("linear/recurrent", 8)], rel=0.01)
     assert memory[("softmax/kv-cache", 32)] > memory[("softmax/kv-cache", 8)]
     assert (out / "generation.png").exists()
 
@@ -224,19 +275,40 @@ from experiments.benchmarking import prefill_bench, sequence_parallel_bench  # n
 
 
 def test_prefill_speedups_pair_methods_of_one_case():
-    rows = [{"kind": "linear", "batch": 1, "prompt": 512, "method": "prefill", "time_ms": 2.0,
-             "status": "ok"},
-            {"kind": "linear", "batch": 1, "prompt": 512, "method": "step-scan", "time_ms": 9.0,
-             "status": "ok"},
-            {"kind": "linear", "batch": 4, "prompt": 512, "method": "prefill", "time_ms": 4.0,
-             "status": "ok"},  # its step-scan was skipped: no ratio
-            {"kind": "linear", "batch": 4, "prompt": 512, "method": "step-scan",
-             "time_ms": math.nan, "status": "skipped: needs 9.0 GiB"}]
+    rows = [
+        {"kind": "linear", "batch": 1, "prompt": 512, "method": "prefill", "time_ms": 2.0, "status": "ok"},
+        {"kind": "linear", "batch": 1, "prompt": 512, "method": "step-scan", "time_ms": 9.0, "status": "ok"},
+        {
+            "kind": "linear",
+            "batch": 4,
+            "prompt": 512,
+            "method": "prefill",
+            "time_ms": 4.0,
+            "status": "ok",
+        },  # its step-scan was skipped: no ratio
+        {
+            "kind": "linear",
+            "batch": 4,
+            "prompt": 512,
+            "method": "step-scan",
+            "time_ms": math.nan,
+            "status": "skipped: needs 9.0 GiB",
+        },
+    ]
     assert prefill_bench.speedups(rows, prefill_bench.LM_GROUP) == [
-        {"kind": "linear", "batch": 1, "prompt": 512, "prefill_ms": 2.0, "step_scan_ms": 9.0,
-         "step_scan_over_prefill": 4.5}]
-    images = [{"arch": "mnist", "kind": "linear", "batch": 16, "method": m, "time_ms": t,
-               "status": "ok"} for m, t in (("step-scan", 300.0), ("prefill", 200.0))]
+        {
+            "kind": "linear",
+            "batch": 1,
+            "prompt": 512,
+            "prefill_ms": 2.0,
+            "step_scan_ms": 9.0,
+            "step_scan_over_prefill": 4.5,
+        }
+    ]
+    images = [
+        {"arch": "mnist", "kind": "linear", "batch": 16, "method": m, "time_ms": t, "status": "ok"}
+        for m, t in (("step-scan", 300.0), ("prefill", 200.0))
+    ]
     (ratio,) = prefill_bench.speedups(images, prefill_bench.IMAGE_GROUP)
     assert ratio["step_scan_over_prefill"] == pytest.approx(1.5)
 
@@ -248,21 +320,20 @@ def test_prefill_options_reject_bad_values():
         prefill_bench.PrefillBenchOptions(image_arch="imagenet")
     with pytest.raises(ValueError, match="prompt_lengths must be positive"):
         prefill_bench.PrefillBenchOptions(prompt_lengths=(0,))
-    opts = prefill_bench.PrefillBenchOptions(prompt_lengths=(512, 2048, 8192),
-                                             softmax_lengths=(512,))
+    opts = prefill_bench.PrefillBenchOptions(prompt_lengths=(512, 2048, 8192), softmax_lengths=(512,))
     assert opts.lengths_for("softmax") == (512,) and opts.lengths_for("linear")[-1] == 8192
 
 
 def _sp_row(kind, p, peak, temp, step, loss=1.0):
-    return {"kind": kind, "P": p, "peak_mib": peak, "temp_mib": temp, "step_ms": step,
-            "loss": loss}
+    return {"kind": kind, "P": p, "peak_mib": peak, "temp_mib": temp, "step_ms": step, "loss": loss}
 
 
 def test_sequence_parallel_ratios_and_slopes():
-    rows = [_sp_row("linear", p, 2.0 + 64.0 / p, 64.0 / p, 100.0 * (1 + p / 8), 1.0 + 1e-6 * p)
-            for p in (1, 2, 4, 8)]
-    rows += [_sp_row("softmax", 1, 512.0, 500.0, 50.0), _sp_row("softmax", 2, math.nan, math.nan,
-                                                                 math.nan)]
+    rows = [
+        _sp_row("linear", p, 2.0 + 64.0 / p, 64.0 / p, 100.0 * (1 + p / 8), 1.0 + 1e-6 * p)
+        for p in (1, 2, 4, 8)
+    ]
+    rows += [_sp_row("softmax", 1, 512.0, 500.0, 50.0), _sp_row("softmax", 2, math.nan, math.nan, math.nan)]
     out = {(r["kind"], r["P"]): r for r in sequence_parallel_bench.add_ratios(rows)}
     assert out[("linear", 8)]["temp_vs_p1"] == pytest.approx(1 / 8)
     assert out[("linear", 8)]["peak_vs_p1"] == pytest.approx(10.0 / 66.0)
@@ -285,38 +356,68 @@ def test_sequence_parallel_options_reject_bad_values():
 
 
 def test_benchmark_prefill_script_smoke(tmp_path):
-    out, stdout = _run_script("benchmark_prefill", "--prompt_lengths=16", "--batches=2",
-                              "--softmax_lengths=16", "--num_layers=1", "--model_dim=16",
-                              "--num_heads=2", "--vocab_size=11", "--image_layers=1",
-                              "--image_length=12", "--image_prefix=5", "--image_batches=2",
-                              "--image_kinds=linear", "--min_seconds=0", tmp_path=tmp_path)
+    out, stdout = _run_script(
+        "benchmark_prefill",
+        "--prompt_lengths=16",
+        "--batches=2",
+        "--softmax_lengths=16",
+        "--num_layers=1",
+        "--model_dim=16",
+        "--num_heads=2",
+        "--vocab_size=11",
+        "--image_layers=1",
+        "--image_length=12",
+        "--image_prefix=5",
+        "--image_batches=2",
+        "--image_kinds=linear",
+        "--min_seconds=0",
+        tmp_path=tmp_path,
+    )
     assert "step-scan / prefill" in stdout and "images/s" in stdout
     with open(out / "prefill.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["kind"], r["prompt"], r["method"]) for r in rows] == [
-        ("linear", "16", "prefill"), ("linear", "16", "step-scan"),
-        ("softmax", "16", "prefill"), ("softmax", "16", "step-scan")]
+        ("linear", "16", "prefill"),
+        ("linear", "16", "step-scan"),
+        ("softmax", "16", "prefill"),
+        ("softmax", "16", "step-scan"),
+    ]
     # Both paths compute the same logits; the table says so.
     assert all(r["status"] == "ok" and float(r["max_logit_diff"]) < 1e-3 for r in rows)
     saved = json.loads((out / "prefill.json").read_text())
     assert len(saved["ratios"]) == 2 and len(saved["image_ratios"]) == 1
     # The same key per sub-pixel: the prefix is kept and the same images are drawn.
-    assert all(r["prefix_kept"] and r["same_subpixels"] > 0.9 and r["images_per_s"] > 0
-               for r in saved["images"])
-    assert {p.name for p in out.iterdir()} == {"prefill.csv", "prefill.json", "prefill.png",
-                                               "prefill_images.csv"}
+    assert all(
+        r["prefix_kept"] and r["same_subpixels"] > 0.9 and r["images_per_s"] > 0 for r in saved["images"]
+    )
+    assert {p.name for p in out.iterdir()} == {
+        "prefill.csv",
+        "prefill.json",
+        "prefill.png",
+        "prefill_images.csv",
+    }
 
 
 def test_benchmark_sequence_parallel_script_smoke(tmp_path):
     # linear only: each training step takes seconds to compile; softmax runs the same code.
-    out, stdout = _run_script("benchmark_sequence_parallel", "--parallelism=1,8", "--length=64",
-                              "--kinds=linear", "--num_layers=1", "--model_dim=16",
-                              "--num_heads=2", "--vocab_size=11", "--min_seconds=0",
-                              tmp_path=tmp_path)
+    out, stdout = _run_script(
+        "benchmark_sequence_parallel",
+        "--parallelism=1,8",
+        "--length=64",
+        "--kinds=linear",
+        "--num_layers=1",
+        "--model_dim=16",
+        "--num_heads=2",
+        "--vocab_size=11",
+        "--min_seconds=0",
+        tmp_path=tmp_path,
+    )
     assert "slope of memory per device" in stdout
     rows = json.loads((out / "sequence_parallel.json").read_text())["rows"]
     assert [(r["kind"], r["P"], r["tokens_per_device"]) for r in rows] == [
-        ("linear", 1, 64), ("linear", 8, 8)]
+        ("linear", 1, 64),
+        ("linear", 8, 8),
+    ]
     assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows)
     # The same model on the same tokens: splitting time over devices changes nothing but memory.
     assert rows[1]["loss_diff_vs_p1"] < 1e-4

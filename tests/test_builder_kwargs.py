@@ -15,18 +15,39 @@ from linear_transformers.transformer import TransformerConfig
 
 # The builders' docstring examples (TransformerEncoderBuilder, RecurrentEncoderBuilder,
 # TransformerDecoderBuilder, RecurrentDecoderBuilder) and the colab's uses.
-_COMMON = dict(n_layers=12, n_heads=8, feed_forward_dimensions=1024, query_dimensions=64,
-               value_dimensions=64, dropout=0.1, attention_dropout=0.1)
+_COMMON = dict(
+    n_layers=12,
+    n_heads=8,
+    feed_forward_dimensions=1024,
+    query_dimensions=64,
+    value_dimensions=64,
+    dropout=0.1,
+    attention_dropout=0.1,
+)
 ENCODER_EXAMPLE = dict(_COMMON, attention_type="linear")
 DECODER_EXAMPLE = dict(_COMMON, self_attention_type="full", cross_attention_type="full")
-COLAB_FIRST_STEPS = dict(n_layers=4, n_heads=4, feed_forward_dimensions=128,
-                         query_dimensions=32, value_dimensions=32, attention_type="full")
-COLAB_GENERATOR = dict(attention_type="linear", n_layers=8, n_heads=8,
-                       feed_forward_dimensions=8 * 32 * 4, query_dimensions=32,
-                       value_dimensions=32, dropout=0.1, softmax_temp=None,
-                       attention_dropout=0.1)
-COLAB_BENCHMARK = dict(n_layers=1, n_heads=12, query_dimensions=64, value_dimensions=64,
-                       feed_forward_dimensions=768)
+COLAB_FIRST_STEPS = dict(
+    n_layers=4,
+    n_heads=4,
+    feed_forward_dimensions=128,
+    query_dimensions=32,
+    value_dimensions=32,
+    attention_type="full",
+)
+COLAB_GENERATOR = dict(
+    attention_type="linear",
+    n_layers=8,
+    n_heads=8,
+    feed_forward_dimensions=8 * 32 * 4,
+    query_dimensions=32,
+    value_dimensions=32,
+    dropout=0.1,
+    softmax_temp=None,
+    attention_dropout=0.1,
+)
+COLAB_BENCHMARK = dict(
+    n_layers=1, n_heads=12, query_dimensions=64, value_dimensions=64, feed_forward_dimensions=768
+)
 
 
 def _quiet(**kwargs) -> TransformerConfig:
@@ -38,8 +59,12 @@ def _quiet(**kwargs) -> TransformerConfig:
 
 def test_defaults_are_the_builders():
     config = _quiet()
-    assert (config.num_layers, config.num_heads, config.head_query_dim,
-            config.head_value_dim) == (4, 4, 64, 64)
+    assert (config.num_layers, config.num_heads, config.head_query_dim, config.head_value_dim) == (
+        4,
+        4,
+        64,
+        64,
+    )
     assert (config.model_dim, config.hidden_dim) == (256, 1024)
     assert (config.dropout, config.activation, config.final_normalization) == (0.1, "relu", True)
     # Their default kind is full softmax with attention dropout 0.1, and PyTorch's LayerNorm.
@@ -80,22 +105,24 @@ def test_a_decoder_cross_attention_defaults_to_full_as_theirs():
     config = _quiet(self_attention_type="causal-linear")
     assert config.attention == "causal-linear" and config.cross_kind == "softmax"
     assert dict(config.cross_options) == {"attention_dropout": 0.1}
-    config = _quiet(self_attention_type="causal-linear", cross_attention_type="linear",
-                    feature_map="relu")
+    config = _quiet(self_attention_type="causal-linear", cross_attention_type="linear", feature_map="relu")
     assert config.cross_kind == "linear" and dict(config.cross_options) == {"feature_map": "relu"}
 
 
 def test_options_go_to_the_kind_that_takes_them():
-    config = _quiet(self_attention_type="causal-linear", cross_attention_type="full",
-                    softmax_temp=0.5, attention_dropout=0.2)
+    config = _quiet(
+        self_attention_type="causal-linear",
+        cross_attention_type="full",
+        softmax_temp=0.5,
+        attention_dropout=0.2,
+    )
     assert dict(config.attention_options) == {}
     assert dict(config.cross_options) == {"attention_dropout": 0.2, "softmax_temp": 0.5}
 
 
 def test_reformer_maps_its_options_and_names_what_differs():
     with pytest.warns(UserWarning, match=r"reformer differs from the authors' defaults"):
-        config = TransformerConfig.from_kwargs(attention_type="reformer", rounds=8,
-                                               chunk_size=16)
+        config = TransformerConfig.from_kwargs(attention_type="reformer", rounds=8, chunk_size=16)
     assert config.attention == "reformer"
     assert dict(config.attention_options) == {"num_rounds": 8, "chunk_size": 16}
     config = _quiet(attention_type="reformer", masked=True, attention_dropout=0.0)
@@ -129,8 +156,9 @@ def test_what_cannot_be_built_here_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"attention_type is an encoder builder's argument"):
         TransformerConfig.from_kwargs(attention_type="full", self_attention_type="full")
     with pytest.raises(ValueError, match=r"cross_attention 'reformer' shares queries and keys"):
-        TransformerConfig.from_kwargs(self_attention_type="full", cross_attention_type="reformer",
-                                      masked=True, attention_dropout=0.0)
+        TransformerConfig.from_kwargs(
+            self_attention_type="full", cross_attention_type="reformer", masked=True, attention_dropout=0.0
+        )
 
 
 def test_unknown_names_follow_strict_as_theirs_do():
@@ -141,10 +169,11 @@ def test_unknown_names_follow_strict_as_theirs_do():
     assert config.num_layers == 2
 
 
-@pytest.mark.parametrize("example", [ENCODER_EXAMPLE, COLAB_FIRST_STEPS, COLAB_GENERATOR,
-                                     COLAB_BENCHMARK, DECODER_EXAMPLE],
-                         ids=["encoder", "colab-first-steps", "colab-generator",
-                              "colab-benchmark", "decoder"])
+@pytest.mark.parametrize(
+    "example",
+    [ENCODER_EXAMPLE, COLAB_FIRST_STEPS, COLAB_GENERATOR, COLAB_BENCHMARK, DECODER_EXAMPLE],
+    ids=["encoder", "colab-first-steps", "colab-generator", "colab-benchmark", "decoder"],
+)
 def test_live_the_authors_model_from_the_same_arguments_loads_into_ours(example):
     pytest.importorskip("fast_transformers")
     from fast_transformers.builders import TransformerDecoderBuilder, TransformerEncoderBuilder

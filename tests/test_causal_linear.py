@@ -38,8 +38,11 @@ def _feature_map(name):
         f = lambda x: np.maximum(x, 0.0)  # noqa: E731
         return "relu", f, f
     if name == "softplus":
-        return (lambda x: jax.nn.softplus(x)), (lambda x: np.logaddexp(0.0, x)), (
-            lambda x: np.logaddexp(0.0, x))
+        return (
+            (lambda x: jax.nn.softplus(x)),
+            (lambda x: np.logaddexp(0.0, x)),
+            (lambda x: np.logaddexp(0.0, x)),
+        )
     if name == "favor":
         fm = _favor_map()
         w_FD = np.asarray(fm.projection_FD, np.float64)
@@ -82,8 +85,9 @@ def _numpy_causal(q, k, v, query_fn, key_fn, eps=1e-6):
 def _op(impl, chunk_size=ops.DEFAULT_CHUNK_SIZE, fm_name="elu", jit=True):
     """The op with static kwargs bound; jitted functions are cached so equal shapes reuse a
     compile (XLA compiles dominate this file's run time on CPU)."""
-    fn = functools.partial(ops.causal_linear_attention, impl=impl, chunk_size=chunk_size,
-                           feature_map=_feature_map(fm_name)[0])
+    fn = functools.partial(
+        ops.causal_linear_attention, impl=impl, chunk_size=chunk_size, feature_map=_feature_map(fm_name)[0]
+    )
     return jax.jit(fn) if jit else fn
 
 
@@ -108,8 +112,7 @@ def _grad_weights(T):
 
 @functools.lru_cache(maxsize=None)
 def _quadratic_grads(seed, T, fm_name):
-    return _grad_fn("quadratic", ops.DEFAULT_CHUNK_SIZE, fm_name)(*_inputs(seed, T),
-                                                                   _grad_weights(T))
+    return _grad_fn("quadratic", ops.DEFAULT_CHUNK_SIZE, fm_name)(*_inputs(seed, T), _grad_weights(T))
 
 
 def test_impls_cover_the_documented_set():
@@ -124,14 +127,14 @@ def test_quadratic_matches_numpy_rnn_form(x64, fm_name, T):
     out = _quadratic_expected(1, T, fm_name)
     assert out.dtype == jnp.float64
     chex.assert_shape(out, (B, T, H, M))
-    chex.assert_trees_all_close(out, _numpy_causal(q, k, v, query_fn, key_fn), rtol=1e-10,
-                                atol=1e-10)
+    chex.assert_trees_all_close(out, _numpy_causal(q, k, v, query_fn, key_fn), rtol=1e-10, atol=1e-10)
 
 
 # chunk_size only matters to "chunked": it gets every (T, C) pair, the others several T.
 # ("quadratic" is checked under jit against numpy above.)
-ELU_CASES = ([("chunked", T, c) for T, c in LENGTHS_AND_CHUNKS] +
-             [(impl, T, 8) for impl in ("associative_scan", "scan") for T in (1, 37)])
+ELU_CASES = [("chunked", T, c) for T, c in LENGTHS_AND_CHUNKS] + [
+    (impl, T, 8) for impl in ("associative_scan", "scan") for T in (1, 37)
+]
 
 
 @pytest.mark.parametrize("impl,T,chunk_size", ELU_CASES)
@@ -154,8 +157,9 @@ def test_impl_matches_quadratic_eagerly(x64, impl):
     chex.assert_trees_all_close(out, _quadratic_expected(1, T, "elu"), rtol=1e-10, atol=1e-10)
 
 
-FM_CASES = ([(impl, "favor") for impl in ("associative_scan", "chunked", "scan")] +
-            [("chunked", fm) for fm in ("relu", "softplus")])
+FM_CASES = [(impl, "favor") for impl in ("associative_scan", "chunked", "scan")] + [
+    ("chunked", fm) for fm in ("relu", "softplus")
+]
 
 
 @pytest.mark.parametrize("impl,fm_name", FM_CASES)
@@ -166,13 +170,14 @@ def test_impl_matches_quadratic_feature_maps(x64, impl, fm_name):
     out = _op(impl, chunk_size, fm_name)(q, k, v)
     chex.assert_shape(out, (B, T, H, M))
     chex.assert_trees_all_close(out, _quadratic_expected(1, T, fm_name), rtol=1e-10, atol=1e-10)
-    chex.assert_trees_all_close(out, _numpy_causal(q, k, v, query_fn, key_fn), rtol=1e-9,
-                                atol=1e-9)
+    chex.assert_trees_all_close(out, _numpy_causal(q, k, v, query_fn, key_fn), rtol=1e-9, atol=1e-9)
 
 
-GRAD_CASES = ([("chunked", T, c, "elu") for T, c in [(1, 4), (13, 1), (13, 4)]] +
-              [(impl, 13, 4, "elu") for impl in ("associative_scan", "scan")] +
-              [("chunked", 13, 4, fm) for fm in ("favor", "relu")])
+GRAD_CASES = (
+    [("chunked", T, c, "elu") for T, c in [(1, 4), (13, 1), (13, 4)]]
+    + [(impl, 13, 4, "elu") for impl in ("associative_scan", "scan")]
+    + [("chunked", 13, 4, fm) for fm in ("favor", "relu")]
+)
 
 
 @pytest.mark.parametrize("impl,T,chunk_size,fm_name", GRAD_CASES)
@@ -215,13 +220,13 @@ def test_causality_by_gradients(impl):
         gq, gk, gv = (np.asarray(g) for g in grad_fn(q, k, v, w))
         others = np.arange(T) != t
         assert np.all(gq[:, others] == 0), (t, np.abs(gq[:, others]).max())
-        assert np.all(gk[:, t + 1:] == 0), (t, np.abs(gk[:, t + 1:]).max())
-        assert np.all(gv[:, t + 1:] == 0), (t, np.abs(gv[:, t + 1:]).max())
+        assert np.all(gk[:, t + 1 :] == 0), (t, np.abs(gk[:, t + 1 :]).max())
+        assert np.all(gv[:, t + 1 :] == 0), (t, np.abs(gv[:, t + 1 :]).max())
         # ...and the dependence on the past is really there.
         assert np.all(np.abs(gq[:, t]).max(axis=(-1, -2)) > 0)
-        assert np.all(np.abs(gv[:, :t + 1]).max(axis=(0, -1, -2)) > 0)
+        assert np.all(np.abs(gv[:, : t + 1]).max(axis=(0, -1, -2)) > 0)
         if t > 0:  # with a single key the output is v_0 whatever k_0 is
-            assert np.all(np.abs(gk[:, :t + 1]).max(axis=(0, -1, -2)) > 0)
+            assert np.all(np.abs(gk[:, : t + 1]).max(axis=(0, -1, -2)) > 0)
 
 
 @pytest.mark.parametrize("impl", ops.IMPLS)
@@ -235,12 +240,13 @@ def test_future_inputs_do_not_change_past_outputs(impl):
     q, k, v = _inputs(10, T, dtype=jnp.float32)
     rng = np.random.default_rng(11)
     later = (jnp.arange(T) > t)[None, :, None, None]
-    q2, k2, v2 = (jnp.where(later, jnp.asarray(100 * rng.standard_normal(x.shape), x.dtype), x)
-                  for x in (q, k, v))
+    q2, k2, v2 = (
+        jnp.where(later, jnp.asarray(100 * rng.standard_normal(x.shape), x.dtype), x) for x in (q, k, v)
+    )
     op = _op(impl, 4)
     out, out2 = op(q, k, v), op(q2, k2, v2)
-    assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
-    chex.assert_trees_all_equal(out[:, :t + 1], out2[:, :t + 1])
+    assert not np.allclose(out[:, t + 1 :], out2[:, t + 1 :])
+    chex.assert_trees_all_equal(out[:, : t + 1], out2[:, : t + 1])
 
 
 def test_default_chunk_size_and_impl_under_jit(x64):
@@ -252,8 +258,12 @@ def test_default_chunk_size_and_impl_under_jit(x64):
 def test_static_kwargs_via_static_argnames(x64):
     q, k, v = _inputs(1, 37)
     fn = jax.jit(ops.causal_linear_attention, static_argnames=("impl", "chunk_size", "feature_map"))
-    chex.assert_trees_all_close(fn(q, k, v, impl="chunked", chunk_size=5, feature_map="elu"),
-                                _quadratic_expected(1, 37, "elu"), rtol=1e-10, atol=1e-10)
+    chex.assert_trees_all_close(
+        fn(q, k, v, impl="chunked", chunk_size=5, feature_map="elu"),
+        _quadratic_expected(1, 37, "elu"),
+        rtol=1e-10,
+        atol=1e-10,
+    )
 
 
 @pytest.mark.parametrize("T,chunk_size", [(11, 4), (12, 12), (6, 1)])
@@ -262,7 +272,12 @@ def test_chunked_gradients_match_numerical_derivatives(x64, T, chunk_size):
     q, k, v = _inputs(12, T, scale=0.5)
     jax.test_util.check_grads(
         lambda q, k, v: ops.causal_linear_attention(q, k, v, impl="chunked", chunk_size=chunk_size),
-        (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+        (q, k, v),
+        order=1,
+        modes=["rev"],
+        atol=1e-6,
+        rtol=1e-6,
+    )
 
 
 def test_bfloat16_gradients_are_bfloat16_and_close_to_float32():
@@ -272,8 +287,7 @@ def test_bfloat16_gradients_are_bfloat16_and_close_to_float32():
     got = _grad_fn("chunked", chunk_size, "elu")(q, k, v, w)
     assert all(g.dtype == jnp.bfloat16 for g in got)
     chex.assert_tree_all_finite(got)
-    expected = _grad_fn("quadratic", chunk_size, "elu")(
-        *(x.astype(jnp.float32) for x in (q, k, v, w)))
+    expected = _grad_fn("quadratic", chunk_size, "elu")(*(x.astype(jnp.float32) for x in (q, k, v, w)))
     for g, e in zip(got, expected):
         scale = float(jnp.max(jnp.abs(e)))
         chex.assert_trees_all_close(g.astype(jnp.float32), e, atol=2e-2 * scale, rtol=0)
@@ -284,6 +298,7 @@ def test_bfloat16_gradients_are_bfloat16_and_close_to_float32():
 def test_segmented_chunked_form_matches_quadratic(x64, monkeypatch, segment, T, chunk_size):
     """The chunked form scanned over segments (CPU) or all at once (GPU): same values, same grads."""
     from linear_transformers.ops import causal_linear
+
     monkeypatch.setattr(causal_linear, "segment_length", lambda platform=None: segment)
     q, k, v = _inputs(14, T)
     w = _grad_weights(T)
@@ -294,7 +309,7 @@ def test_segmented_chunked_form_matches_quadratic(x64, monkeypatch, segment, T, 
 
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     chex.assert_trees_all_close(out, _quadratic_expected(14, T, "elu"), rtol=1e-10, atol=1e-12)
-    expected = jax.grad(lambda q, k, v: jnp.sum(ops.causal_linear_attention(
-        q, k, v, impl="quadratic") * w), argnums=(0, 1, 2))(q, k, v)
+    expected = jax.grad(
+        lambda q, k, v: jnp.sum(ops.causal_linear_attention(q, k, v, impl="quadratic") * w), argnums=(0, 1, 2)
+    )(q, k, v)
     chex.assert_trees_all_close(grads, expected, rtol=1e-8, atol=1e-10)
-

@@ -16,8 +16,9 @@ SMOKE = "configs/digits.py:smoke,num_steps=2,eval_every=0,sample_every=0"
 
 def _run(*args, env_extra=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
-    result = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     lines = result.stderr.strip().splitlines()
     return result.returncode, lines[-1] if lines else "", result.stderr
 
@@ -39,10 +40,13 @@ def _assert_one_line(rc, last, stderr, message):
 
 
 def test_a_missing_config_file(tmp_path):
-    rc, last, err = _run("experiments.train", "--config=configs/nope.py:smoke",
-                         f"--workdir={tmp_path}")
-    _assert_one_line(rc, last, err, "train: error: config file 'configs/nope.py' (--config) "
-                                    "does not exist; the configs are configs/{")
+    rc, last, err = _run("experiments.train", "--config=configs/nope.py:smoke", f"--workdir={tmp_path}")
+    _assert_one_line(
+        rc,
+        last,
+        err,
+        "train: error: config file 'configs/nope.py' (--config) does not exist; the configs are configs/{",
+    )
 
 
 def test_a_workdir_that_is_a_file(tmp_path):
@@ -52,17 +56,27 @@ def test_a_workdir_that_is_a_file(tmp_path):
 
 
 def test_a_config_value_of_the_wrong_sign(tmp_path):
-    rc, last, err = _run("experiments.train", f"--config={SMOKE}", "--config.batch_size=-3",
-                         f"--workdir={tmp_path}")
+    rc, last, err = _run(
+        "experiments.train", f"--config={SMOKE}", "--config.batch_size=-3", f"--workdir={tmp_path}"
+    )
     _assert_one_line(rc, last, err, "train: error: config.batch_size must be >= 1, got -3.")
 
 
 def test_a_workdir_in_use_by_another_run(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from experiments.training.workdir_lock import WorkdirLock\n"
-                               "WorkdirLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\n"
-                               "time.sleep(120)", str(tmp_path)],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from experiments.training.workdir_lock import WorkdirLock\n"
+            "WorkdirLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\n"
+            "time.sleep(120)",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         rc, last, err = _run("experiments.train", f"--config={SMOKE}", f"--workdir={tmp_path}")
@@ -75,6 +89,7 @@ def test_a_workdir_in_use_by_another_run(tmp_path):
 def test_damaged_checkpoints_without_checksums(trained, tmp_path):
     # Orbax itself reads the damaged bytes here (no manifest to check them against first).
     import shutil
+
     workdir = tmp_path / "w"
     shutil.copytree(trained, workdir)
     for step_dir in (workdir / "checkpoints").iterdir():
@@ -82,8 +97,7 @@ def test_damaged_checkpoints_without_checksums(trained, tmp_path):
             (step_dir / "checksums.json").unlink()
             for path in step_dir.rglob("d/*"):
                 path.write_bytes(path.read_bytes()[:20])
-    config = ("configs/digits.py:smoke,num_steps=4,checkpoint_every=2,eval_every=0,"
-              "sample_every=0")
+    config = "configs/digits.py:smoke,num_steps=4,checkpoint_every=2,eval_every=0,sample_every=0"
     rc, last, err = _run("experiments.train", f"--config={config}", f"--workdir={workdir}")
     _assert_one_line(rc, last, err, "train: error: no intact checkpoint in ")
     assert "checkpoint step 4" in last and "checkpoint step 2" in last and "moved to" in last
@@ -97,6 +111,7 @@ def test_sampling_a_step_that_does_not_exist(trained):
 
 def test_sampling_a_workdir_with_a_broken_config_json(trained, tmp_path):
     import shutil
+
     workdir = tmp_path / "w"
     shutil.copytree(trained, workdir)
     (workdir / "config.json").write_text('{"dataset": "digits", ')

@@ -41,7 +41,7 @@ def test_decoder_only_layout_separators_and_loss_mask():
     for b, n in enumerate(ex.lengths_B):
         s = ex.symbols_BW[b, :n]
         expected = np.zeros(32, np.int32)
-        expected[1:n + 1], expected[n + 2:2 * n + 2] = s, s
+        expected[1 : n + 1], expected[n + 2 : 2 * n + 2] = s, s
         np.testing.assert_array_equal(tokens[b], expected)
         assert tokens[b, 0] == ct.SEPARATOR and tokens[b, n + 1] == ct.SEPARATOR
         masked = np.flatnonzero(batch.mask_BT[b])
@@ -60,8 +60,9 @@ def test_encoder_decoder_layout():
 
 
 def test_batches_are_a_function_of_seed_and_step():
-    make = lambda seed: ct.CopyBatches(batch_size=4, max_length=16, num_symbols=3,  # noqa: E731
-                                       model="decoder", seed=seed)
+    def make(seed):
+        return ct.CopyBatches(batch_size=4, max_length=16, num_symbols=3, model="decoder", seed=seed)
+
     np.testing.assert_array_equal(make(0).batch(5).inputs_BT, make(0).batch(5).inputs_BT)
     assert not np.array_equal(make(0).batch(5).inputs_BT, make(0).batch(6).inputs_BT)
     assert not np.array_equal(make(0).batch(5).inputs_BT, make(1).batch(5).inputs_BT)
@@ -81,8 +82,7 @@ def test_accuracy_counts():
     mask = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
     predicted = jnp.array([[1, 2, 3, 9], [4, 1, 0, 0]])  # unmasked position wrong: not counted
     counts = copy_loop.accuracy_counts(predicted, targets, mask)
-    assert {k: int(v) for k, v in counts.items()} == {"correct": 4, "symbols": 5, "exact": 1,
-                                                      "sequences": 2}
+    assert {k: int(v) for k, v in counts.items()} == {"correct": 4, "symbols": 5, "exact": 1, "sequences": 2}
 
 
 def test_step_schedule_drops_at_decay_steps():
@@ -99,15 +99,21 @@ def test_step_schedule_drops_at_decay_steps():
         make_schedule(c)
 
 
-@pytest.mark.parametrize("arg,match", [
-    ("smoke,encoder_attention=linear", "applies to model='encoder_decoder' only"),
-    ("smoke,attention=linformer", "'linformer' has no causal form"),
-    ("smoke,attention=sparse", "not a registered attention kind"),
-    ("smoke,max_length=4", "too short"),
-    ("smoke,model=gpt", "model must be one of"),
-    ("smoke,keep_checkpoints=0", r"config.keep_checkpoints must be >= 1, got 0 \(0 would leave "
-                                 r"no checkpoint to resume from\)"),
-])
+@pytest.mark.parametrize(
+    "arg,match",
+    [
+        ("smoke,encoder_attention=linear", "applies to model='encoder_decoder' only"),
+        ("smoke,attention=linformer", "'linformer' has no causal form"),
+        ("smoke,attention=sparse", "not a registered attention kind"),
+        ("smoke,max_length=4", "too short"),
+        ("smoke,model=gpt", "model must be one of"),
+        (
+            "smoke,keep_checkpoints=0",
+            r"config.keep_checkpoints must be >= 1, got 0 \(0 would leave "
+            r"no checkpoint to resume from\)",
+        ),
+    ],
+)
 def test_bad_configs_fail_before_training(tmp_path, arg, match):
     with pytest.raises(ValueError, match=match):
         copy_loop.train_and_evaluate(copy_config.get_config(arg), tmp_path)
@@ -126,22 +132,22 @@ def test_unknown_keys_and_tasks_are_named(tmp_path):
         copy_config.get_config("big")
 
 
-@pytest.mark.parametrize("arg", ["lsh4", "performer", "encoder_decoder,smoke,linformer",
-                                 "encoder_decoder,smoke,lsh1"])
+@pytest.mark.parametrize(
+    "arg", ["lsh4", "performer", "encoder_decoder,smoke,linformer", "encoder_decoder,smoke,lsh1"]
+)
 def test_every_variant_builds_a_model_whose_loss_is_finite(arg):
-    config = copy_config.get_config(("smoke," if "smoke" not in arg else "") + arg +
-                                    ",model_dim=32")
+    config = copy_config.get_config(("smoke," if "smoke" not in arg else "") + arg + ",model_dim=32")
     copy_loop.check_copy_config(config)
     model = copy_loop.build_model(config)
-    batch = ct.CopyBatches(batch_size=4, max_length=config.max_length,
-                           num_symbols=config.num_symbols, model=config.model, seed=0).batch(0)
+    batch = ct.CopyBatches(
+        batch_size=4, max_length=config.max_length, num_symbols=config.num_symbols, model=config.model, seed=0
+    ).batch(0)
     loss, counts = copy_loop.loss_and_counts(model, batch)
     assert np.isfinite(float(loss)) and int(counts["sequences"]) == 4
 
 
 def test_decoder_only_linear_learns_to_copy(tmp_path):
-    config = copy_config.get_config("smoke,num_steps=400,eval_every=400,log_every=100,"
-                                    "checkpoint_every=0")
+    config = copy_config.get_config("smoke,num_steps=400,eval_every=400,log_every=100,checkpoint_every=0")
     result = tasks.train_and_evaluate(config, tmp_path)
     assert result["step"] == 400
     assert result["token_accuracy"] > 0.9, result
@@ -151,9 +157,11 @@ def test_decoder_only_linear_learns_to_copy(tmp_path):
 
 
 def test_encoder_decoder_greedy_decoding_copies(tmp_path):
-    config = copy_config.get_config("encoder_decoder,smoke,num_layers=1,model_dim=64,"
-                                    "feed_forward_dim=128,num_steps=300,eval_every=300,"
-                                    "checkpoint_every=0")
+    config = copy_config.get_config(
+        "encoder_decoder,smoke,num_layers=1,model_dim=64,"
+        "feed_forward_dim=128,num_steps=300,eval_every=300,"
+        "checkpoint_every=0"
+    )
     result = tasks.train_and_evaluate(config, tmp_path)
     assert result["greedy_sequence_accuracy"] > 0.9, result
     # An exact teacher-forced copy and an exact greedy copy are the same event.
@@ -170,8 +178,11 @@ def test_the_copy_trainer_runs_in_bfloat16(tmp_path):
 
 def test_comparison_writes_table_curves_and_plot(tmp_path):
     options = copy_comparison.CopyComparisonOptions(
-        runs=("decoder/lsh-4", "enc-dec/linformer+linear"), size="smoke",
-        overrides="num_steps=4,eval_every=4,model_dim=32", out_dir=str(tmp_path))
+        runs=("decoder/lsh-4", "enc-dec/linformer+linear"),
+        size="smoke",
+        overrides="num_steps=4,eval_every=4,model_dim=32",
+        out_dir=str(tmp_path),
+    )
     lines = []
     rows = copy_comparison.run_and_report(options, log=lines.append)
     assert [r["run"] for r in rows] == list(options.runs)
@@ -179,8 +190,7 @@ def test_comparison_writes_table_curves_and_plot(tmp_path):
     # A reformer decoder has no recurrent form: greedy by re-running it on each prefix.
     assert 0 <= rows[0]["greedy_sequence_accuracy"] <= 1
     assert 0 <= rows[1]["greedy_sequence_accuracy"] <= 1
-    for name in ("copy_results.csv", "copy_curves.csv", "copy_results.json",
-                 "copy_convergence.png"):
+    for name in ("copy_results.csv", "copy_curves.csv", "copy_results.json", "copy_convergence.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| decoder/lsh-4 | 4 |" in lines[-1]
     with pytest.raises(ValueError, match="unknown copy runs"):
@@ -189,35 +199,57 @@ def test_comparison_writes_table_curves_and_plot(tmp_path):
 
 def test_train_command_runs_the_copy_config(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.train", "--config", "configs/copy.py:smoke",
-         "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--config",
+            "configs/copy.py:smoke",
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "token_accuracy=" in out.stdout and "step=10" in out.stdout
 
 
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
-    config = copy_config.get_config("smoke,num_steps=30,learning_rate=1e30,grad_clip=0.0,"
-                                    "checkpoint_every=1,eval_every=0,log_every=1")
+    config = copy_config.get_config(
+        "smoke,num_steps=30,learning_rate=1e30,grad_clip=0.0,checkpoint_every=1,eval_every=0,log_every=1"
+    )
     with pytest.raises(copy_loop.NonFiniteLossError, match="non-finite loss .* at step") as error:
         copy_loop.train_and_evaluate(config, tmp_path)
     bad_step = int(str(error.value).split("at step ")[1].split()[0])
     latest = int(str(error.value).split("latest checkpoint (")[1].split(")")[0])
     assert latest == bad_step
     from experiments.training.checkpoints import Checkpointer
+
     restored = Checkpointer(tmp_path / "checkpoints").restore(copy_loop._CopyTrainer(config).state)
     assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(restored))
 
 
 # ---- config.mesh: sequence parallelism (multi-device runs: tests/multidevice/) ----
 
-@pytest.mark.parametrize("arg,match", [
-    ("smoke,mesh.sequence=2,attention=reformer",
-     r"config.attention='reformer' has no sequence-parallel form"),
-    ("encoder_decoder,smoke,linformer,mesh.sequence=2",
-     r"config.encoder_attention='linformer' has no sequence-parallel form"),
-    ("smoke,mesh.sequence=0", r"config.mesh.sequence must be a positive int"),
-    ("smoke,mesh.data=0", r"config.mesh.data must be a positive int, or -1"),
-])
+
+@pytest.mark.parametrize(
+    "arg,match",
+    [
+        (
+            "smoke,mesh.sequence=2,attention=reformer",
+            r"config.attention='reformer' has no sequence-parallel form",
+        ),
+        (
+            "encoder_decoder,smoke,linformer,mesh.sequence=2",
+            r"config.encoder_attention='linformer' has no sequence-parallel form",
+        ),
+        ("smoke,mesh.sequence=0", r"config.mesh.sequence must be a positive int"),
+        ("smoke,mesh.data=0", r"config.mesh.data must be a positive int, or -1"),
+    ],
+)
 def test_bad_mesh_configs_fail_before_training(tmp_path, arg, match):
     with pytest.raises(ValueError, match=match):
         copy_loop.train_and_evaluate(copy_config.get_config(arg), tmp_path)
@@ -225,28 +257,35 @@ def test_bad_mesh_configs_fail_before_training(tmp_path, arg, match):
 
 def test_mesh_larger_than_the_devices_is_named(tmp_path):
     n = jax.device_count()
-    with pytest.raises(ValueError, match=rf"config.mesh.sequence={8 * n} does not divide the {n} "
-                                         r"devices"):
-        copy_loop.train_and_evaluate(copy_config.get_config(f"smoke,mesh.sequence={8 * n}"),
-                                     tmp_path)
-    with pytest.raises(ValueError, match=rf"data={2 * n} x sequence=1 = {2 * n} devices, but "
-                                         rf"there are {n}"):
-        copy_loop.train_and_evaluate(copy_config.get_config(f"smoke,mesh.data={2 * n}"),
-                                     tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=rf"config.mesh.sequence={8 * n} does not divide the {n} "
+        r"devices",
+    ):
+        copy_loop.train_and_evaluate(copy_config.get_config(f"smoke,mesh.sequence={8 * n}"), tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=rf"data={2 * n} x sequence=1 = {2 * n} devices, but "
+        rf"there are {n}",
+    ):
+        copy_loop.train_and_evaluate(copy_config.get_config(f"smoke,mesh.data={2 * n}"), tmp_path)
 
 
 @pytest.mark.parametrize("model", ["decoder", "encoder_decoder"])
 def test_padding_time_for_the_sequence_axis_changes_no_loss(model):
     # The sequence-parallel trainer pads time to a multiple of mesh.sequence; the loss and the
     # accuracy counts must be those of the unpadded batch.
-    config = copy_config.get_config(("encoder_decoder," if model != "decoder" else "") +
-                                    "smoke,max_length=32,model_dim=32,num_layers=1")
+    config = copy_config.get_config(
+        ("encoder_decoder," if model != "decoder" else "") + "smoke,max_length=32,model_dim=32,num_layers=1"
+    )
     model = copy_loop.build_model(config)
     model.eval()
     from flax import nnx
+
     loss_and_counts = nnx.jit(copy_loop.loss_and_counts)  # one compile beats op-by-op
-    batch = ct.CopyBatches(batch_size=4, max_length=32, num_symbols=config.num_symbols,
-                           model=config.model, seed=3).batch(0)
+    batch = ct.CopyBatches(
+        batch_size=4, max_length=32, num_symbols=config.num_symbols, model=config.model, seed=3
+    ).batch(0)
     padded = copy_loop.pad_time(batch, 8)
     assert all(np.asarray(x).ndim == 1 or np.asarray(x).shape[1] % 8 == 0 for x in padded)
     assert copy_loop.pad_time(padded, 8) is not padded  # a new batch, ...
@@ -260,11 +299,13 @@ def test_padding_time_for_the_sequence_axis_changes_no_loss(model):
 
 def test_long_variant_is_a_sequence_parallel_32k_config_with_fast_batches():
     import time
+
     config = copy_config.get_config("long")
     assert config.max_length >= 32768 and config.mesh.sequence == 8
     assert copy_loop.attention_kinds(config) == {"attention": "linear"}
-    batches = ct.CopyBatches(batch_size=2, max_length=config.max_length,
-                             num_symbols=config.num_symbols, model=config.model, seed=0)
+    batches = ct.CopyBatches(
+        batch_size=2, max_length=config.max_length, num_symbols=config.num_symbols, model=config.model, seed=0
+    )
     start = time.perf_counter()
     batch = batches.batch(0)
     assert time.perf_counter() - start < 1.0  # vectorised numpy, no loop per symbol
@@ -272,24 +313,25 @@ def test_long_variant_is_a_sequence_parallel_32k_config_with_fast_batches():
     n_B = batch.mask_BT.sum(1).astype(int)
     for b, n in enumerate(n_B):  # the copy is the symbols, after the separator
         tokens = np.concatenate([batch.inputs_BT[b, :1], batch.targets_BT[b]])
-        np.testing.assert_array_equal(tokens[n + 2:2 * n + 2], tokens[1:n + 1])
+        np.testing.assert_array_equal(tokens[n + 2 : 2 * n + 2], tokens[1 : n + 1])
     if jax.device_count() < 8:
         with pytest.raises(ValueError, match="config.mesh.sequence=8 does not divide"):
             copy_loop.check_copy_config(config)
 
 
 def test_a_run_that_fails_before_training_leaves_config_json_as_it_was(tmp_path):
-    copy_loop.train_and_evaluate(copy_config.get_config("smoke,num_steps=2,eval_every=0"),
-                                 tmp_path)
+    copy_loop.train_and_evaluate(copy_config.get_config("smoke,num_steps=2,eval_every=0"), tmp_path)
     saved = (tmp_path / "config.json").read_text()
     with pytest.raises(ValueError, match="not a registered attention kind"):
         copy_loop.train_and_evaluate(copy_config.get_config("smoke,attention=sparse"), tmp_path)
     # Valid, but its model does not fit the checkpoint in the workdir: the keys that differ
     # from the run that wrote it are named.
-    with pytest.raises(ValueError, match=r"cannot restore checkpoint step 2 .* this config "
-                                         r"differs in eval_every: 0 -> 10; model_dim: 64 -> 48; "
-                                         r"num_steps: 2 -> 4\. "
-                                         r"Resume with that run's config"):
-        copy_loop.train_and_evaluate(copy_config.get_config("smoke,num_steps=4,model_dim=48"),
-                                     tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"cannot restore checkpoint step 2 .* this config "
+        r"differs in eval_every: 0 -> 10; model_dim: 64 -> 48; "
+        r"num_steps: 2 -> 4\. "
+        r"Resume with that run's config",
+    ):
+        copy_loop.train_and_evaluate(copy_config.get_config("smoke,num_steps=4,model_dim=48"), tmp_path)
     assert (tmp_path / "config.json").read_text() == saved

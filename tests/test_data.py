@@ -57,12 +57,18 @@ def _write_cifar(folder, seed=0):
     datas = {}
     for batch, n in rows.items():
         datas[batch] = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
-        content = {b"batch_label": batch.encode(), b"labels": [int(v) for v in rng.integers(0, 10, n)],
-                   b"data": datas[batch], b"filenames": [b"x.png"] * n}
+        content = {
+            b"batch_label": batch.encode(),
+            b"labels": [int(v) for v in rng.integers(0, 10, n)],
+            b"data": datas[batch],
+            b"filenames": [b"x.png"] * n,
+        }
         with open(os.path.join(batch_dir, batch), "wb") as f:
             pickle.dump(content, f, protocol=2)  # the real files are Python 2 pickles
-    return {"train": np.concatenate([datas[b] for b in builders.CIFAR10_BATCHES["train"]]),
-            "test": datas["test_batch"]}
+    return {
+        "train": np.concatenate([datas[b] for b in builders.CIFAR10_BATCHES["train"]]),
+        "test": datas["test_batch"],
+    }
 
 
 @pytest.mark.parametrize("gz", [True, False])
@@ -118,10 +124,12 @@ def test_mnist_download_fetches_only_missing_files(tmp_path, monkeypatch):
         return {key: tmp_path / "server" / (url.rsplit("/", 1)[1]) for key, url in urls.items()}
 
     monkeypatch.setattr(tfds.download.DownloadManager, "download", fake_download)
-    train = data.load_images("mnist", "train", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "manual",
-                             download=True)
-    assert sorted(requested) == sorted(builders.MNIST_URL + stem + ".gz"
-                                       for stem in builders.MNIST_FILES["train"])
+    train = data.load_images(
+        "mnist", "train", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "manual", download=True
+    )
+    assert sorted(requested) == sorted(
+        builders.MNIST_URL + stem + ".gz" for stem in builders.MNIST_FILES["train"]
+    )
     np.testing.assert_array_equal(train[..., 0], served["train"][0])
     test = data.load_images("mnist", "test", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "manual")
     np.testing.assert_array_equal(test[..., 0], raw["test"][0])
@@ -135,7 +143,7 @@ def _cifar_reference(rows_Nx3072):
         for channel in range(3):
             for y in range(32):
                 start = channel * 1024 + y * 32
-                out[i, y, :, channel] = rows_Nx3072[i, start:start + 32]
+                out[i, y, :, channel] = rows_Nx3072[i, start : start + 32]
     return out
 
 
@@ -170,10 +178,13 @@ def test_digits_are_sklearn_digits(tmp_path):
     assert data.num_classes("digits") == 17 == data.dataset_info("digits").num_classes
 
 
-@pytest.mark.parametrize("name, files", [
-    ("mnist", ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", builders.MNIST_URL]),
-    ("cifar10", [builders.CIFAR10_ARCHIVE, builders.CIFAR10_DIR, builders.CIFAR10_URL]),
-])
+@pytest.mark.parametrize(
+    "name, files",
+    [
+        ("mnist", ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", builders.MNIST_URL]),
+        ("cifar10", [builders.CIFAR10_ARCHIVE, builders.CIFAR10_DIR, builders.CIFAR10_URL]),
+    ],
+)
 def test_missing_data_fails_fast_and_says_what_to_do(tmp_path, name, files):
     manual = tmp_path / "nothing_here"
     start = time.monotonic()
@@ -191,8 +202,11 @@ def test_missing_data_names_the_default_manual_dir(tmp_path):
 
 
 def test_unknown_names_list_the_known_ones(tmp_path):
-    for call in (lambda: data.load_images("imagenet", "train", data_dir=tmp_path),
-                 lambda: data.num_classes("imagenet"), lambda: data.dataset_info("imagenet")):
+    for call in (
+        lambda: data.load_images("imagenet", "train", data_dir=tmp_path),
+        lambda: data.num_classes("imagenet"),
+        lambda: data.dataset_info("imagenet"),
+    ):
         with pytest.raises(ValueError, match="mnist, cifar10, digits"):
             call()
     with pytest.raises(ValueError, match="train, test"):

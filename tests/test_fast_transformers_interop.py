@@ -38,7 +38,7 @@ def _load(name: str) -> dict:
 
 def _split(case: dict):
     meta = json.loads(str(case["meta"]))
-    state = {k[len("state/"):]: v for k, v in case.items() if k.startswith("state/")}
+    state = {k[len("state/") :]: v for k, v in case.items() if k.startswith("state/")}
     return meta, state
 
 
@@ -66,15 +66,13 @@ def check_encoder(case: dict):
     config = _config(meta)
     encoder = encoder_from_fast_transformers(state, config, causal=meta["causal"])
     x, lengths = jnp.asarray(case["input/x"]), jnp.asarray(case["input/lengths"])
-    np.testing.assert_allclose(encoder(x, key_lengths=lengths), case["output/parallel"],
-                               atol=ATOL, rtol=0)
+    np.testing.assert_allclose(encoder(x, key_lengths=lengths), case["output/parallel"], atol=ATOL, rtol=0)
     if meta["causal"]:
         B, T, _ = x.shape
         theirs = case["output/recurrent"]
         # Their recurrent encoder reads every token unmasked: our steps and prefill, and our
         # parallel form without lengths, equal it everywhere.
-        np.testing.assert_allclose(_steps(encoder, encoder.init_state(B, T), x), theirs,
-                                   atol=ATOL, rtol=0)
+        np.testing.assert_allclose(_steps(encoder, encoder.init_state(B, T), x), theirs, atol=ATOL, rtol=0)
         _, y = encoder.prefill(encoder.init_state(B, T), x)
         np.testing.assert_allclose(y, theirs, atol=ATOL, rtol=0)
         np.testing.assert_allclose(encoder(x), theirs, atol=ATOL, rtol=0)
@@ -105,8 +103,7 @@ def check_decoder(case: dict):
 def check_generator(case: dict):
     meta, state = _split(case)
     kwargs = meta["generator_kwargs"]
-    config = generator_config(state, attention_type=kwargs["attention_type"],
-                              n_heads=kwargs["n_heads"])
+    config = generator_config(state, attention_type=kwargs["attention_type"], n_heads=kwargs["n_heads"])
     model = image_generator_from_fast_transformers(state, config)
     images = jnp.asarray(case["input/images"])
     B, L = images.shape
@@ -123,8 +120,7 @@ def check_generator(case: dict):
     np.testing.assert_allclose(params, case["output/recurrent"], atol=ATOL, rtol=0)
     # Their PixelCNN++ likelihood of x[1:] (x_0 is never scored) and every class's probability
     # at every position: the conditional distribution the samples are drawn from.
-    np.testing.assert_allclose(model.log_prob(images), case["output/log_prob"], atol=1e-4,
-                               rtol=1e-5)
+    np.testing.assert_allclose(model.log_prob(images), case["output/log_prob"], atol=1e-4, rtol=1e-5)
     probs = mixture.mol_probs(model(images), model.num_classes)
     np.testing.assert_allclose(probs, case["output/probs"], atol=ATOL, rtol=0)
 
@@ -157,20 +153,27 @@ def test_a_wrong_weight_changes_the_output():
 
 # --- errors --------------------------------------------------------------------------------------
 
+
 def test_a_missing_key_is_named_with_its_shape():
     case = _load("encoder_linear")
     meta, state = _split(case)
     del state["layers.1.attention.key_projection.weight"]
-    with pytest.raises(ValueError, match=r"no 'layers.1.attention.key_projection.weight' "
-                                         r"\(expected shape \(15, 12\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"no 'layers.1.attention.key_projection.weight' "
+        r"\(expected shape \(15, 12\)\)",
+    ):
         encoder_from_fast_transformers(state, _config(meta))
 
 
 def test_a_shape_that_does_not_fit_the_config_is_named():
     meta, state = _split(_load("encoder_linear"))
     config = TransformerConfig.from_kwargs(**dict(meta["builder_kwargs"], query_dimensions=6))
-    with pytest.raises(ValueError, match=r"'layers.0.attention.query_projection.weight' has shape "
-                                         r"\(15, 12\); this config expects \(18, 12\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'layers.0.attention.query_projection.weight' has shape "
+        r"\(15, 12\); this config expects \(18, 12\)",
+    ):
         encoder_from_fast_transformers(state, config)
 
 
@@ -189,8 +192,9 @@ def test_unexpected_keys_and_layer_counts_are_named():
 
 def test_kinds_without_the_authors_weights_layout_are_refused():
     meta, state = _split(_load("encoder_linear"))
-    config = TransformerConfig(num_layers=2, num_heads=3, model_dim=12, query_dim=5,
-                               value_dim=4, attention="reformer")
+    config = TransformerConfig(
+        num_layers=2, num_heads=3, model_dim=12, query_dim=5, value_dim=4, attention="reformer"
+    )
     with pytest.raises(ValueError, match=r"kind 'reformer' cannot be converted"):
         encoder_from_fast_transformers(state, config)
     config = TransformerConfig.from_kwargs(**dict(meta["builder_kwargs"], feature_map="favor"))
@@ -228,9 +232,12 @@ def test_load_torch_checkpoint_without_torch_says_how_to_install(monkeypatch, tm
 
 # --- live, with the authors' library -------------------------------------------------------------
 
+
 def _live():
-    return pytest.importorskip("fast_transformers", reason="pytorch-fast-transformers not "
-                               "installed: the fixtures above cover the comparison")
+    return pytest.importorskip(
+        "fast_transformers",
+        reason="pytorch-fast-transformers not installed: the fixtures above cover the comparison",
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -238,30 +245,51 @@ def test_live_random_sizes_match_the_authors_library(seed):
     _live()
     rng = np.random.default_rng(seed)
     n_heads, d_query, d_value = (int(v) for v in rng.integers(1, 5, 3) + (0, 1, 1))
-    builder = dict(n_layers=int(rng.integers(1, 4)), n_heads=n_heads, query_dimensions=d_query,
-                   value_dimensions=d_value, feed_forward_dimensions=int(rng.integers(4, 33)),
-                   activation=str(rng.choice(["relu", "gelu"])),
-                   final_normalization=bool(rng.integers(2)))
+    builder = dict(
+        n_layers=int(rng.integers(1, 4)),
+        n_heads=n_heads,
+        query_dimensions=d_query,
+        value_dimensions=d_value,
+        feed_forward_dimensions=int(rng.integers(4, 33)),
+        activation=str(rng.choice(["relu", "gelu"])),
+        final_normalization=bool(rng.integers(2)),
+    )
     length, batch = int(rng.integers(2, 12)), int(rng.integers(1, 4))
-    for kind, causal in (("full", False), ("full", True), ("linear", False),
-                         ("causal-linear", True)):
-        check_encoder(cases.encoder_case(dict(builder, attention_type=kind), causal=causal,
-                                         batch=batch, length=length, seed=seed))
-    for self_kind, cross_kind in (("full", "full"), ("causal-linear", "linear"),
-                                  ("causal-linear", "full")):
-        check_decoder(cases.decoder_case(
-            dict(builder, self_attention_type=self_kind, cross_attention_type=cross_kind),
-            batch=batch, length=length, memory_length=int(rng.integers(1, 9)), seed=seed))
+    for kind, causal in (("full", False), ("full", True), ("linear", False), ("causal-linear", True)):
+        check_encoder(
+            cases.encoder_case(
+                dict(builder, attention_type=kind), causal=causal, batch=batch, length=length, seed=seed
+            )
+        )
+    for self_kind, cross_kind in (("full", "full"), ("causal-linear", "linear"), ("causal-linear", "full")):
+        check_decoder(
+            cases.decoder_case(
+                dict(builder, self_attention_type=self_kind, cross_attention_type=cross_kind),
+                batch=batch,
+                length=length,
+                memory_length=int(rng.integers(1, 9)),
+                seed=seed,
+            )
+        )
     for kind in ("causal-linear", "full"):
-        check_generator(cases.generator_case(kind, d_model=4 * int(rng.integers(1, 5)) * 2,
-                                             n_heads=2, n_layers=int(rng.integers(1, 3)),
-                                             mixtures=int(rng.integers(1, 5)),
-                                             image_length=length + 1, batch=batch, seed=seed))
+        check_generator(
+            cases.generator_case(
+                kind,
+                d_model=4 * int(rng.integers(1, 5)) * 2,
+                n_heads=2,
+                n_layers=int(rng.integers(1, 3)),
+                mixtures=int(rng.integers(1, 5)),
+                image_length=length + 1,
+                batch=batch,
+                seed=seed,
+            )
+        )
 
 
 def test_live_load_torch_checkpoint_reads_a_saved_state_dict(tmp_path):
     _live()
     import torch
+
     case = cases.generator_case("causal-linear", seed=3)
     _, state = _split(case)
     path = tmp_path / "model.pth"
@@ -269,8 +297,7 @@ def test_live_load_torch_checkpoint_reads_a_saved_state_dict(tmp_path):
     loaded = load_torch_checkpoint(path)
     assert sorted(loaded) == sorted(state)
     assert all(np.array_equal(loaded[k], state[k]) for k in state)
-    torch.save({"epoch": 3, "state_dict": {k: torch.from_numpy(v) for k, v in state.items()}},
-               path)
+    torch.save({"epoch": 3, "state_dict": {k: torch.from_numpy(v) for k, v in state.items()}}, path)
     assert sorted(load_torch_checkpoint(path)) == sorted(state)
     torch.save([1, 2], path)
     with pytest.raises(ValueError, match=r"holds no state dict"):
@@ -285,13 +312,15 @@ def test_model_probabilities_sum_to_one_under_the_authors_parametrisation():
 
 # --- sampling the authors' demo models ------------------------------------------------------------
 
+
 def _mnist_sized_state(path):
     """The tiny generator's weights with a 783-row position table: a model of 28 x 28 images
     (the table is the only length-dependent array), saved as .npz."""
     _, state = _split(_load("generator_causal_linear"))
     width = state["pos_embedding.pe"].shape[-1]
-    angles = (np.arange(783, dtype=np.float32)[:, None]
-              * np.exp(np.arange(0, width, 2, dtype=np.float32) * np.float32(-np.log(1e4) / width)))
+    angles = np.arange(783, dtype=np.float32)[:, None] * np.exp(
+        np.arange(0, width, 2, dtype=np.float32) * np.float32(-np.log(1e4) / width)
+    )
     table = np.empty((1, 783, width), np.float32)
     table[0, :, 0::2], table[0, :, 1::2] = np.sin(angles), np.cos(angles)
     state["pos_embedding.pe"] = table
@@ -306,11 +335,20 @@ def test_sampling_an_authors_checkpoint_completes_test_images(tmp_path):
 
     test_images = _write_mnist(tmp_path / "raw", splits=("test",))["test"][0]
     checkpoint = _mnist_sized_state(tmp_path / "generator.npz")
-    common = dict(attention_type="causal-linear", n_heads=2, num_images=3, prefix_pixels=700,
-                  data_dir=tmp_path / "tfds", manual_dir=tmp_path / "raw")
-    results = {method: sample_from_fast_transformers(checkpoint, method=method,
-                                                     out=tmp_path / f"{method}.png", **common)
-               for method in ("recurrent", "recompute")}
+    common = dict(
+        attention_type="causal-linear",
+        n_heads=2,
+        num_images=3,
+        prefix_pixels=700,
+        data_dir=tmp_path / "tfds",
+        manual_dir=tmp_path / "raw",
+    )
+    results = {
+        method: sample_from_fast_transformers(
+            checkpoint, method=method, out=tmp_path / f"{method}.png", **common
+        )
+        for method in ("recurrent", "recompute")
+    }
     images = results["recurrent"]["images"]
     assert images.shape == (3, 784) and (tmp_path / "recurrent.png").is_file()
     np.testing.assert_array_equal(images[:, :700], test_images[:3].reshape(3, -1)[:, :700])
@@ -330,11 +368,15 @@ def test_the_sample_command_runs_an_authors_checkpoint(tmp_path):
 
     _write_mnist(tmp_path / "raw", splits=("test",))
     checkpoint = _mnist_sized_state(tmp_path / "generator.npz")
-    args = (f"--fast_transformers_checkpoint={checkpoint}", "--attention_type=causal-linear",
-            "--n_heads=2", "--num_images=2", f"--data_dir={tmp_path / 'tfds'}",
-            f"--manual_dir={tmp_path / 'raw'}")
-    rc, last, err = _run("experiments.sample", *args, "--prefix_pixels=760",
-                         f"--out={tmp_path / 'out.png'}")
+    args = (
+        f"--fast_transformers_checkpoint={checkpoint}",
+        "--attention_type=causal-linear",
+        "--n_heads=2",
+        "--num_images=2",
+        f"--data_dir={tmp_path / 'tfds'}",
+        f"--manual_dir={tmp_path / 'raw'}",
+    )
+    rc, last, err = _run("experiments.sample", *args, "--prefix_pixels=760", f"--out={tmp_path / 'out.png'}")
     assert rc == 0, err[-3000:]
     assert (tmp_path / "out.png").is_file()
     rc, last, err = _run("experiments.sample", *args, f"--workdir={tmp_path}")
@@ -343,8 +385,11 @@ def test_the_sample_command_runs_an_authors_checkpoint(tmp_path):
     (tmp_path / "no_torch").mkdir()
     (tmp_path / "no_torch" / "torch.py").write_text("raise ImportError('no torch here')\n")
     (tmp_path / "model.pth").write_bytes(b"not read")
-    rc, last, err = _run("experiments.sample", f"--fast_transformers_checkpoint="
-                         f"{tmp_path / 'model.pth'}", env_extra=torch_missing)
+    rc, last, err = _run(
+        "experiments.sample",
+        f"--fast_transformers_checkpoint={tmp_path / 'model.pth'}",
+        env_extra=torch_missing,
+    )
     _assert_one_line(rc, last, err, 'pip install "linear-transformers[torch]"')
 
 
@@ -353,9 +398,11 @@ def test_live_torch_tensors_are_read_as_they_are_bfloat16_included():
     import torch
 
     from linear_transformers.interop import as_numpy_state_dict
+
     weights = torch.randn(3, 4)
-    arrays = as_numpy_state_dict({"w": weights, "h": weights.to(torch.bfloat16),
-                                  "g": weights.requires_grad_(True)})
+    arrays = as_numpy_state_dict(
+        {"w": weights, "h": weights.to(torch.bfloat16), "g": weights.requires_grad_(True)}
+    )
     np.testing.assert_array_equal(arrays["g"], weights.detach().numpy())
     assert arrays["h"].dtype == np.float32
     np.testing.assert_array_equal(arrays["h"], weights.detach().to(torch.bfloat16).float().numpy())

@@ -18,22 +18,34 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED = 20261123
-CONFIG = ("configs/digits.py:smoke,num_steps=500,log_every=1,checkpoint_every=40,eval_every=150,"
-          "sample_every=0,dropout=0.1")
+CONFIG = (
+    "configs/digits.py:smoke,num_steps=500,log_every=1,checkpoint_every=40,eval_every=150,"
+    "sample_every=0,dropout=0.1"
+)
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -signal.SIGKILL}
 
 
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory):
     cache = tmp_path_factory.mktemp("jax_cache")
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
 
 
 def _command(workdir, data_dir):
-    return [sys.executable, "-m", "experiments.train", f"--config={CONFIG}",
-            f"--config.data_dir={data_dir}", f"--workdir={workdir}"]
+    return [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        f"--config={CONFIG}",
+        f"--config.data_dir={data_dir}",
+        f"--workdir={workdir}",
+    ]
 
 
 def _steps_logged(workdir) -> int:
@@ -42,15 +54,22 @@ def _steps_logged(workdir) -> int:
 
 
 def _losses(workdir) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl")
-               .read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    ]
     return [(r["step"], r["loss"]) for r in records if "loss" in r]
 
 
 def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(tmp_path, environment):
     data_dir = tmp_path / "tfds"
-    straight = subprocess.run(_command(tmp_path / "straight", data_dir), cwd=ROOT,
-                              env=environment, capture_output=True, text=True, timeout=600)
+    straight = subprocess.run(
+        _command(tmp_path / "straight", data_dir),
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     rng = random.Random(SEED)
@@ -60,8 +79,14 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(tmp_pa
     delivered = []
     for signum in signals:
         logged = _steps_logged(workdir)
-        process = subprocess.Popen(_command(workdir, data_dir), cwd=ROOT, env=environment,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            _command(workdir, data_dir),
+            cwd=ROOT,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 300
         while _steps_logged(workdir) <= logged and process.poll() is None:
             assert time.monotonic() < deadline, "the run never started training"
@@ -78,8 +103,9 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(tmp_pa
     print("delivered (signal, steps logged):", delivered)
     assert len(delivered) == 3, delivered
 
-    final = subprocess.run(_command(workdir, data_dir), cwd=ROOT, env=environment,
-                           capture_output=True, text=True, timeout=600)
+    final = subprocess.run(
+        _command(workdir, data_dir), cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600
+    )
     assert final.returncode == 0, final.stderr[-3000:]
     expected = _losses(tmp_path / "straight")
     assert [step for step, _ in expected] == list(range(1, 501))

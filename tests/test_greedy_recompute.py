@@ -14,8 +14,9 @@ B, T, V = 2, 8, 7
 
 
 def _config(attention, **options):
-    return TransformerConfig(num_layers=1, num_heads=2, model_dim=16, dropout=0.0,
-                             attention=attention, attention_options=options)
+    return TransformerConfig(
+        num_layers=1, num_heads=2, model_dim=16, dropout=0.0, attention=attention, attention_options=options
+    )
 
 
 KINDS = [("reformer", {"num_buckets": 4, "num_rounds": 2, "chunk_size": 2}), ("linear", {})]
@@ -25,7 +26,7 @@ def _prompt_and_generated(seed=0):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, V, (B, T)).astype(np.int32)
     generated = np.zeros((B, T), bool)
-    generated[:, 3:T - 1] = True  # the model writes inputs 4..T-1; 0..3 are the prompt
+    generated[:, 3 : T - 1] = True  # the model writes inputs 4..T-1; 0..3 are the prompt
     return tokens, generated
 
 
@@ -33,7 +34,7 @@ def _reference(logits_of_prefix, tokens, generated):
     buffer = tokens.copy()
     predicted = np.zeros_like(tokens)
     for t in range(T):
-        predicted[:, t] = np.argmax(np.asarray(logits_of_prefix(buffer[:, :t + 1]))[:, t], -1)
+        predicted[:, t] = np.argmax(np.asarray(logits_of_prefix(buffer[:, : t + 1]))[:, t], -1)
         if t + 1 < T:
             buffer[:, t + 1] = np.where(generated[:, t], predicted[:, t], buffer[:, t + 1])
     return predicted
@@ -60,6 +61,5 @@ def test_encoder_decoder_greedy_equals_decoding_each_prefix_alone():
     lengths = np.array([9, 6], np.int32)
     tokens, generated = _prompt_and_generated(1)
     got = np.asarray(greedy_recompute.encoder_decoder(model, source, lengths, tokens, generated))
-    want = _reference(jax.jit(lambda x: model(source, x, source_lengths=lengths)), tokens,
-                      generated)
+    want = _reference(jax.jit(lambda x: model(source, x, source_lengths=lengths)), tokens, generated)
     np.testing.assert_array_equal(got, want)

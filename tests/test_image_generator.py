@@ -20,14 +20,18 @@ from linear_transformers.mixture import mol_log_prob, mol_probs
 B, T, C, K, E = 2, 12, 17, 3, 16
 
 
-def _model(kind="linear", seed=0, *, start_token=True, position_layout="concatenated",
-           **overrides):
-    kwargs = dict(num_layers=2, num_heads=2, model_dim=E, feed_forward_dim=32, dropout=0.0,
-                  attention=kind)
+def _model(kind="linear", seed=0, *, start_token=True, position_layout="concatenated", **overrides):
+    kwargs = dict(num_layers=2, num_heads=2, model_dim=E, feed_forward_dim=32, dropout=0.0, attention=kind)
     kwargs.update(overrides)
-    return ImageGenerator(TransformerConfig(**kwargs), num_classes=C, num_mixtures=K, max_length=T,
-                          start_token=start_token, position_layout=position_layout,
-                          rngs=nnx.Rngs(seed))
+    return ImageGenerator(
+        TransformerConfig(**kwargs),
+        num_classes=C,
+        num_mixtures=K,
+        max_length=T,
+        start_token=start_token,
+        position_layout=position_layout,
+        rngs=nnx.Rngs(seed),
+    )
 
 
 def _authors_model(kind="linear", seed=0, **overrides):
@@ -71,8 +75,9 @@ def test_shapes_and_dtypes():
     chex.assert_shape(nll, ())
     assert nll.dtype == jnp.float32
     np.testing.assert_allclose(nll, -np.sum(log_prob) / (B * T), rtol=1e-5)
-    np.testing.assert_array_equal(model.shifted_inputs(x),
-                                  np.concatenate([np.full((B, 1), C), x[:, :-1]], axis=1))
+    np.testing.assert_array_equal(
+        model.shifted_inputs(x), np.concatenate([np.full((B, 1), C), x[:, :-1]], axis=1)
+    )
 
 
 @pytest.mark.parametrize("kind", ["linear", "softmax"])
@@ -88,7 +93,7 @@ def test_params_at_t_depend_only_on_earlier_sub_pixels(kind):
     base = np.asarray(_call(model, x))[0]
     changed = np.asarray(_call(model, variants))
     for t in range(T):
-        np.testing.assert_allclose(changed[t, :t + 1], base[:t + 1], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(changed[t, : t + 1], base[: t + 1], atol=1e-5, rtol=1e-5)
         if t + 1 < T:  # and the test has teeth: position t + 1 sees the change.
             assert not np.allclose(changed[t, t + 1], base[t + 1], atol=1e-4)
 
@@ -115,8 +120,7 @@ def test_first_sub_pixel_is_scored_from_start_alone():
     model = _model()
     x = _images((4, T), seed=3)
     params = np.asarray(_call(model, x))
-    np.testing.assert_allclose(params[:, 0], np.broadcast_to(params[0, 0], params[:, 0].shape),
-                               atol=1e-6)
+    np.testing.assert_allclose(params[:, 0], np.broadcast_to(params[0, 0], params[:, 0].shape), atol=1e-6)
     # ...and it counts: the loss changes when only the first sub-pixel changes.
     y = x.copy()
     y[:, 0] = (y[:, 0] + 5) % C
@@ -156,8 +160,7 @@ def test_samplers_agree_and_honour_prefix(kind):
     prefix = _images((3, 5), seed=4)
     completed = sample_images(model, key, 3, prefix=prefix)
     np.testing.assert_array_equal(completed[:, :5], prefix)
-    np.testing.assert_array_equal(completed, sample_images_full_recompute(model, key, 3,
-                                                                          prefix=prefix))
+    np.testing.assert_array_equal(completed, sample_images_full_recompute(model, key, 3, prefix=prefix))
     # A full-length prefix is returned unchanged; an empty one is unconditional sampling.
     full = _images((3, T), seed=5)
     np.testing.assert_array_equal(sample_images(model, key, 3, prefix=full), full)
@@ -218,14 +221,29 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="model_dim=18 splits into a 9-wide embedding and a 9-wide"):
         _model(model_dim=18, num_heads=2)
     with pytest.raises(ValueError, match="num_classes must be >= 2"):
-        ImageGenerator(TransformerConfig(model_dim=E, num_heads=2), num_classes=1, num_mixtures=K,
-                       max_length=T, rngs=nnx.Rngs(0))
+        ImageGenerator(
+            TransformerConfig(model_dim=E, num_heads=2),
+            num_classes=1,
+            num_mixtures=K,
+            max_length=T,
+            rngs=nnx.Rngs(0),
+        )
     with pytest.raises(ValueError, match="num_mixtures must be >= 1"):
-        ImageGenerator(TransformerConfig(model_dim=E, num_heads=2), num_classes=C, num_mixtures=0,
-                       max_length=T, rngs=nnx.Rngs(0))
+        ImageGenerator(
+            TransformerConfig(model_dim=E, num_heads=2),
+            num_classes=C,
+            num_mixtures=0,
+            max_length=T,
+            rngs=nnx.Rngs(0),
+        )
     with pytest.raises(ValueError, match="max_length must be >= 1"):
-        ImageGenerator(TransformerConfig(model_dim=E, num_heads=2), num_classes=C, num_mixtures=K,
-                       max_length=0, rngs=nnx.Rngs(0))
+        ImageGenerator(
+            TransformerConfig(model_dim=E, num_heads=2),
+            num_classes=C,
+            num_mixtures=K,
+            max_length=0,
+            rngs=nnx.Rngs(0),
+        )
 
 
 def test_sampling_errors():
@@ -256,16 +274,20 @@ def test_sinusoidal_encoding_layouts():
     np.testing.assert_allclose(interleaved, pe, atol=1e-5)
     concatenated = np.concatenate([pe[:, 0::2], pe[:, 1::2]], axis=-1)
     np.testing.assert_allclose(sinusoidal_encoding(positions, dim), concatenated, atol=1e-5)
-    np.testing.assert_allclose(sinusoidal_encoding(positions, dim, layout="concatenated"),
-                               concatenated, atol=1e-5)
+    np.testing.assert_allclose(
+        sinusoidal_encoding(positions, dim, layout="concatenated"), concatenated, atol=1e-5
+    )
     assert not np.allclose(interleaved, concatenated, atol=1e-2)
     # Leading axes: each position's features in the same order.
     grid = sinusoidal_encoding(positions.reshape(4, 10), dim, jnp.bfloat16, layout="interleaved")
     chex.assert_shape(grid, (4, 10, dim))
     assert grid.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(grid, np.float32).reshape(length, dim), pe, atol=1e-2)
-    with pytest.raises(ValueError, match=r"layout must be one of \('concatenated', 'interleaved'\), "
-                                         r"got 'stacked'"):
+    with pytest.raises(
+        ValueError,
+        match=r"layout must be one of \('concatenated', 'interleaved'\), "
+        r"got 'stacked'",
+    ):
         sinusoidal_encoding(positions, dim, layout="stacked")
 
 
@@ -287,8 +309,7 @@ def test_without_start_token_params_equal_a_reference_built_by_hand(kind):
     # The layout counts: the same weights with [sin | cos] give other params.
     assert not np.allclose(_call(_model(kind, start_token=False), x), reference, atol=1e-3)
     # x_0 is only read, never scored: log p(x_1, ..., x_{T-1} | x_0).
-    expected = np.sum(np.asarray(mol_log_prob(jnp.asarray(reference), jnp.asarray(x[:, 1:]), C)),
-                      axis=1)
+    expected = np.sum(np.asarray(mol_log_prob(jnp.asarray(reference), jnp.asarray(x[:, 1:]), C)), axis=1)
     log_prob = _log_prob(model, x)
     chex.assert_shape(log_prob, (B,))
     np.testing.assert_allclose(log_prob, expected, rtol=1e-5)
@@ -333,11 +354,12 @@ def test_without_start_token_samplers_agree_and_honour_prefix(kind):
         assert int(images.min()) >= 0 and int(images.max()) < C
         np.testing.assert_array_equal(images[:, :k], prefix[:, :k])
         np.testing.assert_array_equal(
-            images, sample_images_full_recompute(model, key, 3, prefix=prefix[:, :k]),
-            err_msg=f"k={k}")
+            images, sample_images_full_recompute(model, key, 3, prefix=prefix[:, :k]), err_msg=f"k={k}"
+        )
         completions[k] = np.asarray(images)
     assert not np.array_equal(
-        completions[1], sample_images(model, jax.random.key(12), 3, prefix=prefix[:, :1]))
+        completions[1], sample_images(model, jax.random.key(12), 3, prefix=prefix[:, :1])
+    )
     # Stopping early: the same first sub-pixels, zeros after them, in both samplers.
     for sample in (sample_images, sample_images_full_recompute):
         partial = sample(model, key, 3, prefix=prefix[:, :1], num_steps=5)
@@ -348,8 +370,11 @@ def test_without_start_token_samplers_agree_and_honour_prefix(kind):
 
 def test_without_start_token_errors():
     model = _authors_model()
-    with pytest.raises(ValueError, match=r"2 <= length <= max_length=12, got shape \(2, 1\) "
-                                         r"\(without a start token"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 <= length <= max_length=12, got shape \(2, 1\) "
+        r"\(without a start token",
+    ):
         model(_images((B, 1)))
     model.eval()
     key = jax.random.key(0)
@@ -358,9 +383,18 @@ def test_without_start_token_errors():
             sample(model, key, 2)
         with pytest.raises(ValueError, match=r"pass a prefix of k >= 1 .* got k = 0"):
             sample(model, key, 2, prefix=_images((2, 0)))
-    with pytest.raises(ValueError, match=r"position_layout must be one of \('concatenated', "
-                                         r"'interleaved'\), got 'stacked'"):
+    with pytest.raises(
+        ValueError,
+        match=r"position_layout must be one of \('concatenated', "
+        r"'interleaved'\), got 'stacked'",
+    ):
         _model(position_layout="stacked")
     with pytest.raises(ValueError, match="without a start token .* max_length must be >= 2"):
-        ImageGenerator(TransformerConfig(model_dim=E, num_heads=2), num_classes=C, num_mixtures=K,
-                       max_length=1, start_token=False, rngs=nnx.Rngs(0))
+        ImageGenerator(
+            TransformerConfig(model_dim=E, num_heads=2),
+            num_classes=C,
+            num_mixtures=K,
+            max_length=1,
+            start_token=False,
+            rngs=nnx.Rngs(0),
+        )

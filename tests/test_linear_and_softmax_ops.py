@@ -57,7 +57,7 @@ def _np_softmax_attention(q, k, v, *, causal=False, key_lengths=None, mask=None,
     uniform over all keys (the documented convention)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     t, s, d = q.shape[1], k.shape[1], q.shape[-1]
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     allowed = np.broadcast_to(_np_valid(key_lengths, s)[:, None, None, :], (B, H, t, s)).copy()
     if causal:
         allowed &= np.tril(np.ones((t, s), bool))
@@ -83,16 +83,16 @@ def test_linear_attention_matches_reference_and_numpy(x64, key_lengths):
     chex.assert_shape(out, (B, T, H, M))
     ref = ops.linear_attention_reference(q, k, v, key_lengths=kl)
     chex.assert_trees_all_close(out, ref, rtol=1e-12, atol=1e-12)
-    chex.assert_trees_all_close(out, _np_linear_attention(q, k, v, key_lengths), rtol=1e-12,
-                                atol=1e-12)
+    chex.assert_trees_all_close(out, _np_linear_attention(q, k, v, key_lengths), rtol=1e-12, atol=1e-12)
 
 
 def test_linear_attention_key_lengths_really_mask(x64):
     """Guards the test above: padding changes the result, and full lengths equal no padding."""
     q, k, v = _qkv(0)
     full = ops.linear_attention(q, k, v)
-    chex.assert_trees_all_close(ops.linear_attention(q, k, v, key_lengths=jnp.array([S, S])),
-                                full, rtol=1e-14, atol=1e-14)
+    chex.assert_trees_all_close(
+        ops.linear_attention(q, k, v, key_lengths=jnp.array([S, S])), full, rtol=1e-14, atol=1e-14
+    )
     padded = ops.linear_attention(q, k, v, key_lengths=jnp.array([S, 4]))
     chex.assert_trees_all_close(padded[0], full[0], rtol=1e-14, atol=1e-14)
     assert not np.allclose(padded[1], full[1])
@@ -136,6 +136,7 @@ def test_state_from_keys_reused_for_queries(x64):
 def _padded_grad_fn():
     def f(q, k, v, kl, w):
         return jnp.sum(ops.linear_attention(q, k, v, key_lengths=kl) * w)
+
     return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
 
 
@@ -191,14 +192,24 @@ def _softmax_case(name):
         "mask_TS": {"mask": jnp.asarray(rng.random((t, S)) < 0.7)},
         "scale": {"scale": 0.37},
         "causal_key_lengths_mask_scale": {
-            "causal": True, "key_lengths": jnp.array([5, S], jnp.int32),
-            "mask": jnp.asarray(rng.random((B, H, t, S)) < 0.8), "scale": 1.3},
+            "causal": True,
+            "key_lengths": jnp.array([5, S], jnp.int32),
+            "mask": jnp.asarray(rng.random((B, H, t, S)) < 0.8),
+            "scale": 1.3,
+        },
     }[name]
     return q, k, v, kwargs
 
 
-SOFTMAX_CASES = ["plain", "causal", "key_lengths", "mask_B1TS", "mask_TS", "scale",
-                 "causal_key_lengths_mask_scale"]
+SOFTMAX_CASES = [
+    "plain",
+    "causal",
+    "key_lengths",
+    "mask_B1TS",
+    "mask_TS",
+    "scale",
+    "causal_key_lengths_mask_scale",
+]
 
 
 @pytest.mark.parametrize("case", SOFTMAX_CASES)
@@ -209,8 +220,7 @@ def test_softmax_attention_matches_numpy(implementation, case):
     assert out.dtype == jnp.float32
     chex.assert_shape(out, q.shape[:3] + (v.shape[-1],))
     # jax.nn.dot_product_attention works in float32: compare at 1e-5, not 1e-12.
-    chex.assert_trees_all_close(out, _np_softmax_attention(q, k, v, **kwargs), rtol=1e-5,
-                                atol=1e-5)
+    chex.assert_trees_all_close(out, _np_softmax_attention(q, k, v, **kwargs), rtol=1e-5, atol=1e-5)
 
 
 def test_softmax_masks_really_mask():
@@ -243,8 +253,7 @@ def test_softmax_fully_masked_row_is_uniform_in_every_implementation():
     for implementation in SOFTMAX_IMPLEMENTATIONS:
         out = ops.softmax_attention(q, k, v, key_lengths=kl, implementation=implementation)
         chex.assert_tree_all_finite(out)
-        chex.assert_trees_all_close(out[0], jnp.broadcast_to(v[0].mean(0), (T, H, D)),
-                                    rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(out[0], jnp.broadcast_to(v[0].mean(0), (T, H, D)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("implementation", [None, "reference"])
@@ -254,16 +263,14 @@ def test_softmax_attention_value_dim_differs(implementation):
     kl = jnp.array([S, 6], jnp.int32)
     out = ops.softmax_attention(q, k, v, key_lengths=kl, implementation=implementation)
     chex.assert_shape(out, (B, T, H, M))
-    chex.assert_trees_all_close(out, _np_softmax_attention(q, k, v, key_lengths=kl), rtol=1e-5,
-                                atol=1e-5)
+    chex.assert_trees_all_close(out, _np_softmax_attention(q, k, v, key_lengths=kl), rtol=1e-5, atol=1e-5)
 
 
 def test_softmax_attention_float64_reference_is_exact(x64):
     q, k, v = _qkv(13, m=M)
     out = ops.softmax_attention(q, k, v, causal=False, scale=0.5, implementation="reference")
     assert out.dtype == jnp.float64
-    chex.assert_trees_all_close(out, _np_softmax_attention(q, k, v, scale=0.5), rtol=1e-12,
-                                atol=1e-12)
+    chex.assert_trees_all_close(out, _np_softmax_attention(q, k, v, scale=0.5), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("implementation", SOFTMAX_IMPLEMENTATIONS)
@@ -276,17 +283,14 @@ def test_softmax_attention_ignores_padded_keys(implementation):
     out_bad = ops.softmax_attention(q, k_bad, v_bad, key_lengths=kl, implementation=implementation)
     chex.assert_tree_all_finite(out_bad)
     chex.assert_trees_all_close(out_bad, out, rtol=1e-6, atol=1e-6)
-    assert not np.allclose(ops.softmax_attention(q, k_bad, v_bad, implementation=implementation),
-                           out)
+    assert not np.allclose(ops.softmax_attention(q, k_bad, v_bad, implementation=implementation), out)
 
 
 def test_softmax_attention_under_jit():
     q, k, v, kwargs = _softmax_case("causal_key_lengths_mask_scale")
-    fn = jax.jit(functools.partial(ops.softmax_attention, causal=True, scale=1.3,
-                                   implementation="xla"))
+    fn = jax.jit(functools.partial(ops.softmax_attention, causal=True, scale=1.3, implementation="xla"))
     out = fn(q, k, v, key_lengths=kwargs["key_lengths"], mask=kwargs["mask"])
-    chex.assert_trees_all_close(out, _np_softmax_attention(q, k, v, **kwargs), rtol=1e-5,
-                                atol=1e-5)
+    chex.assert_trees_all_close(out, _np_softmax_attention(q, k, v, **kwargs), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- recurrent steps
@@ -314,8 +318,9 @@ def test_linear_attention_step_loop_equals_causal(x64, feature_map):
     expected = ops.causal_linear_attention(q, k, v, feature_map=fm, impl="quadratic")
     chex.assert_trees_all_close(jnp.stack(outs, axis=1), expected, rtol=1e-10, atol=1e-12)
     # The final state is the summary of all keys.
-    chex.assert_trees_all_close(tuple(state), tuple(ops.linear_state_from_keys(
-        k, v, feature_map=fm)), rtol=1e-12, atol=1e-12)
+    chex.assert_trees_all_close(
+        tuple(state), tuple(ops.linear_state_from_keys(k, v, feature_map=fm)), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_linear_attention_step_under_jitted_scan(x64):
@@ -325,6 +330,7 @@ def test_linear_attention_step_under_jitted_scan(x64):
     def run(q, k, v):
         def body(state, qkv_t):
             return ops.linear_attention_step(state, *qkv_t)
+
         state = ops.init_linear_state(B, H, D, M, dtype=q.dtype)
         _, out_SBHM = jax.lax.scan(body, state, tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v)))
         return jnp.swapaxes(out_SBHM, 0, 1)
@@ -355,6 +361,7 @@ def test_softmax_attention_step_under_jitted_scan():
     def run(q, k, v):
         def body(cache, qkv_t):
             return ops.softmax_attention_step(cache, *qkv_t)
+
         cache = ops.init_kv_cache(B, S, H, D, D)
         _, out_SBHM = jax.lax.scan(body, cache, tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v)))
         return jnp.swapaxes(out_SBHM, 0, 1)
@@ -409,8 +416,7 @@ def test_elu_plus_one_positive_for_very_negative_inputs(dtype):
     if dtype == jnp.float16:  # exp(-20) = 2e-9 is below float16's smallest subnormal
         x, y = x[1:], y[1:]
     assert np.all(np.asarray(y, np.float32) > 0)
-    np.testing.assert_allclose(np.asarray(y, np.float64), np.exp(np.asarray(x, np.float64)),
-                               rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(y, np.float64), np.exp(np.asarray(x, np.float64)), rtol=1e-2)
 
 
 def test_elu_plus_one_bfloat16_extremes():
@@ -492,7 +498,7 @@ def test_favor_projection_orthogonal_blocks(x64, seed):
     norms = np.linalg.norm(w, axis=-1)
     assert np.all(norms > 0)
     for start in range(0, num_features, head_dim):
-        block = w[start:start + head_dim]
+        block = w[start : start + head_dim]
         unit = block / np.linalg.norm(block, axis=-1, keepdims=True)
         np.testing.assert_allclose(unit @ unit.T, np.eye(len(block)), atol=1e-5)
     if num_features > head_dim:  # rows from different blocks are independent, not orthogonal
@@ -525,10 +531,12 @@ def test_favor_query_stabiliser_does_not_change_output(causal):
     """With the default eps and moderate inputs the stabiliser's factor cancels to 1e-5."""
     fm = _favor_fm()
     q, k, v = _qkv(32, t=S, dtype=np.float32, scale=0.5)
-    op = functools.partial(ops.causal_linear_attention, impl="chunked", chunk_size=4) if causal \
+    op = (
+        functools.partial(ops.causal_linear_attention, impl="chunked", chunk_size=4)
+        if causal
         else ops.linear_attention
+    )
     op = jax.jit(op, static_argnames="feature_map")
     stab, plain = op(q, k, v, feature_map=fm), op(q, k, v, feature_map=_unstabilised(fm))
-    rel = np.linalg.norm(np.asarray(stab - plain), axis=-1) / np.linalg.norm(np.asarray(plain),
-                                                                             axis=-1)
+    rel = np.linalg.norm(np.asarray(stab - plain), axis=-1) / np.linalg.norm(np.asarray(plain), axis=-1)
     assert rel.max() < 1e-5, rel.max()

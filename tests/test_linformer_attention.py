@@ -16,9 +16,11 @@ B, T, S, H, D, M = 2, 7, 9, 3, 4, 5
 
 def _qkv(s=S, dtype=np.float64, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((B, T, H, D)).astype(dtype),
-            rng.standard_normal((B, s, H, D)).astype(dtype),
-            rng.standard_normal((B, s, H, M)).astype(dtype))
+    return (
+        rng.standard_normal((B, T, H, D)).astype(dtype),
+        rng.standard_normal((B, s, H, D)).astype(dtype),
+        rng.standard_normal((B, s, H, M)).astype(dtype),
+    )
 
 
 def test_identity_projections_with_k_equal_n_are_full_softmax(x64):
@@ -34,11 +36,11 @@ def test_equals_its_formula_and_gradients_agree(x64):
     e, f = rng.standard_normal((S, 3)), rng.standard_normal((S, 3))
 
     def formula(q, k, v, e, f):
-        return ops.softmax_attention_reference(q, jnp.einsum("bshd,sk->bkhd", k, e),
-                                               jnp.einsum("bshm,sk->bkhm", v, f))
+        return ops.softmax_attention_reference(
+            q, jnp.einsum("bshd,sk->bkhd", k, e), jnp.einsum("bshm,sk->bkhm", v, f)
+        )
 
-    np.testing.assert_allclose(ops.linformer_attention(q, k, v, e, f), formula(q, k, v, e, f),
-                               atol=1e-12)
+    np.testing.assert_allclose(ops.linformer_attention(q, k, v, e, f), formula(q, k, v, e, f), atol=1e-12)
     w = rng.standard_normal((B, T, H, M))
     g1 = jax.grad(lambda *a: jnp.sum(w * ops.linformer_attention(*a)), argnums=range(5))(q, k, v, e, f)
     g2 = jax.grad(lambda *a: jnp.sum(w * formula(*a)), argnums=range(5))(q, k, v, e, f)
@@ -51,8 +53,7 @@ def test_shorter_inputs_equal_zero_padding_to_max_length(x64):
     rng = np.random.default_rng(2)
     e, f = rng.standard_normal((S, 4)), rng.standard_normal((S, 4))
     pad = [(0, 0), (0, S - 6), (0, 0), (0, 0)]
-    padded = ops.linformer_attention(q, np.pad(k, pad), np.pad(v, pad), e, f,
-                                     key_lengths=np.array([6, 6]))
+    padded = ops.linformer_attention(q, np.pad(k, pad), np.pad(v, pad), e, f, key_lengths=np.array([6, 6]))
     np.testing.assert_allclose(ops.linformer_attention(q, k, v, e, f), padded, atol=1e-12)
 
 
@@ -63,9 +64,11 @@ def test_padded_keys_cannot_reach_outputs():
     lengths = np.array([9, 4])
     k2, v2 = k.copy(), v.copy()
     k2[1, 4:], v2[1, 4:] = 30.0, -30.0
-    np.testing.assert_allclose(ops.linformer_attention(q, k, v, e, f, key_lengths=lengths),
-                               ops.linformer_attention(q, k2, v2, e, f, key_lengths=lengths),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        ops.linformer_attention(q, k, v, e, f, key_lengths=lengths),
+        ops.linformer_attention(q, k2, v2, e, f, key_lengths=lengths),
+        atol=1e-6,
+    )
 
 
 def test_too_long_input_and_bad_projection_are_named():
@@ -83,8 +86,9 @@ OPTIONS = {"max_length": 10, "projected_length": 4}
 
 
 def _layer(**options):
-    return MultiHeadAttention(E, 3, kind="linformer", attention_options={**OPTIONS, **options},
-                              rngs=nnx.Rngs(0))
+    return MultiHeadAttention(
+        E, 3, kind="linformer", attention_options={**OPTIONS, **options}, rngs=nnx.Rngs(0)
+    )
 
 
 def test_layer_shapes_gradients_and_padding_under_jit():
@@ -123,8 +127,7 @@ def test_memory_form_equals_parallel_cross_attention():
 
 def test_layer_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="no causal form"):
-        MultiHeadAttention(E, 3, kind="linformer", causal=True, attention_options=OPTIONS,
-                           rngs=nnx.Rngs(0))
+        MultiHeadAttention(E, 3, kind="linformer", causal=True, attention_options=OPTIONS, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="max_length must be an integer >= 1.*required"):
         MultiHeadAttention(E, 3, kind="linformer", rngs=nnx.Rngs(0))
     mha = _layer()
@@ -137,5 +140,8 @@ def test_layer_rejects_what_it_cannot_do():
         mha(np.zeros((1, 11, E), np.float32))
     with pytest.raises(ValueError, match="no causal form"):
         from linear_transformers import Decoder
-        Decoder(TransformerConfig(model_dim=E, num_heads=3, attention="linformer",
-                                  attention_options=OPTIONS), rngs=nnx.Rngs(0))
+
+        Decoder(
+            TransformerConfig(model_dim=E, num_heads=3, attention="linformer", attention_options=OPTIONS),
+            rngs=nnx.Rngs(0),
+        )

@@ -20,8 +20,7 @@ _lsh_reference = jax.jit(ops.lsh_attention_reference, static_argnames=("chunk_si
 
 def _qv(dtype=np.float64, n=N, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((B, n, H, D)).astype(dtype),
-            rng.standard_normal((B, n, H, M)).astype(dtype))
+    return (rng.standard_normal((B, n, H, D)).astype(dtype), rng.standard_normal((B, n, H, M)).astype(dtype))
 
 
 def _valid(key_lengths, n=N):
@@ -36,14 +35,13 @@ CASES = [  # rounds, buckets, chunk, causal, key_lengths
     (4, 2, 5, False, (37, 20)),
     (2, 8, 16, True, (30, 11)),
     (8, 16, 4, False, None),
-    (2, 4, 20, False, None),   # two chunks: chunk 0 has no previous chunk
-    (3, 4, 64, True, None),    # one chunk longer than the sequence
+    (2, 4, 20, False, None),  # two chunks: chunk 0 has no previous chunk
+    (3, 4, 64, True, None),  # one chunk longer than the sequence
 ]
 
 
 @pytest.mark.parametrize("rounds,buckets,chunk,causal,key_lengths", CASES)
-def test_sorted_chunked_op_equals_dense_definition(x64, rounds, buckets, chunk, causal,
-                                                   key_lengths):
+def test_sorted_chunked_op_equals_dense_definition(x64, rounds, buckets, chunk, causal, key_lengths):
     q, v = _qv()
     rot = ops.lsh_rotations(jax.random.key(rounds), rounds, D, buckets).astype(jnp.float64)
     kw = dict(chunk_size=chunk, causal=causal, key_lengths=key_lengths)
@@ -62,8 +60,7 @@ def test_gradients_equal_dense_definition(x64, causal):
     w = np.random.default_rng(5).standard_normal((B, 19, H, M)) * _valid(lengths, 19)[..., None, None]
 
     def loss(fn):
-        return lambda q, v: jnp.sum(w * fn(q, v, rot, chunk_size=4, causal=causal,
-                                           key_lengths=lengths))
+        return lambda q, v: jnp.sum(w * fn(q, v, rot, chunk_size=4, causal=causal, key_lengths=lengths))
 
     g_fast = jax.jit(jax.grad(loss(ops.lsh_attention), argnums=(0, 1)))(q, v)
     g_ref = jax.jit(jax.grad(loss(ops.lsh_attention_reference), argnums=(0, 1)))(q, v)
@@ -115,12 +112,12 @@ def test_causal_lsh_outputs_depend_on_later_positions_unless_they_are_padding():
     b = np.asarray(_lsh(q2, v, rot, chunk_size=4, causal=True))[:, :cut]
     assert np.max(np.abs(a - b)) > 0.1, np.max(np.abs(a - b))
     # Causal linear attention, for contrast: no dependence at all.
-    lin = [np.asarray(ops.causal_linear_attention(x, x, v, impl="quadratic"))[:, :cut]
-           for x in (q, q2)]
+    lin = [np.asarray(ops.causal_linear_attention(x, x, v, impl="quadratic"))[:, :cut] for x in (q, q2)]
     np.testing.assert_array_equal(lin[0], lin[1])
     lengths = np.full((B,), cut)
-    padded = [np.asarray(_lsh(x, v, rot, chunk_size=4, causal=True, key_lengths=lengths))[:, :cut]
-              for x in (q, q2)]
+    padded = [
+        np.asarray(_lsh(x, v, rot, chunk_size=4, causal=True, key_lengths=lengths))[:, :cut] for x in (q, q2)
+    ]
     cut_only = np.asarray(_lsh(q[:, :cut], v[:, :cut], rot, chunk_size=4, causal=True))
     np.testing.assert_allclose(padded[0], cut_only, atol=1e-6)
     np.testing.assert_allclose(padded[1], cut_only, atol=1e-6)
@@ -130,19 +127,21 @@ def test_bfloat16_inputs_accumulate_in_float32():
     q, v = _qv(np.float32)
     rot = ops.lsh_rotations(jax.random.key(2), 2, D, 4)
     out32 = _lsh(q, v, rot, chunk_size=8, causal=True)
-    out16 = _lsh(jnp.asarray(q, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), rot,
-                              chunk_size=8, causal=True)
+    out16 = _lsh(jnp.asarray(q, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), rot, chunk_size=8, causal=True)
     assert out16.dtype == jnp.bfloat16
     # bf16 rounding can move a position to another bucket; most outputs still agree closely.
     close = np.abs(np.asarray(out16, np.float32) - np.asarray(out32)) < 0.05
     assert close.mean() > 0.9
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(num_rounds=0, num_buckets=4, chunk_size=4), "num_rounds"),
-    (dict(num_rounds=1, num_buckets=3, chunk_size=4), "num_buckets must be 1 or an even"),
-    (dict(num_rounds=1, num_buckets=4, chunk_size=0), "chunk_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_rounds=0, num_buckets=4, chunk_size=4), "num_rounds"),
+        (dict(num_rounds=1, num_buckets=3, chunk_size=4), "num_buckets must be 1 or an even"),
+        (dict(num_rounds=1, num_buckets=4, chunk_size=0), "chunk_size"),
+    ],
+)
 def test_bad_lsh_options_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ops.check_lsh_options(**kwargs)
@@ -161,8 +160,9 @@ E = 24
 
 def _reformer(causal=True, **options):
     options = {"chunk_size": 4, "num_buckets": 4, "num_rounds": 2, **options}
-    return MultiHeadAttention(E, 3, kind="reformer", causal=causal, attention_options=options,
-                              rngs=nnx.Rngs(0))
+    return MultiHeadAttention(
+        E, 3, kind="reformer", causal=causal, attention_options=options, rngs=nnx.Rngs(0)
+    )
 
 
 _call = nnx.jit(lambda m, x, lengths=None: m(x, key_lengths=lengths))
@@ -179,8 +179,7 @@ def test_reformer_layer_shapes_gradients_and_shared_qk(causal):
     grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))(mha)
     chex.assert_tree_all_finite(grads)
     assert float(jnp.sum(jnp.abs(grads["query"]["kernel"][...]))) > 0
-    assert not any(isinstance(v, nnx.Param) and "rotations" in str(p)
-                   for p, v in nnx.iter_graph(grads))
+    assert not any(isinstance(v, nnx.Param) and "rotations" in str(p) for p, v in nnx.iter_graph(grads))
 
 
 def test_reformer_layer_honours_padding_and_is_deterministic():
@@ -219,6 +218,7 @@ def test_reformer_rejects_what_it_cannot_do():
 
 
 def test_reformer_stack_defaults_to_softmax_cross_attention():
-    config = TransformerConfig(model_dim=E, num_heads=3, attention="reformer",
-                               attention_options={"chunk_size": 4})
+    config = TransformerConfig(
+        model_dim=E, num_heads=3, attention="reformer", attention_options={"chunk_size": 4}
+    )
     assert config.cross_kind == "softmax" and dict(config.cross_options) == {}

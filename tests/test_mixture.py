@@ -70,22 +70,23 @@ def _reference_log_prob_tails(params, x, num_classes):
     lower = (center - half - means) * inv_scales
     with np.errstate(divide="ignore"):
         # Left of the mean: log(CDF(u) - CDF(l)) = logCDF(u) + log(1 - exp(logCDF(l) - logCDF(u))).
-        left = special.log_expit(upper) + np.log1p(-np.exp(special.log_expit(lower)
-                                                           - special.log_expit(upper)))
+        left = special.log_expit(upper) + np.log1p(
+            -np.exp(special.log_expit(lower) - special.log_expit(upper))
+        )
         # Right of the mean: the same with survival functions, which do not round to 1 there.
-        right = special.log_expit(-lower) + np.log1p(-np.exp(special.log_expit(-upper)
-                                                             - special.log_expit(-lower)))
+        right = special.log_expit(-lower) + np.log1p(
+            -np.exp(special.log_expit(-upper) - special.log_expit(-lower))
+        )
     middle = np.where(center > means, right, left)
     first = x[..., None] == 0
     last = x[..., None] == num_classes - 1
-    component = np.where(first, special.log_expit(upper),
-                         np.where(last, special.log_expit(-lower), middle))
+    component = np.where(first, special.log_expit(upper), np.where(last, special.log_expit(-lower), middle))
     return special.logsumexp(special.log_softmax(logits, axis=-1) + component, axis=-1)
 
 
 def _float32_tolerance(params):
     """Absolute error float32 cannot avoid: an edge near 1 is rounded by ~6e-8, times 1/scale."""
-    min_log_scale = np.maximum(params[..., 2 * K:], LOG_SCALE_MIN).min(-1)
+    min_log_scale = np.maximum(params[..., 2 * K :], LOG_SCALE_MIN).min(-1)
     return 1e-5 + 4 * 6e-8 * np.exp(-min_log_scale)
 
 
@@ -98,8 +99,9 @@ def test_log_prob_matches_scipy_on_random_params(num_classes):
     assert got.dtype == np.float32
     chex.assert_shape(got, (3, 40))
     tolerance = _float32_tolerance(params)
-    np.testing.assert_array_less(np.abs(got - _reference_log_prob_tails(params, x, num_classes)),
-                                 tolerance + 1e-5 * np.abs(got))
+    np.testing.assert_array_less(
+        np.abs(got - _reference_log_prob_tails(params, x, num_classes)), tolerance + 1e-5 * np.abs(got)
+    )
     # The textbook CDF difference, wherever float64 holds it without cancelling to 0.
     with np.errstate(divide="ignore"):
         plain = _reference_log_prob_plain(params, x, num_classes)
@@ -111,8 +113,10 @@ def test_log_prob_matches_scipy_on_random_params(num_classes):
 @pytest.mark.parametrize("num_classes", [2, 17, 256])
 def test_log_prob_matches_log_space_reference_at_extremes(num_classes):
     params = _extreme_params(num_classes)
-    x = np.tile(np.array([0, 1 % num_classes, num_classes // 2, num_classes - 2, num_classes - 1]),
-                (params.shape[0], 1))
+    x = np.tile(
+        np.array([0, 1 % num_classes, num_classes // 2, num_classes - 2, num_classes - 1]),
+        (params.shape[0], 1),
+    )
     params_b = np.broadcast_to(params[:, None, :], x.shape + params.shape[-1:])
     got = np.asarray(mol_log_prob(params_b, x, num_classes))
     want = _reference_log_prob_tails(params_b, x, num_classes)
@@ -132,8 +136,11 @@ def test_log_prob_matches_log_space_reference_at_extremes(num_classes):
 @pytest.mark.parametrize("num_classes", [17, 256])
 @pytest.mark.parametrize("which", ["random", "extreme"])
 def test_probabilities_sum_to_one(num_classes, which):
-    params = (_params((64,), seed=3, mean_range=5.0, log_scale_range=(-9.0, 5.0))
-              if which == "random" else _extreme_params(num_classes))
+    params = (
+        _params((64,), seed=3, mean_range=5.0, log_scale_range=(-9.0, 5.0))
+        if which == "random"
+        else _extreme_params(num_classes)
+    )
     probs = mol_probs(params, num_classes)
     chex.assert_shape(probs, (params.shape[0], num_classes))
     assert np.all(np.asarray(probs) >= 0)
@@ -141,8 +148,7 @@ def test_probabilities_sum_to_one(num_classes, which):
     # mol_probs is mol_log_prob at every class.
     x = np.broadcast_to(np.arange(num_classes), probs.shape)
     params_b = np.broadcast_to(params[:, None, :], probs.shape + params.shape[-1:])
-    np.testing.assert_allclose(probs, np.exp(mol_log_prob(params_b, x, num_classes)), rtol=1e-5,
-                               atol=1e-30)
+    np.testing.assert_allclose(probs, np.exp(mol_log_prob(params_b, x, num_classes)), rtol=1e-5, atol=1e-30)
 
 
 @pytest.mark.parametrize("num_classes", [2, 17, 256])
@@ -154,7 +160,7 @@ def test_gradients_finite_at_extremes(num_classes):
     chex.assert_tree_all_finite(grads)
     # The floor on log_scale stops the gradient below it (and only there).
     _, _, log_scale_grads = np.split(np.asarray(grads), 3, axis=-1)
-    floored = np.asarray(params_b)[..., 2 * K:] < LOG_SCALE_MIN
+    floored = np.asarray(params_b)[..., 2 * K :] < LOG_SCALE_MIN
     assert np.all(log_scale_grads[floored] == 0)
     assert np.any(log_scale_grads[~floored] != 0)
 
@@ -164,13 +170,13 @@ def test_log_scale_floor_and_split_layout():
     logits, means, log_scales = split_params(params.astype(jnp.bfloat16))
     assert logits.dtype == means.dtype == log_scales.dtype == jnp.float32
     np.testing.assert_array_equal(logits, params[:, :K])
-    np.testing.assert_array_equal(means, params[:, K:2 * K])
-    np.testing.assert_array_equal(log_scales, np.maximum(params[:, 2 * K:], LOG_SCALE_MIN))
+    np.testing.assert_array_equal(means, params[:, K : 2 * K])
+    np.testing.assert_array_equal(log_scales, np.maximum(params[:, 2 * K :], LOG_SCALE_MIN))
     # Below the floor the parameters are indistinguishable.
     lower = params.copy()
-    lower[:, 2 * K:] = -30.0
+    lower[:, 2 * K :] = -30.0
     floor = params.copy()
-    floor[:, 2 * K:] = LOG_SCALE_MIN
+    floor[:, 2 * K :] = LOG_SCALE_MIN
     np.testing.assert_array_equal(mol_probs(lower, 17), mol_probs(floor, 17))
 
 
@@ -194,8 +200,10 @@ def _merge_small(expected, observed, minimum=5.0):
     small = expected < minimum
     if not small.any():
         return expected, observed
-    return (np.append(expected[~small], expected[small].sum()),
-            np.append(observed[~small], observed[small].sum()))
+    return (
+        np.append(expected[~small], expected[small].sum()),
+        np.append(observed[~small], observed[small].sum()),
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -203,7 +211,7 @@ def test_samples_follow_the_scored_distribution(seed):
     num_classes, n = 17, 200_000
     params = _params((1,), seed=seed, mean_range=1.5, log_scale_range=(-4.0, 0.0))
     params[0, 2 * K] = LOG_SCALE_MIN  # one component narrower than a bin
-    params[0, K + 1] = 1.4            # and one centred past the last class
+    params[0, K + 1] = 1.4  # and one centred past the last class
     probs = np.asarray(mol_probs(params, num_classes), np.float64)[0]
     samples = mol_sample(jax.random.key(seed), np.broadcast_to(params, (n, 3 * K)), num_classes)
     assert samples.dtype == jnp.int32
@@ -239,9 +247,10 @@ def test_bf16_params_give_float32_log_probs():
     want = mol_log_prob(params.astype(jnp.bfloat16).astype(np.float32), x, 256)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     # And close to the float32 params wherever rounding the mean moves it by well under a bin.
-    wide = np.exp(params[..., 2 * K:]).min(-1) > 0.1
-    np.testing.assert_allclose(np.asarray(got)[wide], np.asarray(mol_log_prob(params, x, 256))[wide],
-                               atol=0.05)
+    wide = np.exp(params[..., 2 * K :]).min(-1) > 0.1
+    np.testing.assert_allclose(
+        np.asarray(got)[wide], np.asarray(mol_log_prob(params, x, 256))[wide], atol=0.05
+    )
 
 
 def test_out_of_range_classes_get_zero_probability():
@@ -256,19 +265,22 @@ def test_num_params_and_bits_per_dim():
     np.testing.assert_allclose(bits_per_dim(jnp.float32(1.0)), 1.0 / math.log(2.0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: mol_log_prob(np.zeros((2, 7)), np.zeros(2, np.int32), 17), r"3 \* num_mixtures"),
-    (lambda: mol_probs(np.zeros((2, 0)), 17), r"3 \* num_mixtures"),
-    (lambda: mol_sample(jax.random.key(0), np.zeros((2, 4)), 17), r"3 \* num_mixtures"),
-    (lambda: split_params(np.zeros(5)), r"got shape \(5,\)"),
-    (lambda: mol_log_prob(np.zeros((2, 6)), np.zeros(2, np.int32), 1), "num_classes must be"),
-    (lambda: mol_probs(np.zeros((2, 6)), 0), "num_classes must be"),
-    (lambda: mol_sample(jax.random.key(0), np.zeros((2, 6)), 1), "num_classes must be"),
-    (lambda: class_centers(1), "num_classes must be"),
-    (lambda: mol_log_prob(np.zeros((2, 6)), np.zeros(2), 17), "integer classes"),
-    (lambda: mol_log_prob(np.zeros((2, 6)), np.zeros(3, np.int32), 17), r"x shape \(3,\)"),
-    (lambda: num_params(0), "num_mixtures must be"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: mol_log_prob(np.zeros((2, 7)), np.zeros(2, np.int32), 17), r"3 \* num_mixtures"),
+        (lambda: mol_probs(np.zeros((2, 0)), 17), r"3 \* num_mixtures"),
+        (lambda: mol_sample(jax.random.key(0), np.zeros((2, 4)), 17), r"3 \* num_mixtures"),
+        (lambda: split_params(np.zeros(5)), r"got shape \(5,\)"),
+        (lambda: mol_log_prob(np.zeros((2, 6)), np.zeros(2, np.int32), 1), "num_classes must be"),
+        (lambda: mol_probs(np.zeros((2, 6)), 0), "num_classes must be"),
+        (lambda: mol_sample(jax.random.key(0), np.zeros((2, 6)), 1), "num_classes must be"),
+        (lambda: class_centers(1), "num_classes must be"),
+        (lambda: mol_log_prob(np.zeros((2, 6)), np.zeros(2), 17), "integer classes"),
+        (lambda: mol_log_prob(np.zeros((2, 6)), np.zeros(3, np.int32), 17), r"x shape \(3,\)"),
+        (lambda: num_params(0), "num_mixtures must be"),
+    ],
+)
 def test_bad_inputs_raise_clear_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -287,8 +299,8 @@ def test_the_same_check_rejects_the_authors_sampler_scale(seed):
     params[0, K + 1] = 1.4
     probs = np.asarray(mol_probs(params, num_classes), np.float64)[0]
     authors = params.copy()
-    r = np.maximum(authors[0, 2 * K:], LOG_SCALE_MIN)
-    authors[0, 2 * K:] = np.log(np.where(r > 0, r, np.expm1(r)) + 1.0001)
+    r = np.maximum(authors[0, 2 * K :], LOG_SCALE_MIN)
+    authors[0, 2 * K :] = np.log(np.where(r > 0, r, np.expm1(r)) + 1.0001)
     samples = mol_sample(jax.random.key(seed), np.broadcast_to(authors, (n, 3 * K)), num_classes)
     observed = np.bincount(np.asarray(samples), minlength=num_classes).astype(np.float64)
     expected, observed = _merge_small(probs * n / probs.sum(), observed)

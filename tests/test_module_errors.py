@@ -30,6 +30,7 @@ def _mha(**kwargs):
 
 # --- attention kinds and options -----------------------------------------------------------------
 
+
 def test_unknown_attention_kind_lists_registered_kinds():
     kinds = registered_attention_kinds()
     assert {"softmax", "linear", "causal-linear"} <= set(kinds)
@@ -48,8 +49,9 @@ def test_unknown_option_lists_the_kinds_options():
         _mha(kind="linear", attention_options={"bogus": 1})
     for option in ("feature_map", "num_features", "impl", "chunk_size", "eps"):
         assert option in str(info.value)
-    with pytest.raises(ValueError,
-                       match=r"'softmax' does not accept options \['feature_map'\].*softmax_temp"):
+    with pytest.raises(
+        ValueError, match=r"'softmax' does not accept options \['feature_map'\].*softmax_temp"
+    ):
         _config(attention="softmax", attention_options={"feature_map": "elu"})
 
 
@@ -97,6 +99,7 @@ def test_redraw_features_without_random_features():
 
 # --- widths ---------------------------------------------------------------------------------------
 
+
 def test_model_dim_not_divisible_by_num_heads():
     with pytest.raises(ValueError, match=r"model_dim=10 is not divisible by num_heads=3"):
         TransformerConfig(model_dim=10, num_heads=3)
@@ -123,8 +126,7 @@ def test_unknown_activation():
         _config(activation="swish")
 
 
-@pytest.mark.parametrize("field, value", [("dropout", 1.0), ("dropout", -0.1),
-                                          ("attention_dropout", 1.5)])
+@pytest.mark.parametrize("field, value", [("dropout", 1.0), ("dropout", -0.1), ("attention_dropout", 1.5)])
 def test_dropout_out_of_range(field, value):
     overrides = {field: value}
     if field == "attention_dropout":
@@ -135,8 +137,8 @@ def test_dropout_out_of_range(field, value):
 
 # --- masks and causality ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind, causal", [("linear", False), ("linear", True),
-                                          ("causal-linear", True)])
+
+@pytest.mark.parametrize("kind, causal", [("linear", False), ("linear", True), ("causal-linear", True)])
 def test_explicit_mask_rejected_by_linear_attention(kind, causal):
     mha = _mha(kind=kind, causal=causal)
     x = jnp.ones((1, 4, E))
@@ -154,8 +156,7 @@ def test_causal_linear_used_non_causally():
     with pytest.raises(ValueError, match=r"'causal-linear' is causal by definition"):
         _mha(kind="causal-linear", causal=False)
     with pytest.raises(ValueError, match=r"'causal-linear' is causal by definition"):
-        Decoder(_config(attention="causal-linear", cross_attention="causal-linear"),
-                rngs=nnx.Rngs(0))
+        Decoder(_config(attention="causal-linear", cross_attention="causal-linear"), rngs=nnx.Rngs(0))
     # The causal uses are fine.
     Encoder(_config(attention="causal-linear"), causal=True, rngs=nnx.Rngs(0))
     Decoder(_config(attention="causal-linear"), rngs=nnx.Rngs(0))
@@ -197,6 +198,7 @@ def test_softmax_kv_cache_overflow():
 
 
 # --- config and generation ---------------------------------------------------------------------------
+
 
 def test_from_kwargs_unknown_argument():
     with pytest.raises(ValueError, match=r"from_kwargs: unknown arguments \['bogus'\].*n_layers"):

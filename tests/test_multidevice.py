@@ -19,19 +19,28 @@ def _tail(text, chars=6000):
 def test_multidevice_tests_pass_on_eight_host_devices():
     # Keep the caller's other XLA flags; replace any device count of theirs.
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_FLAG)]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags + [f"{DEVICE_FLAG}={NUM_DEVICES}"]),
-               JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-n", "0",
-               "tests/multidevice"]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags + [f"{DEVICE_FLAG}={NUM_DEVICES}"]), JAX_PLATFORMS="cpu")
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "0",
+        "tests/multidevice",
+    ]
     try:
-        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=900)
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         raise AssertionError(f"tests/multidevice timed out after {e.timeout} s:\n{_tail(out)}")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, (
-        f"tests/multidevice on {NUM_DEVICES} devices exited with {proc.returncode}:\n{_tail(output)}")
+        f"tests/multidevice on {NUM_DEVICES} devices exited with {proc.returncode}:\n{_tail(output)}"
+    )
     # The summary line, e.g. "57 passed, 2 warnings in 40.1s". A vacuous run (nothing collected,
     # or everything skipped because the devices were missing) must not pass.
     summaries = [line for line in proc.stdout.splitlines() if re.search(r"\d+ passed", line)]

@@ -38,8 +38,9 @@ def test_unknown_feature_map_lists_registered_ones(where):
         "make_feature_map": lambda: ops.make_feature_map("softmaxish"),
         "causal": lambda: ops.causal_linear_attention(q, k, v, feature_map="softmaxish"),
         "linear": lambda: ops.linear_attention(q, k, v, feature_map="softmaxish"),
-        "step": lambda: ops.linear_attention_step(ops.init_linear_state(B, H, D, M), q[:, 0],
-                                                  k[:, 0], v[:, 0], feature_map="softmaxish"),
+        "step": lambda: ops.linear_attention_step(
+            ops.init_linear_state(B, H, D, M), q[:, 0], k[:, 0], v[:, 0], feature_map="softmaxish"
+        ),
     }[where]
     with pytest.raises(ValueError, match="unknown feature map 'softmaxish'") as info:
         call()
@@ -116,8 +117,9 @@ def test_unknown_impl():
 @pytest.mark.parametrize("chunk_size", [0, -4, 2.0, 2.5, "8"])
 def test_bad_chunk_size(chunk_size):
     q, k, v = _causal_qkv()
-    with pytest.raises(ValueError, match="chunk_size must be None or an integer >= 1, got " +
-                       re.escape(repr(chunk_size))):
+    with pytest.raises(
+        ValueError, match="chunk_size must be None or an integer >= 1, got " + re.escape(repr(chunk_size))
+    ):
         ops.causal_linear_attention(q, k, v, chunk_size=chunk_size)
 
 
@@ -135,13 +137,15 @@ SHAPE_OPS = {
     "causal_linear": ("causal_linear_attention", ops.causal_linear_attention),
     "causal_linear_jit_scan": (
         "causal_linear_attention",
-        jax.jit(functools.partial(ops.causal_linear_attention, impl="scan", chunk_size=4))),
+        jax.jit(functools.partial(ops.causal_linear_attention, impl="scan", chunk_size=4)),
+    ),
     "linear": ("linear_attention", ops.linear_attention),
     "softmax": ("softmax_attention", ops.softmax_attention),
-    "softmax_xla": ("softmax_attention",
-                    functools.partial(ops.softmax_attention, implementation="xla")),
-    "softmax_reference": ("softmax_attention",
-                          functools.partial(ops.softmax_attention, implementation="reference")),
+    "softmax_xla": ("softmax_attention", functools.partial(ops.softmax_attention, implementation="xla")),
+    "softmax_reference": (
+        "softmax_attention",
+        functools.partial(ops.softmax_attention, implementation="reference"),
+    ),
 }
 
 
@@ -150,12 +154,20 @@ BAD_SHAPES = {
     "q_ndim": ((B, T, H * D), (B, T, H, D), (B, T, H, D), r"q must have 4 dimensions .*\(2, 5, 8\)"),
     "k_ndim": ((B, T, H, D), (1, B, T, H, D), (B, T, H, D), "k must have 4 dimensions"),
     "v_ndim": ((B, T, H, D), (B, T, H, D), (B, T, H), "v must have 4 dimensions"),
-    "k_features": ((B, T, H, D), (B, T, H, D + 1), (B, T, H, D),
-                   re.escape(f"k shape {(B, T, H, D + 1)} does not match q shape {(B, T, H, D)}")),
+    "k_features": (
+        (B, T, H, D),
+        (B, T, H, D + 1),
+        (B, T, H, D),
+        re.escape(f"k shape {(B, T, H, D + 1)} does not match q shape {(B, T, H, D)}"),
+    ),
     "k_heads": ((B, T, H, D), (B, T, H + 1, D), (B, T, H, D), "k shape .* does not match q shape"),
     "k_batch": ((B, T, H, D), (B + 1, T, H, D), (B, T, H, D), "k shape .* does not match q shape"),
-    "v_length": ((B, T, H, D), (B, T, H, D), (B, T + 1, H, D),
-                 re.escape(f"v shape {(B, T + 1, H, D)} does not match k shape {(B, T, H, D)}")),
+    "v_length": (
+        (B, T, H, D),
+        (B, T, H, D),
+        (B, T + 1, H, D),
+        re.escape(f"v shape {(B, T + 1, H, D)} does not match k shape {(B, T, H, D)}"),
+    ),
     "v_heads": ((B, T, H, D), (B, T, H, D), (B, T, H + 1, D), "v shape .* does not match k shape"),
 }
 
@@ -174,16 +186,27 @@ def test_bad_shapes(op_id, bad):
         op(_zeros(*q_shape), _zeros(*k_shape), _zeros(*v_shape))
 
 
-@pytest.mark.parametrize("key_lengths", [
-    jnp.array([3, 4, 5]), jnp.array([[3], [4]]), jnp.array(3), jnp.array([3.0, 4.0]), [3, 4, 5]])
-@pytest.mark.parametrize("op_name,implementation", [
-    ("linear_attention", None), ("softmax_attention", None), ("softmax_attention", "xla"),
-    ("softmax_attention", "reference")])
+@pytest.mark.parametrize(
+    "key_lengths",
+    [jnp.array([3, 4, 5]), jnp.array([[3], [4]]), jnp.array(3), jnp.array([3.0, 4.0]), [3, 4, 5]],
+)
+@pytest.mark.parametrize(
+    "op_name,implementation",
+    [
+        ("linear_attention", None),
+        ("softmax_attention", None),
+        ("softmax_attention", "xla"),
+        ("softmax_attention", "reference"),
+    ],
+)
 def test_bad_key_lengths(op_name, implementation, key_lengths):
     q, k, v = _qkv(m=D)
     kwargs = {} if implementation is None else {"implementation": implementation}
-    with pytest.raises(ValueError, match=rf"{op_name}: key_lengths must be an integer array of "
-                                         rf"shape \({B},\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{op_name}: key_lengths must be an integer array of "
+        rf"shape \({B},\)",
+    ):
         getattr(ops, op_name)(q, k, v, key_lengths=key_lengths, **kwargs)
 
 
@@ -193,51 +216,64 @@ def test_bad_key_lengths(op_name, implementation, key_lengths):
 @pytest.mark.parametrize("implementation", [None, "xla", "reference"])
 def test_causal_softmax_needs_equal_lengths(implementation):
     q, k, v = _qkv(t=T, s=S, m=D)
-    with pytest.raises(ValueError, match=f"causal=True needs as many queries as keys, got T={T} "
-                                         f"and S={S}"):
+    with pytest.raises(ValueError, match=f"causal=True needs as many queries as keys, got T={T} and S={S}"):
         ops.softmax_attention(q, k, v, causal=True, implementation=implementation)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "cudnn"])
 def test_dot_product_attention_needs_equal_feature_dims(implementation):
     q, k, v = _qkv(d=D, m=M)
-    with pytest.raises(ValueError, match=f"implementation='{implementation}'.*needs value features "
-                                         f"M equal to key features D, got D={D}, M={M}"):
+    with pytest.raises(
+        ValueError,
+        match=f"implementation='{implementation}'.*needs value features "
+        f"M equal to key features D, got D={D}, M={M}",
+    ):
         ops.softmax_attention(q, k, v, implementation=implementation)
 
 
 @pytest.mark.parametrize("implementation", ["flash", "XLA", ""])
 def test_unknown_softmax_implementation(implementation):
     q, k, v = _qkv(m=D)
-    with pytest.raises(ValueError, match=f"unknown implementation {implementation!r}; expected "
-                                         r"one of \(None, 'xla'"):
+    with pytest.raises(
+        ValueError,
+        match=f"unknown implementation {implementation!r}; expected "
+        r"one of \(None, 'xla'",
+    ):
         ops.softmax_attention(q, k, v, implementation=implementation)
 
 
 @pytest.mark.parametrize("implementation", [None, "reference"])
 def test_softmax_mask_that_does_not_broadcast(implementation):
     q, k, v = _qkv(m=D)
-    with pytest.raises(ValueError, match=re.escape(f"mask of shape {(T, S + 1)} does not broadcast "
-                                                   f"to [B, H, T, S] = {(B, H, T, S)}")):
-        ops.softmax_attention(q, k, v, mask=jnp.ones((T, S + 1), bool),
-                              implementation=implementation)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"mask of shape {(T, S + 1)} does not broadcast to [B, H, T, S] = {(B, H, T, S)}"),
+    ):
+        ops.softmax_attention(q, k, v, mask=jnp.ones((T, S + 1), bool), implementation=implementation)
 
 
 # ---------------------------------------------------------------- recurrent steps
 
 
-@pytest.mark.parametrize("state_shapes", [
-    ((B, H, D + 1, M), (B, H, D + 1)),  # F of another feature map
-    ((B, H, D, M + 1), (B, H, D)),  # M
-    ((B + 1, H, D, M), (B + 1, H, D)),  # batch
-    ((B, H, D, M), (B, H + 1, D)),  # z alone wrong
-])
+@pytest.mark.parametrize(
+    "state_shapes",
+    [
+        ((B, H, D + 1, M), (B, H, D + 1)),  # F of another feature map
+        ((B, H, D, M + 1), (B, H, D)),  # M
+        ((B + 1, H, D, M), (B + 1, H, D)),  # batch
+        ((B, H, D, M), (B, H + 1, D)),  # z alone wrong
+    ],
+)
 def test_linear_attention_step_state_of_wrong_shape(state_shapes):
     s_shape, z_shape = state_shapes
     state = ops.LinearState(_zeros(*s_shape), _zeros(*z_shape))
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             f"linear_attention_step: state shapes S {s_shape}, z {z_shape} do not fit the inputs, "
-            f"which need S {(B, H, D, M)} and z {(B, H, D)}")):
+            f"which need S {(B, H, D, M)} and z {(B, H, D)}"
+        ),
+    ):
         ops.linear_attention_step(state, _zeros(B, H, D), _zeros(B, H, D), _zeros(B, H, M))
 
 
@@ -246,24 +282,30 @@ def test_linear_attention_step_state_sized_for_head_dim_with_favor():
     fm = ops.FavorFeatureMap(jnp.ones((3 * D, D)))
     state = ops.init_linear_state(B, H, D, M)
     with pytest.raises(ValueError, match=re.escape(f"need S {(B, H, 3 * D, M)}")):
-        ops.linear_attention_step(state, _zeros(B, H, D), _zeros(B, H, D), _zeros(B, H, M),
-                                  feature_map=fm)
+        ops.linear_attention_step(state, _zeros(B, H, D), _zeros(B, H, D), _zeros(B, H, M), feature_map=fm)
 
 
-@pytest.mark.parametrize("shapes,pattern", [
-    (((B, 1, H, D), (B, H, D), (B, H, M)), "q_t must have 3 dimensions"),
-    (((B, H, D), (B, H, D + 1), (B, H, M)), "q_t shape .* and k_t shape .* must be equal"),
-    (((B, H, D), (B, H, D), (B + 1, H, M)), "v_t shape .* must share batch and heads"),
-])
+@pytest.mark.parametrize(
+    "shapes,pattern",
+    [
+        (((B, 1, H, D), (B, H, D), (B, H, M)), "q_t must have 3 dimensions"),
+        (((B, H, D), (B, H, D + 1), (B, H, M)), "q_t shape .* and k_t shape .* must be equal"),
+        (((B, H, D), (B, H, D), (B + 1, H, M)), "v_t shape .* must share batch and heads"),
+    ],
+)
 @pytest.mark.parametrize("step", ["linear", "softmax"])
 def test_step_input_shapes(step, shapes, pattern):
     q, k, v = (_zeros(*s) for s in shapes)
     if step == "linear":
-        name, call = "linear_attention_step", lambda: ops.linear_attention_step(
-            ops.init_linear_state(B, H, D, M), q, k, v)
+        name, call = (
+            "linear_attention_step",
+            lambda: ops.linear_attention_step(ops.init_linear_state(B, H, D, M), q, k, v),
+        )
     else:
-        name, call = "softmax_attention_step", lambda: ops.softmax_attention_step(
-            ops.init_kv_cache(B, 4, H, D, M), q, k, v)
+        name, call = (
+            "softmax_attention_step",
+            lambda: ops.softmax_attention_step(ops.init_kv_cache(B, 4, H, D, M), q, k, v),
+        )
     with pytest.raises(ValueError, match=f"{name}: {pattern}"):
         call()
 

@@ -26,15 +26,26 @@ LAYER_TOLERANCE = 0.05
 MODEL_TOLERANCE = 0.1
 
 B, T, E, V = 2, 32, 32, 13
-KINDS = [("softmax", {}), ("linear", {}), ("causal-linear", {"impl": "chunked"}),
-         ("linear", {"feature_map": "favor"})]
+KINDS = [
+    ("softmax", {}),
+    ("linear", {}),
+    ("causal-linear", {"impl": "chunked"}),
+    ("linear", {"feature_map": "favor"}),
+]
 KIND_IDS = ["softmax", "linear", "causal-linear-chunked", "favor"]
 
 
 def _config(dtype, attention="linear", options=None, **kwargs):
-    return TransformerConfig(num_layers=2, num_heads=4, model_dim=E, dropout=0.0,
-                             attention=attention, attention_options=options or {}, dtype=dtype,
-                             **kwargs)
+    return TransformerConfig(
+        num_layers=2,
+        num_heads=4,
+        model_dim=E,
+        dropout=0.0,
+        attention=attention,
+        attention_options=options or {},
+        dtype=dtype,
+        **kwargs,
+    )
 
 
 def _tokens(shape, seed=1, high=V):
@@ -49,17 +60,26 @@ def _param_dtypes(model):
     return {leaf.dtype for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))}
 
 
-@pytest.mark.parametrize("value, expected", [("bfloat16", jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16),
-                                             ("float32", jnp.float32), (None, None)])
+@pytest.mark.parametrize(
+    "value, expected",
+    [("bfloat16", jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16), ("float32", jnp.float32), (None, None)],
+)
 def test_config_dtype_accepts_names_and_dtypes(value, expected):
     config = TransformerConfig(dtype=value)
     assert config.dtype == (None if expected is None else jnp.dtype(expected))
     assert config.param_dtype == jnp.float32
 
 
-@pytest.mark.parametrize("field, value", [("dtype", "bf16"), ("dtype", "int32"),
-                                          ("dtype", jnp.int8), ("param_dtype", None),
-                                          ("param_dtype", "complex64")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("dtype", "bf16"),
+        ("dtype", "int32"),
+        ("dtype", jnp.int8),
+        ("param_dtype", None),
+        ("param_dtype", "complex64"),
+    ],
+)
 def test_config_dtype_rejects_what_is_not_a_float_dtype(field, value):
     with pytest.raises(ValueError, match=rf"TransformerConfig\.{field} must be one of .*bfloat16"):
         TransformerConfig(**{field: value})
@@ -69,10 +89,12 @@ def test_config_dtype_rejects_what_is_not_a_float_dtype(field, value):
 def test_ops_in_bfloat16_are_close_to_float32(op):
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (B, 64, 4, 16)) for key in keys)
-    fn = {"softmax": lambda q, k, v: ops.softmax_attention(q, k, v, causal=True),
-          "linear": lambda q, k, v: ops.linear_attention(q, k, v),
-          "causal-chunked": lambda q, k, v: ops.causal_linear_attention(q, k, v, impl="chunked"),
-          "causal-scan": lambda q, k, v: ops.causal_linear_attention(q, k, v, impl="scan")}[op]
+    fn = {
+        "softmax": lambda q, k, v: ops.softmax_attention(q, k, v, causal=True),
+        "linear": lambda q, k, v: ops.linear_attention(q, k, v),
+        "causal-chunked": lambda q, k, v: ops.causal_linear_attention(q, k, v, impl="chunked"),
+        "causal-scan": lambda q, k, v: ops.causal_linear_attention(q, k, v, impl="scan"),
+    }[op]
     want = fn(q, k, v)
     got = fn(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
     assert got.dtype == jnp.bfloat16
@@ -81,8 +103,10 @@ def test_ops_in_bfloat16_are_close_to_float32(op):
 
 @pytest.mark.parametrize("kind, options", KINDS, ids=KIND_IDS)
 def test_a_bfloat16_layer_computes_in_bfloat16_from_float32_parameters(kind, options):
-    layers = {dt: EncoderLayer(_config(dt, kind, options), causal=True, rngs=nnx.Rngs(0))
-              for dt in ("float32", "bfloat16")}
+    layers = {
+        dt: EncoderLayer(_config(dt, kind, options), causal=True, rngs=nnx.Rngs(0))
+        for dt in ("float32", "bfloat16")
+    }
     assert _param_dtypes(layers["bfloat16"]) == {jnp.dtype(jnp.float32)}
     x_BTE = jax.random.normal(jax.random.key(2), (B, T, E))
     got = layers["bfloat16"](x_BTE)
@@ -92,21 +116,24 @@ def test_a_bfloat16_layer_computes_in_bfloat16_from_float32_parameters(kind, opt
 
 def test_param_dtype_sets_the_storage_of_every_parameter_a_core_included():
     config = _config("bfloat16", "softmax", param_dtype="bfloat16")
-    encoder = _config("bfloat16", "linformer", {"max_length": T, "projected_length": 8},
-                      param_dtype="bfloat16")
+    encoder = _config(
+        "bfloat16", "linformer", {"max_length": T, "projected_length": 8}, param_dtype="bfloat16"
+    )
     model = EncoderDecoder(encoder, config, V, rngs=nnx.Rngs(0))
     assert _param_dtypes(model) == {jnp.dtype(jnp.bfloat16)}
-    model32 = EncoderDecoder(_config("bfloat16", "linformer",
-                                     {"max_length": T, "projected_length": 8}),
-                             _config("bfloat16", "softmax"), V, rngs=nnx.Rngs(0))
+    model32 = EncoderDecoder(
+        _config("bfloat16", "linformer", {"max_length": T, "projected_length": 8}),
+        _config("bfloat16", "softmax"),
+        V,
+        rngs=nnx.Rngs(0),
+    )
     assert _param_dtypes(model32) == {jnp.dtype(jnp.float32)}
     chex.assert_tree_all_finite(model(_tokens((B, T)), _tokens((B, 8))))
 
 
 @pytest.mark.parametrize("kind, options", KINDS, ids=KIND_IDS)
 def test_a_bfloat16_causal_lm_matches_float32_and_its_recurrent_form(kind, options):
-    models = {dt: CausalLM(_config(dt, kind, options), V, rngs=nnx.Rngs(0))
-              for dt in ("float32", "bfloat16")}
+    models = {dt: CausalLM(_config(dt, kind, options), V, rngs=nnx.Rngs(0)) for dt in ("float32", "bfloat16")}
     model = models["bfloat16"]
     model.eval()
     tokens_BT = _tokens((B, T))
@@ -117,9 +144,8 @@ def test_a_bfloat16_causal_lm_matches_float32_and_its_recurrent_form(kind, optio
     state = model.init_state(B, T)
     for leaf in jax.tree.leaves(state.layers):
         # Linear states and normalisers accumulate in float32; a KV cache holds bf16 keys.
-        assert leaf.dtype in (jnp.float32, jnp.int32) or (kind == "softmax"
-                                                          and leaf.dtype == jnp.bfloat16)
-    state, prefix_logits = model.prefill(state, tokens_BT[:, :T // 2])
+        assert leaf.dtype in (jnp.float32, jnp.int32) or (kind == "softmax" and leaf.dtype == jnp.bfloat16)
+    state, prefix_logits = model.prefill(state, tokens_BT[:, : T // 2])
     steps = []
     for t in range(T // 2, T):
         state, logits_BV = model.step(state, tokens_BT[:, t])
@@ -153,8 +179,10 @@ def optax_free_cross_entropy(logits_BTV, targets_BT):
 
 
 def test_a_bfloat16_image_generator_scores_and_samples():
-    models = {dt: ImageGenerator(_config(dt), num_classes=17, num_mixtures=3, max_length=T,
-                                 rngs=nnx.Rngs(0)) for dt in ("float32", "bfloat16")}
+    models = {
+        dt: ImageGenerator(_config(dt), num_classes=17, num_mixtures=3, max_length=T, rngs=nnx.Rngs(0))
+        for dt in ("float32", "bfloat16")
+    }
     model = models["bfloat16"]
     model.eval()
     x_BT = _tokens((B, T), high=17)
@@ -169,8 +197,7 @@ def test_a_bfloat16_image_generator_scores_and_samples():
 
 
 def test_a_bfloat16_encoder_decoder_decodes_greedily_as_its_parallel_form():
-    model = EncoderDecoder(_config("bfloat16"), _config("bfloat16", "causal-linear"), V,
-                           rngs=nnx.Rngs(0))
+    model = EncoderDecoder(_config("bfloat16"), _config("bfloat16", "causal-linear"), V, rngs=nnx.Rngs(0))
     model.eval()
     source_BS = _tokens((B, 12))
     decoded_BT = greedy_decode(model, source_BS, 6, start_token=0)
@@ -180,8 +207,9 @@ def test_a_bfloat16_encoder_decoder_decodes_greedily_as_its_parallel_form():
     assert logits_BTV.dtype == jnp.float32
     top2 = jnp.sort(logits_BTV, axis=-1)[..., -2:]
     clear = (top2[..., 1] - top2[..., 0]) > MODEL_TOLERANCE  # ties within rounding may differ
-    np.testing.assert_array_equal(np.where(clear, jnp.argmax(logits_BTV, -1), -1),
-                                  np.where(clear, decoded_BT, -1))
+    np.testing.assert_array_equal(
+        np.where(clear, jnp.argmax(logits_BTV, -1), -1), np.where(clear, decoded_BT, -1)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +223,11 @@ def digits_runs(tmp_path_factory):
     runs = {}
 
     def run(name, dtype, num_steps):
-        config = digits.get_config(f"smoke,num_steps={num_steps},log_every=1,eval_every=40,"
-                                   f"sample_every=40,checkpoint_every=20,learning_rate=0.003,"
-                                   f"schedule=constant,dtype={dtype}")
+        config = digits.get_config(
+            f"smoke,num_steps={num_steps},log_every=1,eval_every=40,"
+            f"sample_every=40,checkpoint_every=20,learning_rate=0.003,"
+            f"schedule=constant,dtype={dtype}"
+        )
         config.data_dir = data_dir
         workdir = runs[name][0] if name in runs else tmp_path_factory.mktemp(name)
         runs[name] = (workdir, loop.train_and_evaluate(config, workdir))
@@ -212,8 +242,10 @@ def digits_runs(tmp_path_factory):
 def test_a_bfloat16_training_run_reaches_the_float32_loss(digits_runs):
     from experiments.training.metrics import read_metrics
 
-    losses = {name: [r["loss"] for r in read_metrics(workdir) if "loss" in r]
-              for name, (workdir, _) in digits_runs.items()}
+    losses = {
+        name: [r["loss"] for r in read_metrics(workdir) if "loss" in r]
+        for name, (workdir, _) in digits_runs.items()
+    }
     assert len(losses["bfloat16"]) == 40 and all(np.isfinite(losses["bfloat16"]))
     head, tail = slice(0, 5), slice(-5, None)
     assert np.mean(losses["bfloat16"][tail]) < np.mean(losses["bfloat16"][head]) - 0.1
@@ -231,8 +263,7 @@ def test_a_bfloat16_run_checkpoints_float32_parameters(digits_runs):
 
     checkpointer = Checkpointer(digits_runs["bfloat16"][0] / "checkpoints")
     try:
-        dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(
-            checkpointer.metadata(40)["params"])}
+        dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(checkpointer.metadata(40)["params"])}
     finally:
         checkpointer.close()
     assert dtypes == {"float32"}

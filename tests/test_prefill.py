@@ -53,8 +53,15 @@ def _tokens(shape, seed=3, high=V):
 
 def _config(name="linear", **overrides):
     kind, options = KINDS[name]
-    kwargs = dict(num_layers=1, num_heads=H, model_dim=E, feed_forward_dim=32, dropout=0.0,
-                  attention=kind, attention_options=options)
+    kwargs = dict(
+        num_layers=1,
+        num_heads=H,
+        model_dim=E,
+        feed_forward_dim=32,
+        dropout=0.0,
+        attention=kind,
+        attention_options=options,
+    )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -111,8 +118,7 @@ def _seq2seq_parallel(m, target, source, lengths):
 
 
 @functools.partial(nnx.jit, static_argnames=("cuts", "init", "parallel", "reference"))
-def _forms(module, xs_BT, *extra, cuts, init=_self_state, parallel=_self_parallel,
-           reference=True):
+def _forms(module, xs_BT, *extra, cuts, init=_self_state, parallel=_self_parallel, reference=True):
     """Every form over xs_BT in one compiled program (compilation dominates these tests' time
     on CPU): the parallel form; from `init`'s state, `step` over the block before cuts[0]
     (none when it is 0) and one `prefill` per later block; with `reference`, `step` over
@@ -139,8 +145,7 @@ def _check_forms(out, tol, parallel_tol=None):
     parallel_tol = parallel_tol or tol
     np.testing.assert_allclose(out["y"], out["parallel"], atol=parallel_tol, rtol=parallel_tol)
     if "y_steps" in out:
-        np.testing.assert_allclose(out["y_steps"], out["parallel"], atol=parallel_tol,
-                                   rtol=parallel_tol)
+        np.testing.assert_allclose(out["y_steps"], out["parallel"], atol=parallel_tol, rtol=parallel_tol)
         np.testing.assert_allclose(out["y"], out["y_steps"], atol=tol, rtol=tol)
         chex.assert_trees_all_close(out["state"], out["state_steps"], atol=tol, rtol=tol)
         chex.assert_trees_all_equal_dtypes(out["state"], out["state_steps"])
@@ -148,10 +153,12 @@ def _check_forms(out, tol, parallel_tol=None):
 
 # --- core level (float64: the states are compared too) -------------------------------------------
 
+
 def _core(name, seed=0):
     kind, options = KINDS[name]
-    return make_attention_core(kind, causal=True, num_heads=H, head_dim=D, value_dim=M,
-                               rngs=nnx.Rngs(seed), **options)
+    return make_attention_core(
+        kind, causal=True, num_heads=H, head_dim=D, value_dim=M, rngs=nnx.Rngs(seed), **options
+    )
 
 
 @pytest.mark.parametrize("name", list(KINDS))
@@ -179,10 +186,12 @@ def test_linear_core_prefill_key_lengths_leave_the_state_after_the_real_tokens(x
         return padded, full_state, short
 
     (state, out), full_state, (short_state, short_out) = run(core, q, k, v, jnp.array([T, 4]))
-    chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], state),
-                                jax.tree.map(lambda x: x[0], full_state), atol=1e-10)
-    chex.assert_trees_all_close(jax.tree.map(lambda x: x[1], state),
-                                jax.tree.map(lambda x: x[1], short_state), atol=1e-10)
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x[0], state), jax.tree.map(lambda x: x[0], full_state), atol=1e-10
+    )
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x[1], state), jax.tree.map(lambda x: x[1], short_state), atol=1e-10
+    )
     np.testing.assert_allclose(out[1, :4], short_out[1], atol=1e-10)
     # The softmax cache keeps one length for the batch: per-example lengths are refused.
     softmax = _core("softmax")
@@ -192,27 +201,30 @@ def test_linear_core_prefill_key_lengths_leave_the_state_after_the_real_tokens(x
 
 # --- MultiHeadAttention and layers ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["softmax", "linear"])
 def test_mha_prefill_equals_parallel(name):
     kind, options = KINDS[name]
-    mha = MultiHeadAttention(E, H, kind=kind, causal=True, attention_options=options,
-                             rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(E, H, kind=kind, causal=True, attention_options=options, rngs=nnx.Rngs(0))
     _check_forms(_forms(mha, _x((B, T, E)), cuts=(1, 4)), 1e-5)
 
 
-@pytest.mark.parametrize("kind, options", [("softmax", {}), ("linear", {}),
-                                           ("linformer", {"max_length": 9,
-                                                          "projected_length": 4})])
+@pytest.mark.parametrize(
+    "kind, options",
+    [("softmax", {}), ("linear", {}), ("linformer", {"max_length": 9, "projected_length": 4})],
+)
 def test_mha_attend_memory_takes_a_block_of_queries(kind, options):
-    mha = MultiHeadAttention(E, H, kind=kind, kv_features=12, attention_options=options,
-                             rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(E, H, kind=kind, kv_features=12, attention_options=options, rngs=nnx.Rngs(0))
     x, ctx, lengths = _x((B, T, E)), _x((B, 9, 12), seed=2), jnp.array([9, 3])
 
     @nnx.jit
     def run(mha, x, ctx, lengths):
         memory = mha.init_memory(ctx, lengths)
-        return (mha.attend_memory(memory, x), mha.attend_memory(memory, x[:, 3]),
-                mha(x, ctx, key_lengths=lengths))
+        return (
+            mha.attend_memory(memory, x),
+            mha.attend_memory(memory, x[:, 3]),
+            mha(x, ctx, key_lengths=lengths),
+        )
 
     y_block, y_step, y_par = run(mha, x, ctx, lengths)
     np.testing.assert_allclose(y_block, y_par, atol=1e-5, rtol=1e-5)
@@ -228,11 +240,23 @@ def test_encoder_and_decoder_layer_prefill_equal_parallel():
     _check_forms(_forms(layer, x, cuts=(3,), reference=False), 1e-5)
     layer = DecoderLayer(config, rngs=nnx.Rngs(0))
     memory, lengths = _x((B, 5, E), seed=2), jnp.array([5, 2])
-    _check_forms(_forms(layer, x, memory, lengths, cuts=(3,), init=_decoder_state,
-                        parallel=_decoder_parallel, reference=False), 1e-5)
+    _check_forms(
+        _forms(
+            layer,
+            x,
+            memory,
+            lengths,
+            cuts=(3,),
+            init=_decoder_state,
+            parallel=_decoder_parallel,
+            reference=False,
+        ),
+        1e-5,
+    )
 
 
 # --- stacks --------------------------------------------------------------------------------------
+
 
 def test_causal_encoder_prefill_equals_parallel_and_steps():
     encoder = Encoder(_config("causal-linear", num_layers=2), causal=True, rngs=nnx.Rngs(0))
@@ -244,16 +268,33 @@ def test_decoder_prefill_with_padded_memory_equals_parallel():
     decoder = Decoder(_config("softmax", num_layers=2), rngs=nnx.Rngs(0))
     decoder.eval()
     x, memory = _x((B, T, E)), _x((B, 5, E), seed=2)
-    out = _forms(decoder, x, memory, jnp.array([5, 2]), cuts=(2,), init=_decoder_state,
-                 parallel=_decoder_parallel, reference=False)
+    out = _forms(
+        decoder,
+        x,
+        memory,
+        jnp.array([5, 2]),
+        cuts=(2,),
+        init=_decoder_state,
+        parallel=_decoder_parallel,
+        reference=False,
+    )
     _check_forms(out, 1e-5)
     # The memory padding is honoured (the comparison above would notice if it were dropped).
-    unpadded = _forms(decoder, x, memory, jnp.array([5, 5]), cuts=(2,), init=_decoder_state,
-                      parallel=_decoder_parallel, reference=False)
+    unpadded = _forms(
+        decoder,
+        x,
+        memory,
+        jnp.array([5, 5]),
+        cuts=(2,),
+        init=_decoder_state,
+        parallel=_decoder_parallel,
+        reference=False,
+    )
     assert not np.allclose(unpadded["y"][1], out["y"][1], atol=1e-3)
 
 
 # --- models --------------------------------------------------------------------------------------
+
 
 def _lm(name="linear", seed=0, **overrides):
     overrides.setdefault("num_layers", 1)
@@ -272,10 +313,10 @@ def test_lm_steps_then_streamed_segments_equal_one_parallel_pass(name):
 
 
 def _image_model(kind="linear", seed=0, length=12):
-    config = TransformerConfig(num_layers=1, num_heads=H, model_dim=E, feed_forward_dim=32,
-                               dropout=0.0, attention=kind)
-    model = ImageGenerator(config, num_classes=17, num_mixtures=3, max_length=length,
-                           rngs=nnx.Rngs(seed))
+    config = TransformerConfig(
+        num_layers=1, num_heads=H, model_dim=E, feed_forward_dim=32, dropout=0.0, attention=kind
+    )
+    model = ImageGenerator(config, num_classes=17, num_mixtures=3, max_length=length, rngs=nnx.Rngs(seed))
     model.eval()
     return model
 
@@ -283,15 +324,23 @@ def _image_model(kind="linear", seed=0, length=12):
 def test_image_generator_prefill_reads_tokens_as_step_does():
     model = _image_model("linear")
     x = _tokens((B, 12), high=17)
-    out = _forms(model, model.shifted_inputs(x), x, cuts=(3, 8), init=_image_state,
-                 parallel=_image_parallel, reference=False)
+    out = _forms(
+        model,
+        model.shifted_inputs(x),
+        x,
+        cuts=(3, 8),
+        init=_image_state,
+        parallel=_image_parallel,
+        reference=False,
+    )
     _check_forms(out, 2e-5)
     assert int(out["state"].position) == 12
 
 
 def _seq2seq(kind="linear", seed=0):
-    config = TransformerConfig(num_layers=1, num_heads=H, model_dim=E, feed_forward_dim=32,
-                               dropout=0.0, attention=kind)
+    config = TransformerConfig(
+        num_layers=1, num_heads=H, model_dim=E, feed_forward_dim=32, dropout=0.0, attention=kind
+    )
     model = EncoderDecoder(config, config, V, rngs=nnx.Rngs(seed))
     model.eval()
     return model
@@ -304,13 +353,22 @@ def _source(seed=0):
 
 def test_encoder_decoder_prefill_with_source_padding_equals_parallel():
     source, lengths = _source()  # (the softmax decoder: the stack test above, greedy_decode)
-    out = _forms(_seq2seq("linear"), _tokens((3, 6), seed=4), source, lengths, cuts=(2,),
-                 init=_seq2seq_state, parallel=_seq2seq_parallel, reference=False)
+    out = _forms(
+        _seq2seq("linear"),
+        _tokens((3, 6), seed=4),
+        source,
+        lengths,
+        cuts=(2,),
+        init=_seq2seq_state,
+        parallel=_seq2seq_parallel,
+        reference=False,
+    )
     _check_forms(out, 2e-4)
     assert int(out["state"].position) == 6
 
 
 # --- the samplers read their prompts with one prefill ----------------------------------------------
+
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _generate_token_by_token(graphdef, params, prompt_BP, key, num_steps, temperature):
@@ -341,8 +399,9 @@ def test_generate_equals_the_token_by_token_path(name):
     for temperature in (0.0, 1.0):  # one compilation each way: the temperature is traced
         key = jax.random.key(7)
         out = generation.generate(model, prompt, 3, key=key, temperature=temperature)
-        expected = _generate_token_by_token(graphdef, params, jnp.asarray(prompt), key, 3,
-                                            jnp.float32(temperature))
+        expected = _generate_token_by_token(
+            graphdef, params, jnp.asarray(prompt), key, 3, jnp.float32(temperature)
+        )
         np.testing.assert_array_equal(out, expected)
 
 
@@ -386,8 +445,7 @@ def test_sample_images_with_prefix_equals_the_token_by_token_path():
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _greedy_token_by_token(graphdef, params, source_BS, num_steps, start_token, source_lengths,
-                           prefix_BK):
+def _greedy_token_by_token(graphdef, params, source_BS, num_steps, start_token, source_lengths, prefix_BK):
     """greedy_decode with a forced prefix, every token (start, prefix) read by `step`."""
     model = nnx.merge(graphdef, params)
     memory_BSE = model.encode(source_BS, source_lengths=source_lengths)
@@ -414,11 +472,14 @@ def test_greedy_decode_with_prefix_equals_the_token_by_token_path():
     tokens = greedy_decode(model, source, 4, start_token=0, source_lengths=lengths, prefix=prefix)
     chex.assert_shape(tokens, (3, 4))
     graphdef, params = nnx.split(model)
-    np.testing.assert_array_equal(tokens, _greedy_token_by_token(
-        graphdef, params, jnp.asarray(source), 4, 0, jnp.asarray(lengths), jnp.asarray(prefix)))
+    np.testing.assert_array_equal(
+        tokens,
+        _greedy_token_by_token(
+            graphdef, params, jnp.asarray(source), 4, 0, jnp.asarray(lengths), jnp.asarray(prefix)
+        ),
+    )
     # Teacher forcing start, prefix, decoded tokens reproduces each decoded choice.
-    target_in = np.concatenate([np.zeros((3, 1), np.int32), prefix, np.asarray(tokens)[:, :-1]],
-                               axis=1)
+    target_in = np.concatenate([np.zeros((3, 1), np.int32), prefix, np.asarray(tokens)[:, :-1]], axis=1)
     logits = nnx.jit(_seq2seq_parallel)(model, target_in, source, lengths)
     np.testing.assert_array_equal(tokens, np.argmax(logits[:, 3:], -1))
     with pytest.raises(ValueError, match=r"prefix must be integer tokens of shape \[batch=3, K\]"):
@@ -427,29 +488,34 @@ def test_greedy_decode_with_prefix_equals_the_token_by_token_path():
 
 # --- refusals ------------------------------------------------------------------------------------
 
+
 def test_prefill_with_dropout_active_raises():
     model = _lm("linear", dropout=0.1)
     state = model.init_state(B, T)
     model.train()
     with pytest.raises(ValueError, match=r"dropout active: call model.eval\(\)"):
         model.prefill(state, _tokens((B, 3)))
-    mha = MultiHeadAttention(E, H, kind="softmax", causal=True, attention_dropout=0.5,
-                             rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(E, H, kind="softmax", causal=True, attention_dropout=0.5, rngs=nnx.Rngs(0))
     state = mha.init_state(B, T)
     with pytest.raises(ValueError, match=r"dropout active: call model.eval\(\)"):
         mha.prefill(state, _x((B, 3, E)))
 
 
 def test_kinds_without_a_recurrent_form_refuse_prefill():
-    reformer = MultiHeadAttention(E, H, kind="reformer", causal=True,
-                                  attention_options={"chunk_size": 4}, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"'reformer' has no recurrent form \(prefill\).*"
-                                         r"Kinds with one"):
+    reformer = MultiHeadAttention(
+        E, H, kind="reformer", causal=True, attention_options={"chunk_size": 4}, rngs=nnx.Rngs(0)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"'reformer' has no recurrent form \(prefill\).*"
+        r"Kinds with one",
+    ):
         reformer.prefill(None, _x((B, 4, E)))
     encoder = Encoder(_config("linear"), causal=False, rngs=nnx.Rngs(0))
     encoder.eval()
-    with pytest.raises(ValueError, match="prefill is the recurrent form of causal "
-                                         "self-attention.*non-causal"):
+    with pytest.raises(
+        ValueError, match="prefill is the recurrent form of causal self-attention.*non-causal"
+    ):
         encoder.prefill((None,), _x((B, 4, E)))
 
 
@@ -462,29 +528,44 @@ def test_sequence_axis_needs_a_kind_with_a_sequence_parallel_form():
     assert not attention_class("reformer").has_sequence_parallel_form
     assert not attention_class("linformer").has_sequence_parallel_form
     assert "sequence_axis" not in attention_options("linear")
-    match = (r"'{}' has no sequence-parallel form, so it cannot run with sequence_axis='seq'; "
-             r"kinds with one: " + SP_KINDS.replace("[", r"\[").replace("]", r"\]"))
-    with pytest.raises(ValueError, match="TransformerConfig: attention kind " +
-                       match.format("reformer")):
+    match = (
+        r"'{}' has no sequence-parallel form, so it cannot run with sequence_axis='seq'; "
+        r"kinds with one: " + SP_KINDS.replace("[", r"\[").replace("]", r"\]")
+    )
+    with pytest.raises(ValueError, match="TransformerConfig: attention kind " + match.format("reformer")):
         _config(attention="reformer", attention_options={}, sequence_axis="seq")
     with pytest.raises(ValueError, match=match.format("linformer")):
-        _config(attention="linformer", attention_options={"max_length": 8},
-                sequence_axis="seq")
+        _config(attention="linformer", attention_options={"max_length": 8}, sequence_axis="seq")
     with pytest.raises(ValueError, match=match.format("linformer")):
-        _config("linear", cross_attention="linformer",
-                cross_attention_options={"max_length": 8}, sequence_axis="seq")
+        _config(
+            "linear",
+            cross_attention="linformer",
+            cross_attention_options={"max_length": 8},
+            sequence_axis="seq",
+        )
     with pytest.raises(ValueError, match=match.format("linformer")):
-        MultiHeadAttention(E, H, kind="linformer", attention_options={"max_length": 8},
-                           sequence_axis="seq", rngs=nnx.Rngs(0))
+        MultiHeadAttention(
+            E, H, kind="linformer", attention_options={"max_length": 8}, sequence_axis="seq", rngs=nnx.Rngs(0)
+        )
     with pytest.raises(ValueError, match=match.format("reformer")):
-        attention_class("reformer")(causal=True, num_heads=H, head_dim=D, value_dim=M,
-                                    rngs=nnx.Rngs(0), sequence_axis="seq")
-    with pytest.raises(ValueError, match=r"sequence_axis must be a mesh axis name \(str\) or "
-                                         r"None, got 3"):
+        attention_class("reformer")(
+            causal=True, num_heads=H, head_dim=D, value_dim=M, rngs=nnx.Rngs(0), sequence_axis="seq"
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_axis must be a mesh axis name \(str\) or "
+        r"None, got 3",
+    ):
         _config(sequence_axis=3)
     with pytest.raises(ValueError, match="sow_weights records the whole"):
-        MultiHeadAttention(E, H, kind="softmax", attention_options={"sow_weights": True},
-                           sequence_axis="seq", rngs=nnx.Rngs(0))
+        MultiHeadAttention(
+            E,
+            H,
+            kind="softmax",
+            attention_options={"sow_weights": True},
+            sequence_axis="seq",
+            rngs=nnx.Rngs(0),
+        )
 
 
 def test_sequence_axis_reaches_every_attention_core():
@@ -508,9 +589,13 @@ def test_sequence_parallel_model_generates_without_a_mesh():
     prompt = _tokens((B, 4))  # the shapes of the generate test: its compiled plain model
     np.testing.assert_array_equal(
         generation.generate(parallel, prompt, 3, key=jax.random.key(0), temperature=0.0),
-        generation.generate(plain, prompt, 3, key=jax.random.key(0), temperature=0.0))
+        generation.generate(plain, prompt, 3, key=jax.random.key(0), temperature=0.0),
+    )
     # The parallel form does need a mesh with the axis, and says so.
     for model in (parallel, _lm("softmax", sequence_axis="seq")):
-        with pytest.raises(ValueError, match=r"sequence_axis='seq' is not an axis of the "
-                                             r"current mesh.*jax.set_mesh"):
+        with pytest.raises(
+            ValueError,
+            match=r"sequence_axis='seq' is not an axis of the "
+            r"current mesh.*jax.set_mesh",
+        ):
             model(prompt)

@@ -20,14 +20,40 @@ from linear_transformers import (
 from linear_transformers.interop import builder_kwargs, convert
 
 PROMISED_OPS = [
-    "softmax_attention", "softmax_attention_reference", "linear_attention",
-    "linear_attention_reference", "causal_linear_attention", "init_linear_state",
-    "linear_attention_step", "init_kv_cache", "softmax_attention_step", "make_feature_map",
-    "register_feature_map", "registered_feature_maps", "favor_projection", "elu_plus_one",
-    "lsh_attention", "lsh_attention_reference", "lsh_rotations", "linformer_attention",
+    "softmax_attention",
+    "softmax_attention_reference",
+    "linear_attention",
+    "linear_attention_reference",
+    "causal_linear_attention",
+    "init_linear_state",
+    "linear_attention_step",
+    "init_kv_cache",
+    "softmax_attention_step",
+    "make_feature_map",
+    "register_feature_map",
+    "registered_feature_maps",
+    "favor_projection",
+    "elu_plus_one",
+    "lsh_attention",
+    "lsh_attention_reference",
+    "lsh_rotations",
+    "linformer_attention",
 ]
-MODULES = [lt, ops, attention, generation, image_generator, lm, mixture, multi_head_attention,
-           seq2seq, transformer, interop, builder_kwargs, convert]
+MODULES = [
+    lt,
+    ops,
+    attention,
+    generation,
+    image_generator,
+    lm,
+    mixture,
+    multi_head_attention,
+    seq2seq,
+    transformer,
+    interop,
+    builder_kwargs,
+    convert,
+]
 
 
 @pytest.mark.parametrize("name", PROMISED_OPS)
@@ -51,11 +77,11 @@ def _public_objects():
 
 
 def test_public_functions_classes_and_methods_have_docstrings():
-    undocumented = sorted({name for name, obj in _public_objects()
-                           if not (obj.__doc__ or "").strip()})
+    undocumented = sorted({name for name, obj in _public_objects() if not (obj.__doc__ or "").strip()})
     assert not undocumented, f"missing docstrings: {undocumented}"
 
 
 def test_baseline_kinds_are_registered():
     assert {"softmax", "linear", "causal-linear", "reformer", "linformer"} <= set(
-        lt.registered_attention_kinds())
+        lt.registered_attention_kinds()
+    )

@@ -42,8 +42,14 @@ def test_readme_fast_transformers_example_runs(tmp_path):
     (example,) = [b for b in blocks if "image_generator_from_fast_transformers" in b]
     path = _mnist_sized_state(tmp_path / "linear.npz")
     namespace = {}
-    exec(compile(example.replace('"linear.pth"', repr(str(path))).replace("n_heads=8", "n_heads=2"),
-                 str(README), "exec"), namespace)
+    exec(
+        compile(
+            example.replace('"linear.pth"', repr(str(path))).replace("n_heads=8", "n_heads=2"),
+            str(README),
+            "exec",
+        ),
+        namespace,
+    )
     images = np.asarray(namespace["images"])
     assert images.shape == (16, 784)
     np.testing.assert_array_equal(images[:, 0], 0)

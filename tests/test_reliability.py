@@ -37,8 +37,11 @@ def data_dir(tmp_path_factory):
 def compilation_cache(tmp_path_factory):
     """Every run here compiles the same steps: a persistent cache for this module compiles them
     once (a cached executable is the compiled one, so the numbers do not change)."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
     before = {name: getattr(jax.config, name) for name in names}
     jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -49,9 +52,10 @@ def compilation_cache(tmp_path_factory):
 
 
 def _smoke(data_dir, extra=""):
-    config = digits.get_config("smoke,num_steps=12,log_every=1,checkpoint_every=0,eval_every=0,"
-                               "sample_every=0,dropout=0.1,batch_size=64" +
-                               ("," + extra if extra else ""))
+    config = digits.get_config(
+        "smoke,num_steps=12,log_every=1,checkpoint_every=0,eval_every=0,"
+        "sample_every=0,dropout=0.1,batch_size=64" + ("," + extra if extra else "")
+    )
     config.data_dir = data_dir
     return config
 
@@ -62,8 +66,9 @@ def straight(data_dir, tmp_path_factory):
     options change neither, so every test compares with this one run."""
     workdir = tmp_path_factory.mktemp("straight")
     losses = []
-    loop.train_and_evaluate(_smoke(data_dir), workdir,
-                            step_callback=lambda s, m: losses.append(float(m["loss"])))
+    loop.train_and_evaluate(
+        _smoke(data_dir), workdir, step_callback=lambda s, m: losses.append(float(m["loss"]))
+    )
     return losses, read_metrics(workdir)
 
 
@@ -83,6 +88,7 @@ class _SignalWhileWaiting(threading.Thread):
         while frame is not None:
             if frame.f_code.co_name == "_train" and frame.f_code.co_filename == self.filename:
                 import linecache
+
                 return _WAIT_LINE in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
             frame = frame.f_back
         return False
@@ -98,11 +104,12 @@ class _SignalWhileWaiting(threading.Thread):
             time.sleep(0.0005)
 
 
-@pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGTERM,),
-                                     (signal.SIGINT, signal.SIGINT)],
-                         ids=["SIGINT", "SIGTERM", "SIGINT-twice"])
-def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, straight, tmp_path,
-                                                            signals):
+@pytest.mark.parametrize(
+    "signals",
+    [(signal.SIGINT,), (signal.SIGTERM,), (signal.SIGINT, signal.SIGINT)],
+    ids=["SIGINT", "SIGTERM", "SIGINT-twice"],
+)
+def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, straight, tmp_path, signals):
     config = _smoke(data_dir)
 
     losses = []
@@ -112,8 +119,9 @@ def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, straight, 
     expected = interrupts.Interrupted if len(signals) == 1 else KeyboardInterrupt
     try:
         with pytest.raises(expected):
-            loop.train_and_evaluate(config, tmp_path / "run", step_callback=lambda s, m:
-                                    losses.append(float(m["loss"])))
+            loop.train_and_evaluate(
+                config, tmp_path / "run", step_callback=lambda s, m: losses.append(float(m["loss"]))
+            )
     finally:
         sender.stop = True
     assert sender.sent_at_step is not None, "the signal was never sent while a step was in flight"
@@ -128,33 +136,39 @@ def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, straight, 
     checkpointer.close()
 
     resumed = []
-    loop.train_and_evaluate(config, tmp_path / "run",
-                            step_callback=lambda s, m: resumed.append(float(m["loss"])))
+    loop.train_and_evaluate(
+        config, tmp_path / "run", step_callback=lambda s, m: resumed.append(float(m["loss"]))
+    )
     assert losses[:saved] + resumed == straight[0]  # bit-identical: no step applied twice or lost
 
 
 def test_the_copy_trainer_resumes_exactly_after_sigterm_mid_step(tmp_path):
     from configs import copy as copy_config
     from experiments.training import copy_loop
-    config = copy_config.get_config("smoke,num_steps=12,log_every=1,checkpoint_every=0,"
-                                    "eval_every=0,dropout=0.1")
+
+    config = copy_config.get_config(
+        "smoke,num_steps=12,log_every=1,checkpoint_every=0,eval_every=0,dropout=0.1"
+    )
     straight = []
     straight_result = copy_loop.train_and_evaluate(
-        config, tmp_path / "straight", step_callback=lambda s, m: straight.append(float(m["loss"])))
+        config, tmp_path / "straight", step_callback=lambda s, m: straight.append(float(m["loss"]))
+    )
     losses = []
     sender = _SignalWhileWaiting((signal.SIGTERM,), 3, losses, trainer_module=copy_loop)
     sender.start()
     try:
         with pytest.raises(interrupts.Interrupted, match="SIGTERM received: stopped after step"):
-            copy_loop.train_and_evaluate(config, tmp_path / "run", step_callback=lambda s, m:
-                                         losses.append(float(m["loss"])))
+            copy_loop.train_and_evaluate(
+                config, tmp_path / "run", step_callback=lambda s, m: losses.append(float(m["loss"]))
+            )
     finally:
         sender.stop = True
     assert sender.sent_at_step is not None
     saved = Checkpointer(tmp_path / "run" / "checkpoints").latest_step()
     resumed = []
-    result = copy_loop.train_and_evaluate(config, tmp_path / "run", step_callback=lambda s, m:
-                                          resumed.append(float(m["loss"])))
+    result = copy_loop.train_and_evaluate(
+        config, tmp_path / "run", step_callback=lambda s, m: resumed.append(float(m["loss"]))
+    )
     assert losses[:saved] + resumed == straight
     assert result["eval_loss"] == straight_result["eval_loss"]
 
@@ -166,17 +180,20 @@ def test_metrics_past_the_resumed_checkpoint_are_dropped(data_dir, straight, tmp
     def stop_at_9(step, metrics):
         if step == 9:
             raise KeyboardInterrupt
+
     with pytest.raises(KeyboardInterrupt):
         loop.train_and_evaluate(config, tmp_path, step_callback=stop_at_9)
     # What a SIGKILL right after step 9's log line leaves: no checkpoint 9, a cut-off line.
     import shutil
+
     shutil.rmtree(tmp_path / "checkpoints" / "9")
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 10, "loss": 1.')
     loop.train_and_evaluate(config, tmp_path)
     drop = ("steps_per_sec",)
-    assert [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(tmp_path)] \
-        == [{k: v for k, v in r.items() if k not in drop} for r in straight[1]]
+    assert [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(tmp_path)] == [
+        {k: v for k, v in r.items() if k not in drop} for r in straight[1]
+    ]
 
 
 # ---- A workdir belongs to one run ----
@@ -191,12 +208,16 @@ time.sleep(120)
 
 
 def test_a_locked_workdir_names_its_holder_and_a_dead_holder_does_not_block(data_dir, tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path)], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(WorkdirInUseError, match=rf"in use by another training run \(pid "
-                                                    rf"{holder.pid} on .*, started"):
+        with pytest.raises(
+            WorkdirInUseError,
+            match=rf"in use by another training run \(pid "
+            rf"{holder.pid} on .*, started",
+        ):
             loop.train_and_evaluate(_smoke(data_dir), tmp_path)
         assert not (tmp_path / "config.json").exists() and not (tmp_path / "metrics.jsonl").exists()
     finally:
@@ -209,6 +230,7 @@ def test_a_locked_workdir_names_its_holder_and_a_dead_holder_does_not_block(data
 
 # ---- Checkpoints are verified ----
 
+
 def _data_file(step_dir: pathlib.Path) -> pathlib.Path:
     """The largest array-data file of a checkpoint."""
     return max((p for p in step_dir.rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
@@ -220,8 +242,7 @@ def _flip_a_byte(path: pathlib.Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_flipped_bytes_fall_back_to_the_newest_intact_checkpoint(data_dir, straight, tmp_path,
-                                                                 caplog):
+def test_flipped_bytes_fall_back_to_the_newest_intact_checkpoint(data_dir, straight, tmp_path, caplog):
     config = _smoke(data_dir, "checkpoint_every=2,keep_checkpoints=3")
 
     losses = []
@@ -230,14 +251,16 @@ def test_flipped_bytes_fall_back_to_the_newest_intact_checkpoint(data_dir, strai
         losses.append(float(metrics["loss"]))
         if step == 6:
             raise KeyboardInterrupt
+
     with pytest.raises(KeyboardInterrupt):
         loop.train_and_evaluate(config, tmp_path / "run", step_callback=stop_at_6)
     _flip_a_byte(_data_file(tmp_path / "run" / "checkpoints" / "6"))
 
     resumed = []
     with caplog.at_level("WARNING"):
-        loop.train_and_evaluate(config, tmp_path / "run",
-                                step_callback=lambda s, m: resumed.append(float(m["loss"])))
+        loop.train_and_evaluate(
+            config, tmp_path / "run", step_callback=lambda s, m: resumed.append(float(m["loss"]))
+        )
     log = caplog.text
     assert "checkpoint step 6" in log and "is damaged: files whose bytes changed" in log
     assert "resuming from checkpoint step 4, the newest intact one" in log
@@ -258,20 +281,29 @@ def test_a_truncated_checkpoint_is_one_clear_error_without_event_loop_noise(tmp_
     checkpointer, state = _small_checkpoints(tmp_path)
     path = _data_file(tmp_path / "2")
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 2 in .* is damaged: "
-                                                     r"files whose bytes changed"):
+    with pytest.raises(
+        DamagedCheckpointError,
+        match=r"checkpoint step 2 in .* is damaged: "
+        r"files whose bytes changed",
+    ):
         checkpointer.restore(state, 2)
     # Without its checksum manifest (a run killed right after Orbax's commit), the read itself
     # fails: still one error naming the step, and no "Event loop is closed" reports after it.
     (tmp_path / "2" / "checksums.json").unlink()
-    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 2 in .* cannot be read: "
-                                                     r".*(byte range|OUT_OF_RANGE|DATA_LOSS)"):
+    with pytest.raises(
+        DamagedCheckpointError,
+        match=r"checkpoint step 2 in .* cannot be read: "
+        r".*(byte range|OUT_OF_RANGE|DATA_LOSS)",
+    ):
         checkpointer.restore(state, 2)
     time.sleep(1.0)  # the reads TensorStore still had in flight report after the failure
     assert "Event loop is closed" not in capfd.readouterr().err
     np.testing.assert_array_equal(checkpointer.restore(state, 1)["w"], state["w"])
-    with pytest.raises(CheckpointError, match=r"there is no checkpoint step 7 in .*; its steps "
-                                              r"are \[1, 2\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"there is no checkpoint step 7 in .*; its steps "
+        r"are \[1, 2\]",
+    ):
         checkpointer.restore(state, 7)
 
 
@@ -281,28 +313,37 @@ def test_every_checkpoint_damaged_is_one_error_listing_them(data_dir, tmp_path):
     for step in (6, 12):
         _flip_a_byte(_data_file(tmp_path / "checkpoints" / str(step)))
     (tmp_path / "config.json").write_text('{"from": "the run that wrote them"}')
-    with pytest.raises(CheckpointError, match=r"no intact checkpoint in .*checkpoint step 12 .* "
-                                              r"damaged.*checkpoint step 6 .* damaged.*moved to"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no intact checkpoint in .*checkpoint step 12 .* "
+        r"damaged.*checkpoint step 6 .* damaged.*moved to",
+    ):
         loop.train_and_evaluate(config, tmp_path)
     assert (tmp_path / "config.json").read_text() == '{"from": "the run that wrote them"}'
 
 
 def test_keep_checkpoints_zero_is_refused_before_any_work(data_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"keep_checkpoints must be >= 1.*no checkpoint to "
-                                         r"resume from"):
+    with pytest.raises(
+        ValueError,
+        match=r"keep_checkpoints must be >= 1.*no checkpoint to "
+        r"resume from",
+    ):
         loop.train_and_evaluate(_smoke(data_dir, "keep_checkpoints=0"), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
 
 
 # ---- Config values of the wrong type ----
 
-@pytest.mark.parametrize("key, value, message", [
-    ("batch_size", True, r"config.batch_size must be an int, got True \(bool\)"),
-    ("num_steps", None, r"config.num_steps must be an int, got None"),
-    ("dataset", None, r"config.dataset must be a string, got None"),
-])
-def test_config_values_of_the_wrong_type_are_rejected_by_name(data_dir, tmp_path, key, value,
-                                                              message):
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("batch_size", True, r"config.batch_size must be an int, got True \(bool\)"),
+        ("num_steps", None, r"config.num_steps must be an int, got None"),
+        ("dataset", None, r"config.dataset must be a string, got None"),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_rejected_by_name(data_dir, tmp_path, key, value, message):
     config = _smoke(data_dir)
     config[key] = value
     with pytest.raises(ConfigTypeError, match=message):
@@ -313,8 +354,7 @@ def test_config_values_of_the_wrong_type_are_rejected_by_name(data_dir, tmp_path
         loop.train_and_evaluate(config, tmp_path)
 
 
-def test_a_workdir_that_is_a_file_or_holds_a_file_for_checkpoints_fails_before_training(
-        data_dir, tmp_path):
+def test_a_workdir_that_is_a_file_or_holds_a_file_for_checkpoints_fails_before_training(data_dir, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match=r"workdir .*file is a file, not a directory"):
         loop.train_and_evaluate(_smoke(data_dir), tmp_path / "file")
@@ -326,8 +366,7 @@ def test_a_workdir_that_is_a_file_or_holds_a_file_for_checkpoints_fails_before_t
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
-def test_a_checkpoint_directory_nothing_can_be_written_to_fails_before_training(data_dir,
-                                                                               tmp_path):
+def test_a_checkpoint_directory_nothing_can_be_written_to_fails_before_training(data_dir, tmp_path):
     # /proc/self is a directory no one, root included, can create files in.
     (tmp_path / "checkpoints").symlink_to("/proc/self")
     with pytest.raises(PermissionError, match=r"checkpoint directory .* cannot be written \("):
@@ -335,8 +374,7 @@ def test_a_checkpoint_directory_nothing_can_be_written_to_fails_before_training(
     assert not (tmp_path / "config.json").exists()
 
 
-def test_an_exception_mid_run_resumes_exactly_from_the_last_checkpoint(data_dir, straight,
-                                                                       tmp_path):
+def test_an_exception_mid_run_resumes_exactly_from_the_last_checkpoint(data_dir, straight, tmp_path):
     config = _smoke(data_dir, "checkpoint_every=4")
     losses = []
 
@@ -344,12 +382,12 @@ def test_an_exception_mid_run_resumes_exactly_from_the_last_checkpoint(data_dir,
         losses.append(float(metrics["loss"]))
         if step == 7:
             raise RuntimeError("disk full")
+
     with pytest.raises(RuntimeError, match="disk full"):
         loop.train_and_evaluate(config, tmp_path, step_callback=fail_at_7)
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 4
     resumed = []  # the lock was released: the next run starts
-    loop.train_and_evaluate(config, tmp_path,
-                            step_callback=lambda s, m: resumed.append(float(m["loss"])))
+    loop.train_and_evaluate(config, tmp_path, step_callback=lambda s, m: resumed.append(float(m["loss"])))
     assert losses[:4] + resumed == straight[0]
 
 

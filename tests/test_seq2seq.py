@@ -14,8 +14,7 @@ SETUPS = {  # name -> (encoder kind, options), (decoder kind, options)
     "softmax": (("softmax", {}), ("softmax", {})),
     "linear": (("linear", {}), ("linear", {})),
     "favor": (("linear", {"feature_map": "favor"}), ("linear", {"feature_map": "favor"})),
-    "linformer-encoder": (("linformer", {"max_length": 9, "projected_length": 4}),
-                          ("linear", {})),
+    "linformer-encoder": (("linformer", {"max_length": 9, "projected_length": 4}), ("linear", {})),
     "reformer-encoder": (("reformer", {"chunk_size": 4, "num_buckets": 2}), ("softmax", {})),
 }
 
@@ -23,11 +22,15 @@ SETUPS = {  # name -> (encoder kind, options), (decoder kind, options)
 def _model(name, cross=None):
     (ek, eo), (dk, do) = SETUPS[name]
     cfg = dict(num_layers=2, num_heads=2, model_dim=E, dropout=0.1)
-    decoder_extra = {} if cross is None else {"cross_attention": cross[0],
-                                              "cross_attention_options": cross[1]}
-    model = EncoderDecoder(TransformerConfig(attention=ek, attention_options=eo, **cfg),
-                           TransformerConfig(attention=dk, attention_options=do, **cfg,
-                                             **decoder_extra), V, rngs=nnx.Rngs(0))
+    decoder_extra = (
+        {} if cross is None else {"cross_attention": cross[0], "cross_attention_options": cross[1]}
+    )
+    model = EncoderDecoder(
+        TransformerConfig(attention=ek, attention_options=eo, **cfg),
+        TransformerConfig(attention=dk, attention_options=do, **cfg, **decoder_extra),
+        V,
+        rngs=nnx.Rngs(0),
+    )
     model.eval()
     return model
 
@@ -79,15 +82,18 @@ def test_padding_of_the_source_cannot_change_the_decoding():
     other[2, 2:] = 1
     np.testing.assert_array_equal(
         greedy_decode(model, source, 5, start_token=0, source_lengths=lengths),
-        greedy_decode(model, other, 5, start_token=0, source_lengths=lengths))
+        greedy_decode(model, other, 5, start_token=0, source_lengths=lengths),
+    )
 
 
 def test_what_cannot_decode_is_refused():
     cfg = dict(num_layers=1, num_heads=2, model_dim=E)
     reformer_decoder = EncoderDecoder(
         TransformerConfig(attention="softmax", **cfg),
-        TransformerConfig(attention="reformer", attention_options={"chunk_size": 4}, **cfg), V,
-        rngs=nnx.Rngs(0))
+        TransformerConfig(attention="reformer", attention_options={"chunk_size": 4}, **cfg),
+        V,
+        rngs=nnx.Rngs(0),
+    )
     reformer_decoder.eval()
     source, lengths, target = _data()
     assert reformer_decoder(source, target, source_lengths=lengths).shape == (3, 6, V)
@@ -98,8 +104,11 @@ def test_what_cannot_decode_is_refused():
     with pytest.raises(ValueError, match="dropout active"):
         greedy_decode(training, source, 4, start_token=0)
     with pytest.raises(ValueError, match="model_dim 16 and decoder model_dim 32"):
-        EncoderDecoder(TransformerConfig(**cfg), TransformerConfig(num_layers=1, num_heads=2,
-                                                                   model_dim=32), V,
-                       rngs=nnx.Rngs(0))
+        EncoderDecoder(
+            TransformerConfig(**cfg),
+            TransformerConfig(num_layers=1, num_heads=2, model_dim=32),
+            V,
+            rngs=nnx.Rngs(0),
+        )
     with pytest.raises(ValueError, match="num_steps must be >= 1"):
         greedy_decode(_model("linear"), source, 0, start_token=0)

@@ -141,19 +141,22 @@ def _functional(out, state, w):
 
 
 def _op(impl, chunk_size, fm_name):
-    return functools.partial(ops.causal_linear_attention, impl=impl, chunk_size=chunk_size,
-                             feature_map=_fm(fm_name))
+    return functools.partial(
+        ops.causal_linear_attention, impl=impl, chunk_size=chunk_size, feature_map=_fm(fm_name)
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def _value_and_grad(impl, chunk_size, fm_name):
     """jit(value_and_grad) of the functional w.r.t. q, k, v and the initial state, with the
     outputs and final state as aux; impl="reference" is `_reference`."""
+
     def run(q, k, v, state, key_lengths):
         if impl == "reference":
             return _reference(q, k, v, fm_name, state, key_lengths)
-        return _op(impl, chunk_size, fm_name)(q, k, v, initial_state=state, key_lengths=key_lengths,
-                                              return_state=True)
+        return _op(impl, chunk_size, fm_name)(
+            q, k, v, initial_state=state, key_lengths=key_lengths, return_state=True
+        )
 
     def loss(q, k, v, state, key_lengths, w):
         out, final = run(q, k, v, state, key_lengths)
@@ -171,8 +174,9 @@ def _assert_state(state, fm_name, dtype=jnp.float64, batch=B):
 
 
 def _close(got, expected, rtol=1e-10, atol=1e-12):
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, tuple(got)),
-                                jax.tree.map(np.asarray, tuple(expected)), rtol=rtol, atol=atol)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, tuple(got)), jax.tree.map(np.asarray, tuple(expected)), rtol=rtol, atol=atol
+    )
 
 
 @pytest.mark.parametrize("fm_name", ["elu", "favor"])
@@ -181,8 +185,7 @@ def test_numpy_reference_continues_the_history(fm_name):
     [history ; block], and the final state of the whole concatenation."""
     history, block = _inputs(20, T_HISTORY), _inputs(1, 9)
     out, final = _numpy_rnn(*block, fm_name, _history_state(20, fm_name))
-    full_out, full_final = _numpy_rnn(*(np.concatenate(p, axis=1) for p in zip(history, block)),
-                                      fm_name)
+    full_out, full_final = _numpy_rnn(*(np.concatenate(p, axis=1) for p in zip(history, block)), fm_name)
     _close((out,) + final, (full_out[:, T_HISTORY:],) + full_final, rtol=1e-12, atol=1e-12)
     assert final[1].min() > 0.1  # a sane normaliser, as a real state has
 
@@ -190,9 +193,11 @@ def test_numpy_reference_continues_the_history(fm_name):
 # Gradients: every impl at T = 37 (not a multiple of the chunk, 8), the recurrent-inference
 # forms with FAVOR+ (F != D) too, and the chunked form with a block shorter than a chunk and with
 # a single step.
-STATE_GRAD_CASES = ([(impl, 37, "elu") for impl in ops.IMPLS] +
-                    [(impl, 37, "favor") for impl in ("chunked", "scan")] +
-                    [("chunked", 5, "elu"), ("chunked", 1, "elu")])
+STATE_GRAD_CASES = (
+    [(impl, 37, "elu") for impl in ops.IMPLS]
+    + [(impl, 37, "favor") for impl in ("chunked", "scan")]
+    + [("chunked", 5, "elu"), ("chunked", 1, "elu")]
+)
 
 
 @pytest.mark.parametrize("impl,T,fm_name", STATE_GRAD_CASES)
@@ -224,15 +229,17 @@ def _three_calls(impl, chunk_size, fm_name):
     op = _op(impl, chunk_size, fm_name)
 
     def run(q, k, v, state, zero):
-        return (op(q, k, v, initial_state=state), op(q, k, v, initial_state=zero, return_state=True),
-                op(q, k, v, return_state=True))
+        return (
+            op(q, k, v, initial_state=state),
+            op(q, k, v, initial_state=zero, return_state=True),
+            op(q, k, v, return_state=True),
+        )
 
     return jit(run)
 
 
 # Values only: a single step for the other impls, and the default impl.
-STATE_VALUE_CASES = [(impl, 1) for impl in ("quadratic", "associative_scan", "scan")] + [
-    ("chunked", 13)]
+STATE_VALUE_CASES = [(impl, 1) for impl in ("quadratic", "associative_scan", "scan")] + [("chunked", 13)]
 
 
 @pytest.mark.parametrize("impl,T", STATE_VALUE_CASES)
@@ -242,7 +249,8 @@ def test_return_state_false_and_a_zero_initial_state(x64, impl, T):
     state0 = _history_state(21, "elu")
     zero = ops.init_linear_state(B, H, D, M, dtype=jnp.float64)
     out, (out_zero, final_zero), (out_none, final_none) = _three_calls(impl, 4, "elu")(
-        *_jnp((q, k, v)), _jnp_state(state0), zero)
+        *_jnp((q, k, v)), _jnp_state(state0), zero
+    )
     assert isinstance(out, jax.Array), type(out)
     _close([out], [_numpy_rnn(q, k, v, "elu", state0)[0]])
     _assert_state(final_none, "elu")
@@ -251,8 +259,7 @@ def test_return_state_false_and_a_zero_initial_state(x64, impl, T):
     _close((out_none,) + tuple(final_none), (expected_out,) + expected_final)
 
 
-KEY_LENGTH_CASES = ([(impl, (13, 5), True) for impl in ops.IMPLS] +
-                    [("chunked", (0, 12), False)])
+KEY_LENGTH_CASES = [(impl, (13, 5), True) for impl in ops.IMPLS] + [("chunked", (0, 12), False)]
 
 
 @pytest.mark.parametrize("impl,lengths,with_state", KEY_LENGTH_CASES)
@@ -267,17 +274,15 @@ def test_key_lengths_give_the_state_of_the_unpadded_prefix(x64, impl, lengths, w
     state0 = _history_state(21, "elu") if with_state else None
     w_out, w_s, w_z = _weights(40, T, "elu")
     w = (jnp.where(pad_BT11, 0, w_out), w_s, w_z)  # a functional of valid outputs and the state
-    args = (*_jnp((q, k, v)), _jnp_state(state0),
-            jnp.asarray(lengths, jnp.int32), w)
+    args = (*_jnp((q, k, v)), _jnp_state(state0), jnp.asarray(lengths, jnp.int32), w)
     (_, (out, final)), grads = _value_and_grad(impl, 4, "elu")(*args)
     _assert_state(final, "elu")
     chex.assert_tree_all_finite(out)
     for b, n in enumerate(lengths):
-        b_state0 = None if state0 is None else tuple(x[b:b + 1] for x in state0)
-        expected_out, expected_state = _numpy_rnn(*(x[b:b + 1, :n] for x in (q, k, v)), "elu",
-                                                  b_state0)
-        _close([out[b:b + 1, :n]], [expected_out])
-        _close([x[b:b + 1] for x in final], expected_state)
+        b_state0 = None if state0 is None else tuple(x[b : b + 1] for x in state0)
+        expected_out, expected_state = _numpy_rnn(*(x[b : b + 1, :n] for x in (q, k, v)), "elu", b_state0)
+        _close([out[b : b + 1, :n]], [expected_out])
+        _close([x[b : b + 1] for x in final], expected_state)
     # The whole block: padded queries see the valid keys (and the initial state) only.
     masked_out, masked_final = _numpy_rnn(q, k, v, "elu", state0, lengths)
     _close((out,) + tuple(final), (masked_out,) + masked_final)
@@ -290,12 +295,19 @@ def test_key_lengths_give_the_state_of_the_unpadded_prefix(x64, impl, lengths, w
 @functools.lru_cache(maxsize=None)
 def _segmented_value_and_grad(impl, bounds):
     """The block in segments [a, b), each starting from the previous one's returned state."""
+
     def loss(q, k, v, state, w):
         outs = []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            out, state = ops.causal_linear_attention(q[:, a:b], k[:, a:b], v[:, a:b], impl=impl,
-                                                     chunk_size=8, initial_state=state,
-                                                     return_state=True)
+            out, state = ops.causal_linear_attention(
+                q[:, a:b],
+                k[:, a:b],
+                v[:, a:b],
+                impl=impl,
+                chunk_size=8,
+                initial_state=state,
+                return_state=True,
+            )
             outs.append(out)
         out = jnp.concatenate(outs, axis=1)
         return _functional(out, state, w), (out, state)
@@ -327,7 +339,8 @@ def test_state_is_float32_for_bfloat16_inputs():
     q, k, v = _inputs(6, 19)
     state0 = _history_state(24, "elu")
     out, final = jit(functools.partial(_op("chunked", 8, "elu"), return_state=True))(
-        *_jnp((q, k, v), jnp.bfloat16), initial_state=_jnp_state(state0, jnp.float32))
+        *_jnp((q, k, v), jnp.bfloat16), initial_state=_jnp_state(state0, jnp.float32)
+    )
     assert out.dtype == jnp.bfloat16
     _assert_state(final, "elu", dtype=jnp.float32)
     rounded = [np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) for x in (q, k, v)]
@@ -379,13 +392,18 @@ def test_initial_state_must_be_a_linear_state(impl, bad):
 
 
 @pytest.mark.parametrize("impl", ops.IMPLS)
-@pytest.mark.parametrize("key_lengths", [np.array([3], np.int32), np.array([3, 4, 5], np.int32),
-                                         np.array([3.0, 4.0], np.float32),
-                                         np.array([[3, 4]], np.int32)])
+@pytest.mark.parametrize(
+    "key_lengths",
+    [
+        np.array([3], np.int32),
+        np.array([3, 4, 5], np.int32),
+        np.array([3.0, 4.0], np.float32),
+        np.array([[3, 4]], np.int32),
+    ],
+)
 def test_key_lengths_of_the_wrong_shape_or_dtype(impl, key_lengths):
     with pytest.raises(ValueError, match="key_lengths"):
-        _op(impl, 4, "elu")(*_f32_inputs(5), key_lengths=jnp.asarray(key_lengths),
-                            return_state=True)
+        _op(impl, 4, "elu")(*_f32_inputs(5), key_lengths=jnp.asarray(key_lengths), return_state=True)
 
 
 # ---------------------------------------------------------------- softmax KV-cache prefill
@@ -420,9 +438,16 @@ def _steps(cache, q, k, v, scale=None):
 
 
 # (3, 13) fills the cache exactly.
-@pytest.mark.parametrize("first,n_before,T,scale", [
-    ("steps", 0, 5, None), ("steps", 3, 13, None), ("steps", 4, 1, None),
-    ("prefill", 3, 5, None), ("prefill", 6, 7, 0.3)])
+@pytest.mark.parametrize(
+    "first,n_before,T,scale",
+    [
+        ("steps", 0, 5, None),
+        ("steps", 3, 13, None),
+        ("steps", 4, 1, None),
+        ("prefill", 3, 5, None),
+        ("prefill", 6, 7, 0.3),
+    ],
+)
 def test_softmax_prefill_equals_steps_and_the_causal_reference(x64, first, n_before, T, scale):
     """The first n_before tokens go in by steps or by a prefill; then a prefill of T tokens."""
     q, k, v = _inputs(60, n_before + T)
@@ -464,8 +489,7 @@ def test_softmax_prefill_eagerly(x64):
 def test_softmax_prefill_overflow_raises_eagerly(n_before, T):
     capacity = 8
     q, k, v = _jnp(_inputs(62, T), jnp.float32)
-    cache = ops.init_kv_cache(B, capacity, H, D, M)._replace(length=jnp.asarray(n_before,
-                                                                                jnp.int32))
+    cache = ops.init_kv_cache(B, capacity, H, D, M)._replace(length=jnp.asarray(n_before, jnp.int32))
     with pytest.raises(ValueError) as info:
         ops.softmax_attention_prefill(cache, q, k, v)
     assert re.search(r"\b8\b", str(info.value)), str(info.value)  # names the capacity
@@ -475,10 +499,9 @@ def test_softmax_prefill_overflow_under_jit_is_nan():
     """Slots past the capacity cannot be written: those outputs are NaN, never silently wrong."""
     capacity, n_before, T = 8, 5, 4
     q, k, v = _jnp(_inputs(63, T), jnp.float32)
-    cache = ops.init_kv_cache(B, capacity, H, D, M)._replace(length=jnp.asarray(n_before,
-                                                                                jnp.int32))
+    cache = ops.init_kv_cache(B, capacity, H, D, M)._replace(length=jnp.asarray(n_before, jnp.int32))
     _, out = _prefill(cache, q, k, v)
-    assert np.all(np.isnan(np.asarray(out[:, capacity - n_before:]))), out
+    assert np.all(np.isnan(np.asarray(out[:, capacity - n_before :]))), out
 
 
 @pytest.mark.parametrize("n_before,T,scale", [(0, 6, None), (5, 6, 0.5)])
@@ -488,9 +511,11 @@ def test_softmax_prefill_gradients_match_the_reference(x64, n_before, T, scale):
     q, k, v = _jnp(_inputs(64, n_before + T))
     w = jnp.asarray(_randn(65, B, T, H, M))
     cache = ops.init_kv_cache(B, CAPACITY, H, D, M, dtype=jnp.float64)
-    cache = ops.KVCache(cache.k_BSHD.at[:, :n_before].set(k[:, :n_before]),
-                        cache.v_BSHM.at[:, :n_before].set(v[:, :n_before]),
-                        jnp.asarray(n_before, jnp.int32))
+    cache = ops.KVCache(
+        cache.k_BSHD.at[:, :n_before].set(k[:, :n_before]),
+        cache.v_BSHM.at[:, :n_before].set(v[:, :n_before]),
+        jnp.asarray(n_before, jnp.int32),
+    )
 
     def loss(qb, kb, vb, k_cache, v_cache):
         c = ops.KVCache(k_cache, v_cache, cache.length)
@@ -507,8 +532,7 @@ def test_softmax_prefill_gradients_match_the_reference(x64, n_before, T, scale):
         out = ops.softmax_attention_reference(full_q, full_k, full_v, causal=True, scale=scale)
         return jnp.sum(out[:, n_before:] * w)
 
-    expected = jit(jax.grad(loss_ref, argnums=(0, 1, 2, 3, 4)))(*block, k[:, :n_before],
-                                                                 v[:, :n_before])
+    expected = jit(jax.grad(loss_ref, argnums=(0, 1, 2, 3, 4)))(*block, k[:, :n_before], v[:, :n_before])
     chex.assert_trees_all_close(grads[:3], expected[:3], rtol=1e-8, atol=1e-10)
     for g_cache, g_before in zip(grads[3:], expected[3:]):
         chex.assert_trees_all_close(g_cache[:, :n_before], g_before, rtol=1e-8, atol=1e-10)

@@ -34,8 +34,10 @@ def _losses(workdir):
 
 
 def test_smoke_run_trains_evaluates_samples_and_checkpoints(data_dir, tmp_path):
-    config = _smoke(data_dir, "num_steps=40,log_every=10,eval_every=40,sample_every=40,"
-                              "checkpoint_every=20,learning_rate=0.003")
+    config = _smoke(
+        data_dir,
+        "num_steps=40,log_every=10,eval_every=40,sample_every=40,checkpoint_every=20,learning_rate=0.003",
+    )
     result = loop.train_and_evaluate(config, tmp_path)
     assert result["step"] == 40
     losses = _losses(tmp_path)
@@ -43,14 +45,16 @@ def test_smoke_run_trains_evaluates_samples_and_checkpoints(data_dir, tmp_path):
     assert losses[-1] < losses[0] - 0.1, losses
     assert np.isfinite(result["test_bits_per_dim"]) and 0 < result["test_bits_per_dim"] < 8
     assert (tmp_path / "samples" / "step_0000040.png").stat().st_size > 0
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) \
-        == ["20", "40"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["20", "40"]
     assert json.loads((tmp_path / "config.json").read_text())["num_steps"] == 40
 
 
 def test_non_finite_loss_stops_with_intact_checkpoint(data_dir, tmp_path):
-    config = _smoke(data_dir, "num_steps=30,learning_rate=1e30,grad_clip=0.0,checkpoint_every=1,"
-                              "eval_every=0,sample_every=0,log_every=1")
+    config = _smoke(
+        data_dir,
+        "num_steps=30,learning_rate=1e30,grad_clip=0.0,checkpoint_every=1,"
+        "eval_every=0,sample_every=0,log_every=1",
+    )
     with pytest.raises(loop.NonFiniteLossError, match="non-finite loss .* at step") as error:
         loop.train_and_evaluate(config, tmp_path)
     bad_step = int(str(error.value).split("at step ")[1].split()[0])
@@ -61,30 +65,34 @@ def test_non_finite_loss_stops_with_intact_checkpoint(data_dir, tmp_path):
 
     from experiments.data import pipeline
     from experiments.training.checkpoints import Checkpointer
-    trainer = loop._Trainer(config, pipeline.dataset_info("digits"),
-                            loop.data_mesh())
+
+    trainer = loop._Trainer(config, pipeline.dataset_info("digits"), loop.data_mesh())
     restored = Checkpointer(tmp_path / "checkpoints").restore(trainer.state)
     assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(restored))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("learning_rate=-1.0", "learning_rate must be > 0"),
-    ("attention=quadratic", "registered attention kind"),
-    ("num_heads=0", "num_heads must be >= 1"),
-    ("schedule=linear", "schedule must be one of"),
-    ("model_dim=18", "model_dim must be a multiple of 4"),
-    ("train_split=validation", "is not one of"),
-    ("dtype=float16", r"config.dtype must be one of \('float32', 'bfloat16'\).*got 'float16'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("learning_rate=-1.0", "learning_rate must be > 0"),
+        ("attention=quadratic", "registered attention kind"),
+        ("num_heads=0", "num_heads must be >= 1"),
+        ("schedule=linear", "schedule must be one of"),
+        ("model_dim=18", "model_dim must be a multiple of 4"),
+        ("train_split=validation", "is not one of"),
+        ("dtype=float16", r"config.dtype must be one of \('float32', 'bfloat16'\).*got 'float16'"),
+    ],
+)
 def test_bad_config_values_rejected(data_dir, tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
         loop.train_and_evaluate(_smoke(data_dir, override), tmp_path)
 
 
 def test_split_slices_train_on_part_of_a_split(data_dir, tmp_path):
-    config = _smoke(data_dir, "train_split=test[:200],eval_split=test[200:],num_steps=2,"
-                              "max_eval_examples=0,"
-                              "sample_every=0")
+    config = _smoke(
+        data_dir,
+        "train_split=test[:200],eval_split=test[200:],num_steps=2,max_eval_examples=0,sample_every=0",
+    )
     train, test = loop._load_data(config)
     assert train.shape == (200, 64) and test.shape == (97, 64)
     assert np.isfinite(loop.train_and_evaluate(config, tmp_path)["test_bits_per_dim"])
@@ -110,6 +118,7 @@ def test_sampling_from_a_workdir_recurrent_equals_recompute(data_dir, tmp_path):
     assert pathlib.Path(rec["path"]).stat().st_size > 0
     completed = sample_from_workdir(tmp_path, num_images=3, prefix_pixels=20, seed=1)
     from experiments.data import pipeline
+
     test = pipeline.flatten_images(pipeline.load_images("digits", "test", data_dir=data_dir))
     np.testing.assert_array_equal(completed["images"][:, :20], test[:3, :20])
 
@@ -117,27 +126,40 @@ def test_sampling_from_a_workdir_recurrent_equals_recompute(data_dir, tmp_path):
 def test_four_devices_give_the_same_losses_as_one(data_dir, tmp_path):
     one = tmp_path / "one"
     loop.train_and_evaluate(_smoke(data_dir, "num_steps=4,log_every=1,sample_every=0"), one)
-    script = ("import sys, jax; from configs import digits; from experiments.training import loop\n"
-              "assert jax.device_count() == 4, jax.devices()\n"
-              "c = digits.get_config('smoke,num_steps=4,log_every=1,sample_every=0')\n"
-              f"c.data_dir = {data_dir!r}\n"
-              f"loop.train_and_evaluate(c, {str(tmp_path / 'four')!r})\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    script = (
+        "import sys, jax; from configs import digits; from experiments.training import loop\n"
+        "assert jax.device_count() == 4, jax.devices()\n"
+        "c = digits.get_config('smoke,num_steps=4,log_every=1,sample_every=0')\n"
+        f"c.data_dir = {data_dir!r}\n"
+        f"loop.train_and_evaluate(c, {str(tmp_path / 'four')!r})\n"
+    )
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT),
+    )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, env=env, timeout=600)
     np.testing.assert_allclose(_losses(tmp_path / "four"), _losses(one), rtol=1e-5)
 
 
 # ---- config.mesh: the ("data", "sequence") device mesh (experiments/training/mesh.py) ----
 
-@pytest.mark.parametrize("override, message", [
-    ("mesh.data=0", r"config.mesh.data must be a positive int, or -1"),
-    ("mesh.data=-2", r"config.mesh.data must be a positive int, or -1"),
-    ("mesh.sequence=0", r"config.mesh.sequence must be a positive int"),
-    ("mesh.sequence=2,attention=reformer", r"config.attention='reformer' has no "
-                                           r"sequence-parallel form; use one of \[.*'linear'"),
-    ("mesh.sequence=3", r"config.mesh.sequence=3 must divide the sequence length 64"),
-])
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("mesh.data=0", r"config.mesh.data must be a positive int, or -1"),
+        ("mesh.data=-2", r"config.mesh.data must be a positive int, or -1"),
+        ("mesh.sequence=0", r"config.mesh.sequence must be a positive int"),
+        (
+            "mesh.sequence=2,attention=reformer",
+            r"config.attention='reformer' has no "
+            r"sequence-parallel form; use one of \[.*'linear'",
+        ),
+        ("mesh.sequence=3", r"config.mesh.sequence=3 must divide the sequence length 64"),
+    ],
+)
 def test_bad_mesh_values_rejected(data_dir, tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
         loop.train_and_evaluate(_smoke(data_dir, override), tmp_path)
@@ -145,12 +167,19 @@ def test_bad_mesh_values_rejected(data_dir, tmp_path, override, message):
 
 def test_mesh_that_does_not_fit_the_devices_rejected(data_dir, tmp_path):
     import jax
+
     n = jax.device_count()
-    with pytest.raises(ValueError, match=rf"config.mesh data={n + 1} x sequence=1 = {n + 1} "
-                                         rf"devices, but there are {n}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"config.mesh data={n + 1} x sequence=1 = {n + 1} "
+        rf"devices, but there are {n}",
+    ):
         loop.train_and_evaluate(_smoke(data_dir, f"mesh.data={n + 1}"), tmp_path)
-    with pytest.raises(ValueError, match=rf"config.mesh.sequence={2 * n} does not divide the {n} "
-                                         rf"devices"):
+    with pytest.raises(
+        ValueError,
+        match=rf"config.mesh.sequence={2 * n} does not divide the {n} "
+        rf"devices",
+    ):
         loop.train_and_evaluate(_smoke(data_dir, f"mesh.sequence={2 * n}"), tmp_path)
     config = _smoke(data_dir)
     config.mesh.tensor = 2
@@ -162,6 +191,7 @@ def test_mesh_that_does_not_fit_the_devices_rejected(data_dir, tmp_path):
 
 def test_mesh_shape_resolves_the_rest_of_the_devices():
     from experiments.training import mesh as mesh_lib
+
     assert mesh_lib.mesh_shape({"data": -1, "sequence": 4}, 8) == (2, 4)
     assert mesh_lib.mesh_shape({"data": 8, "sequence": 1}, 8) == (8, 1)
     assert mesh_lib.mesh_shape({"data": -1, "sequence": 1}, 3) == (3, 1)
@@ -179,12 +209,12 @@ def test_mesh_sequence_one_builds_the_model_without_sequence_parallelism(data_di
     from flax import nnx
 
     from experiments.data import pipeline
+
     config = _smoke(data_dir, "mesh.sequence=1")
     info = pipeline.dataset_info("digits")
     trainer = loop._Trainer(config, info, loop.data_mesh())
     assert loop.transformer_config(config).sequence_axis is None
-    assert trainer.graphdef == nnx.split(loop.build_model(config, info), nnx.Param,
-                                         nnx.RngState, ...)[0]
+    assert trainer.graphdef == nnx.split(loop.build_model(config, info), nnx.Param, nnx.RngState, ...)[0]
     assert trainer.sample_graphdef is trainer.eval_graphdef
     assert dict(trainer.mesh.shape) == {"data": len(trainer.mesh.devices.flat), "sequence": 1}
     assert loop.transformer_config(config, sequence_axis="sequence").sequence_axis == "sequence"

@@ -24,8 +24,15 @@ KINDS = {
 
 def _config(name="linear", **overrides):
     kind, options = KINDS[name]
-    kwargs = dict(num_layers=1, num_heads=H, model_dim=E, feed_forward_dim=32, dropout=0.0,
-                  attention=kind, attention_options=options)
+    kwargs = dict(
+        num_layers=1,
+        num_heads=H,
+        model_dim=E,
+        feed_forward_dim=32,
+        dropout=0.0,
+        attention=kind,
+        attention_options=options,
+    )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -51,6 +58,7 @@ def _step_loop(model, state, xs_BT):
 
 # --- Encoder ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["softmax", "linear", "favor", "relu"])
 def test_encoder_shapes_and_key_lengths_honoured_at_valid_positions(name):
     encoder = Encoder(_config(name, num_layers=2), rngs=nnx.Rngs(0))
@@ -65,8 +73,7 @@ def test_encoder_shapes_and_key_lengths_honoured_at_valid_positions(name):
     # Final LayerNorm: zero mean per position.
     np.testing.assert_allclose(np.mean(y, -1), 0.0, atol=1e-4)
     y_changed = _call(encoder, x_changed, key_lengths=lengths)
-    np.testing.assert_allclose(np.where(valid, y, 0), np.where(valid, y_changed, 0),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.where(valid, y, 0), np.where(valid, y_changed, 0), atol=1e-5, rtol=1e-5)
     # Padding equals truncation: element 1 encoded alone at its true length.
     np.testing.assert_allclose(y[1, :3], _call(encoder, x[1:, :3])[0], atol=1e-5, rtol=1e-5)
     # Without padding the changed rows leak into valid positions (the check above can fail).
@@ -109,6 +116,7 @@ def test_causal_encoder_state_is_per_layer():
 
 # --- Decoder ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name, num_layers", [("softmax", 2), ("linear", 1), ("causal-linear", 1)])
 def test_decoder_recurrent_matches_parallel(name, num_layers):
     decoder = Decoder(_config(name, num_layers=num_layers), rngs=nnx.Rngs(0))
@@ -139,6 +147,7 @@ def test_decoder_causal_linear_cross_attention_defaults_to_linear():
 
 
 # --- CausalLM -----------------------------------------------------------------------------------
+
 
 def _lm(name="linear", seed=0, **overrides):
     overrides.setdefault("num_layers", 2)
@@ -173,20 +182,23 @@ def test_generate_greedy_matches_parallel_argmax(name, P):
     np.testing.assert_array_equal(out[:, :P], prompt)
     # Greedy: token i is the argmax of the parallel model's logits at position i - 1.
     logits = _call(model, out)
-    np.testing.assert_array_equal(out[:, P:], np.argmax(logits[:, P - 1:-1], axis=-1))
+    np.testing.assert_array_equal(out[:, P:], np.argmax(logits[:, P - 1 : -1], axis=-1))
     # Greedy decoding ignores the key.
     np.testing.assert_array_equal(
-        generation.generate(model, prompt, N, key=jax.random.key(9), temperature=0.0), out)
+        generation.generate(model, prompt, N, key=jax.random.key(9), temperature=0.0), out
+    )
     # Sampling (same compiled loop): valid tokens, prompt kept, reproducible for a key.
     sampled = generation.generate(model, prompt, N, key=jax.random.key(0), temperature=1.0)
     chex.assert_shape(sampled, (B, P + N))
     np.testing.assert_array_equal(sampled[:, :P], prompt)
     assert np.all((np.asarray(sampled) >= 0) & (np.asarray(sampled) < V))
     np.testing.assert_array_equal(
-        generation.generate(model, prompt, N, key=jax.random.key(0), temperature=1.0), sampled)
+        generation.generate(model, prompt, N, key=jax.random.key(0), temperature=1.0), sampled
+    )
 
 
 # --- inference mode -----------------------------------------------------------------------------
+
 
 def test_recurrent_inference_in_train_mode_with_dropout_raises():
     model = _lm("linear", dropout=0.1)
@@ -212,6 +224,7 @@ def test_decoder_recurrent_inference_in_train_mode_with_dropout_raises():
 
 # --- precision and gradients --------------------------------------------------------------------
 
+
 def test_causal_encoder_bf16_inputs_finite():
     encoder = Encoder(_config("linear"), causal=True, rngs=nnx.Rngs(0))
     encoder.eval()
@@ -223,14 +236,14 @@ def test_causal_encoder_bf16_inputs_finite():
     np.testing.assert_allclose(np.asarray(y).astype(np.float32), y_ref, atol=0.1, rtol=0.1)
 
     # All parameters in bf16 too: the whole computation in bfloat16.
-    nnx.update(encoder, jax.tree.map(lambda p: p.astype(jnp.bfloat16),
-                                     nnx.state(encoder, nnx.Param)))
+    nnx.update(encoder, jax.tree.map(lambda p: p.astype(jnp.bfloat16), nnx.state(encoder, nnx.Param)))
     y16 = _call(encoder, x32.astype(jnp.bfloat16))
     chex.assert_tree_all_finite(y16)
     assert y16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y16).astype(np.float32), y_ref, atol=0.25, rtol=0.1)
-    _, y_rec = generation.scan_steps(encoder, encoder.init_state(B, T, jnp.bfloat16),
-                                     x32.astype(jnp.bfloat16))
+    _, y_rec = generation.scan_steps(
+        encoder, encoder.init_state(B, T, jnp.bfloat16), x32.astype(jnp.bfloat16)
+    )
     chex.assert_tree_all_finite(y_rec)
 
 
@@ -277,11 +290,18 @@ def test_lm_causal_impls_agree_on_logits_and_parameter_gradients():
 
 # --- authors' config names ------------------------------------------------------------------------
 
+
 def test_from_kwargs_authors_names():
     config = TransformerConfig.from_kwargs(
-        n_layers=2, n_heads=4, query_dimensions=8, value_dimensions=6,
-        feed_forward_dimensions=32, attention_type="causal-linear", feature_map="elu",
-        dropout=0.0)
+        n_layers=2,
+        n_heads=4,
+        query_dimensions=8,
+        value_dimensions=6,
+        feed_forward_dimensions=32,
+        attention_type="causal-linear",
+        feature_map="elu",
+        dropout=0.0,
+    )
     assert config.model_dim == 4 * 6
     assert config.num_layers == 2 and config.num_heads == 4
     assert config.query_dim == 8 and config.value_dim == 6
@@ -296,13 +316,16 @@ def test_from_kwargs_authors_names():
     chex.assert_shape(attn.value.kernel, (24, 4 * 6))
     chex.assert_shape(encoder.layers[0].feed_forward.linear1.kernel, (24, 32))
     assert attn.core.kind == "causal-linear" and attn.core.feature_map_spec == "elu"
-    y = jax.eval_shape(lambda x: Encoder(config, causal=True, rngs=nnx.Rngs(0))(x),
-                       jax.ShapeDtypeStruct((B, T, config.model_dim), jnp.float32))
+    y = jax.eval_shape(
+        lambda x: Encoder(config, causal=True, rngs=nnx.Rngs(0))(x),
+        jax.ShapeDtypeStruct((B, T, config.model_dim), jnp.float32),
+    )
     chex.assert_shape(y, (B, T, 24))
 
 
 def test_from_kwargs_full_is_softmax():
-    config = TransformerConfig.from_kwargs(n_heads=2, value_dimensions=8, query_dimensions=8,
-                                           attention_type="full")
+    config = TransformerConfig.from_kwargs(
+        n_heads=2, value_dimensions=8, query_dimensions=8, attention_type="full"
+    )
     assert config.attention == "softmax"
     assert config.model_dim == 16

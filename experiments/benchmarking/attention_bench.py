@@ -19,8 +19,17 @@ import numpy as np
 from experiments.benchmarking import measure, peers
 from linear_transformers import ops
 
-KINDS = ("softmax", "softmax-cudnn", "causal-linear/chunked", "causal-linear/associative_scan",
-         "causal-linear/scan", "linear", "lsh-1", "lsh-4", "lsh-8")
+KINDS = (
+    "softmax",
+    "softmax-cudnn",
+    "causal-linear/chunked",
+    "causal-linear/associative_scan",
+    "causal-linear/scan",
+    "linear",
+    "lsh-1",
+    "lsh-4",
+    "lsh-8",
+)
 # The paper's Reformer baselines (causal LSH, R rounds, chunks of 32, 8 buckets: the cost does
 # not depend on the bucket count); opt-in with --kinds, so the default run stays as documented.
 LSH_CHUNK, LSH_BUCKETS = 32, 8
@@ -29,13 +38,13 @@ PASSES = ("forward", "forward+backward")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBenchOptions:
-    lengths: tuple[int, ...] = tuple(2 ** p for p in range(9, 17))
-    tokens: int = 4096            # batch = max(1, tokens // N)
+    lengths: tuple[int, ...] = tuple(2**p for p in range(9, 17))
+    tokens: int = 4096  # batch = max(1, tokens // N)
     heads: int = 8
-    head_dim: int = 64            # D
-    value_dim: int = 64           # M
+    head_dim: int = 64  # D
+    value_dim: int = 64  # M
     dtype: str = "float32"
-    kinds: tuple[str, ...] = ()   # () = every kind this device can run
+    kinds: tuple[str, ...] = ()  # () = every kind this device can run
     passes: tuple[str, ...] = PASSES
     chunk_size: int = ops.DEFAULT_CHUNK_SIZE
     memory_fraction: float = 0.6  # of the device's free memory, per case
@@ -43,7 +52,7 @@ class AttentionBenchOptions:
     min_repeats: int = 3
     min_seconds: float = 0.5
     seed: int = 0
-    peers: tuple[str, ...] = ()   # "fast-transformers": time the authors' library beside ours
+    peers: tuple[str, ...] = ()  # "fast-transformers": time the authors' library beside ours
 
     def __post_init__(self):
         peers.check_peers(self.peers)
@@ -62,8 +71,7 @@ class AttentionBenchOptions:
 
 def default_kinds(platform: str) -> tuple[str, ...]:
     """cuDNN flash attention exists only on NVIDIA GPUs."""
-    return tuple(k for k in KINDS if not k.startswith("lsh-") and
-                 (k != "softmax-cudnn" or platform == "gpu"))
+    return tuple(k for k in KINDS if not k.startswith("lsh-") and (k != "softmax-cudnn" or platform == "gpu"))
 
 
 def attention_fn(kind: str, chunk_size: int):
@@ -77,12 +85,15 @@ def attention_fn(kind: str, chunk_size: int):
     if kind.startswith("lsh-"):
         rounds = int(kind.split("-")[1])
         return lambda q, k, v: ops.lsh_attention(
-            q, v, ops.lsh_rotations(jax.random.key(0), rounds, q.shape[-1], LSH_BUCKETS),
-            chunk_size=LSH_CHUNK, causal=True)
+            q,
+            v,
+            ops.lsh_rotations(jax.random.key(0), rounds, q.shape[-1], LSH_BUCKETS),
+            chunk_size=LSH_CHUNK,
+            causal=True,
+        )
     if kind.startswith("causal-linear/"):
         impl = kind.split("/", 1)[1]
-        return lambda q, k, v: ops.causal_linear_attention(q, k, v, impl=impl,
-                                                           chunk_size=chunk_size)
+        return lambda q, k, v: ops.causal_linear_attention(q, k, v, impl=impl, chunk_size=chunk_size)
     raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}.")
 
 
@@ -103,24 +114,44 @@ def _inputs(opts: AttentionBenchOptions, batch: int, n: int):
     keys = jax.random.split(jax.random.key(opts.seed), 4)
     shape_q = (batch, n, opts.heads, opts.head_dim)
     shape_v = (batch, n, opts.heads, opts.value_dim)
-    return tuple(jax.random.normal(key, shape, dtype)
-                 for key, shape in zip(keys, (shape_q, shape_q, shape_v, shape_v)))
+    return tuple(
+        jax.random.normal(key, shape, dtype) for key, shape in zip(keys, (shape_q, shape_q, shape_v, shape_v))
+    )
 
 
-def run_case(opts: AttentionBenchOptions, kind: str, pass_: str, n: int, budget: int, *,
-             skip_reason: str | None = None) -> dict:
+def run_case(
+    opts: AttentionBenchOptions, kind: str, pass_: str, n: int, budget: int, *, skip_reason: str | None = None
+) -> dict:
     """Compile one case, read its peak memory, and time it unless it is over the budget or
     `skip_reason` says why not (then only the memory figure is kept)."""
     batch = max(1, opts.tokens // n)
-    row = {"kind": kind, "pass": pass_, "n": n, "batch": batch, "heads": opts.heads,
-           "head_dim": opts.head_dim, "value_dim": opts.value_dim, "dtype": opts.dtype,
-           "chunk_size": opts.chunk_size if kind == "causal-linear/chunked" else None,
-           "time_ms": math.nan, "time_per_sample_ms": math.nan, "peak_mib": math.nan,
-           "peak_per_sample_mib": math.nan, "repeats": 0, "status": "ok"}
+    row = {
+        "kind": kind,
+        "pass": pass_,
+        "n": n,
+        "batch": batch,
+        "heads": opts.heads,
+        "head_dim": opts.head_dim,
+        "value_dim": opts.value_dim,
+        "dtype": opts.dtype,
+        "chunk_size": opts.chunk_size if kind == "causal-linear/chunked" else None,
+        "time_ms": math.nan,
+        "time_per_sample_ms": math.nan,
+        "peak_mib": math.nan,
+        "peak_per_sample_mib": math.nan,
+        "repeats": 0,
+        "status": "ok",
+    }
     fn = jax.jit(pass_fn(attention_fn(kind, opts.chunk_size), pass_))
-    specs = [jax.ShapeDtypeStruct(x, jnp.dtype(opts.dtype)) for x in (
-        (batch, n, opts.heads, opts.head_dim), (batch, n, opts.heads, opts.head_dim),
-        (batch, n, opts.heads, opts.value_dim), (batch, n, opts.heads, opts.value_dim))]
+    specs = [
+        jax.ShapeDtypeStruct(x, jnp.dtype(opts.dtype))
+        for x in (
+            (batch, n, opts.heads, opts.head_dim),
+            (batch, n, opts.heads, opts.head_dim),
+            (batch, n, opts.heads, opts.value_dim),
+            (batch, n, opts.heads, opts.value_dim),
+        )
+    ]
     try:
         compiled = fn.lower(*specs).compile()
     except Exception as e:  # noqa: BLE001 - e.g. cuDNN rejecting a dtype: record why, go on
@@ -128,19 +159,22 @@ def run_case(opts: AttentionBenchOptions, kind: str, pass_: str, n: int, budget:
         return row
     peak = measure.peak_bytes(compiled)
     if peak is not None:
-        row["peak_mib"] = peak / 2 ** 20
-        row["peak_per_sample_mib"] = peak / 2 ** 20 / batch
+        row["peak_mib"] = peak / 2**20
+        row["peak_per_sample_mib"] = peak / 2**20 / batch
         if peak > budget:
-            row["status"] = (f"skipped: needs {peak / 2**30:.1f} GiB, budget "
-                             f"{budget / 2**30:.1f} GiB")
+            row["status"] = f"skipped: needs {peak / 2**30:.1f} GiB, budget {budget / 2**30:.1f} GiB"
             return row
     if skip_reason:
         row["status"] = skip_reason
         return row
-    timing = measure.time_compiled(compiled, *_inputs(opts, batch, n),
-                                   min_repeats=opts.min_repeats, min_seconds=opts.min_seconds)
-    row.update(time_ms=timing.median_s * 1e3, time_per_sample_ms=timing.median_s * 1e3 / batch,
-               repeats=timing.repeats)
+    timing = measure.time_compiled(
+        compiled, *_inputs(opts, batch, n), min_repeats=opts.min_repeats, min_seconds=opts.min_seconds
+    )
+    row.update(
+        time_ms=timing.median_s * 1e3,
+        time_per_sample_ms=timing.median_s * 1e3 / batch,
+        repeats=timing.repeats,
+    )
     return row
 
 
@@ -154,12 +188,12 @@ def run(opts: AttentionBenchOptions, *, log=print) -> list[dict]:
     for n in sorted(opts.lengths):
         for kind in kinds:
             for pass_ in opts.passes:
-                row = run_case(opts, kind, pass_, n, budget,
-                               skip_reason=too_slow.get((kind, pass_)))
+                row = run_case(opts, kind, pass_, n, budget, skip_reason=too_slow.get((kind, pass_)))
                 if (kind, pass_) not in too_slow:
                     if row["time_ms"] / 1e3 > opts.max_call_seconds:
-                        too_slow[(kind, pass_)] = (f"skipped: {row['time_ms'] / 1e3:.1f} s per call "
-                                                   f"at N={n} > max_call_seconds")
+                        too_slow[(kind, pass_)] = (
+                            f"skipped: {row['time_ms'] / 1e3:.1f} s per call at N={n} > max_call_seconds"
+                        )
                 rows.append(row)
                 log(format_row(row))
                 if opts.peers and kind in peers.ATTENTION_KINDS:
@@ -168,8 +202,9 @@ def run(opts: AttentionBenchOptions, *, log=print) -> list[dict]:
     return rows
 
 
-def _peer_case(opts: AttentionBenchOptions, kind: str, pass_: str, n: int, ours: dict,
-               too_slow: dict) -> dict:
+def _peer_case(
+    opts: AttentionBenchOptions, kind: str, pass_: str, n: int, ours: dict, too_slow: dict
+) -> dict:
     """The authors' library on our case's shapes; skipped where ours was skipped for memory
     (theirs forms the same matrices) or where theirs grew too slow at a shorter N."""
     peer_kind = "fast-transformers:" + peers.ATTENTION_KINDS[kind]
@@ -177,21 +212,42 @@ def _peer_case(opts: AttentionBenchOptions, kind: str, pass_: str, n: int, ours:
     if ours["status"].startswith("skipped: needs"):
         reason = "skipped: over the memory budget (as ours)"
     if reason:
-        return {**ours, "kind": peer_kind, "chunk_size": None, "time_ms": math.nan,
-                "time_per_sample_ms": math.nan, "peak_mib": math.nan,
-                "peak_per_sample_mib": math.nan, "repeats": 0, "status": reason}
-    row = peers.attention_row(kind, pass_, n, ours["batch"], opts.heads, opts.head_dim,
-                              opts.value_dim, opts.dtype, min_repeats=opts.min_repeats,
-                              min_seconds=opts.min_seconds, seed=opts.seed)
+        return {
+            **ours,
+            "kind": peer_kind,
+            "chunk_size": None,
+            "time_ms": math.nan,
+            "time_per_sample_ms": math.nan,
+            "peak_mib": math.nan,
+            "peak_per_sample_mib": math.nan,
+            "repeats": 0,
+            "status": reason,
+        }
+    row = peers.attention_row(
+        kind,
+        pass_,
+        n,
+        ours["batch"],
+        opts.heads,
+        opts.head_dim,
+        opts.value_dim,
+        opts.dtype,
+        min_repeats=opts.min_repeats,
+        min_seconds=opts.min_seconds,
+        seed=opts.seed,
+    )
     if row["time_ms"] / 1e3 > opts.max_call_seconds:
-        too_slow[(peer_kind, pass_)] = (f"skipped: {row['time_ms'] / 1e3:.1f} s per call at "
-                                        f"N={n} > max_call_seconds")
+        too_slow[(peer_kind, pass_)] = (
+            f"skipped: {row['time_ms'] / 1e3:.1f} s per call at N={n} > max_call_seconds"
+        )
     return row
 
 
 def format_row(row: dict) -> str:
-    return (f"N={row['n']:>6} B={row['batch']:>3} {row['kind']:<31} {row['pass']:<16} "
-            f"{row['time_ms']:>10.2f} ms {row['peak_mib']:>10.1f} MiB  {row['status']}")
+    return (
+        f"N={row['n']:>6} B={row['batch']:>3} {row['kind']:<31} {row['pass']:<16} "
+        f"{row['time_ms']:>10.2f} ms {row['peak_mib']:>10.1f} MiB  {row['status']}"
+    )
 
 
 def speedups(rows: list[dict], baseline: str = "causal-linear/chunked") -> list[dict]:
@@ -209,9 +265,11 @@ def memory_slopes(rows: list[dict], pass_: str = "forward+backward") -> dict[str
     """Log-log slope of peak memory per sample vs N, over the lengths where B == 1 (pure N)."""
     slopes = {}
     for kind in dict.fromkeys(r["kind"] for r in rows):
-        pts = [(r["n"], r["peak_mib"]) for r in rows
-               if r["kind"] == kind and r["pass"] == pass_ and r["batch"] == 1
-               and np.isfinite(r["peak_mib"])]
+        pts = [
+            (r["n"], r["peak_mib"])
+            for r in rows
+            if r["kind"] == kind and r["pass"] == pass_ and r["batch"] == 1 and np.isfinite(r["peak_mib"])
+        ]
         if len(pts) >= 2:
             n, mem = np.log(np.array(pts)).T
             slopes[kind] = float(np.polyfit(n, mem, 1)[0])
@@ -231,41 +289,74 @@ def run_and_report(opts: AttentionBenchOptions, out_dir, *, log=print) -> dict:
     ours_rows = [r for r in rows if not r["kind"].startswith("fast-transformers:")]
     ratios = speedups(ours_rows)
     slopes = memory_slopes(ours_rows)
-    peer_ratios = peers.same_run_ratios(rows, ("n", "batch", "pass"), "time_ms",
-                                        peers.ATTENTION_KINDS, "kind")
+    peer_ratios = peers.same_run_ratios(
+        rows, ("n", "batch", "pass"), "time_ms", peers.ATTENTION_KINDS, "kind"
+    )
     files = {
         "csv": report.write_csv(out_dir / "attention.csv", rows),
-        "json": report.write_json(out_dir / "attention.json", machine=machine,
-                                  options=dataclasses.asdict(opts), rows=rows,
-                                  speedups=ratios, memory_slopes=slopes,
-                                  peer_ratios=peer_ratios),
+        "json": report.write_json(
+            out_dir / "attention.json",
+            machine=machine,
+            options=dataclasses.asdict(opts),
+            rows=rows,
+            speedups=ratios,
+            memory_slopes=slopes,
+            peer_ratios=peer_ratios,
+        ),
     }
     plotted = "forward+backward" if "forward+backward" in opts.passes else opts.passes[0]
     mine = [r for r in rows if r["pass"] == plotted]
     kinds = list(dict.fromkeys(r["kind"] for r in mine))
     panels = [
-        {"xlabel": "sequence length N", "ylabel": f"{plotted} time per sample (ms)",
-         "series": {k: [(r["n"], r["time_per_sample_ms"]) for r in mine if r["kind"] == k]
-                    for k in kinds}},
-        {"xlabel": "sequence length N", "ylabel": "peak memory per sample (MiB, XLA)",
-         "series": {k: [(r["n"], r["peak_per_sample_mib"] if r["status"] == "ok" else math.nan)
-                        for r in mine if r["kind"] == k] for k in kinds}},
+        {
+            "xlabel": "sequence length N",
+            "ylabel": f"{plotted} time per sample (ms)",
+            "series": {k: [(r["n"], r["time_per_sample_ms"]) for r in mine if r["kind"] == k] for k in kinds},
+        },
+        {
+            "xlabel": "sequence length N",
+            "ylabel": "peak memory per sample (MiB, XLA)",
+            "series": {
+                k: [
+                    (r["n"], r["peak_per_sample_mib"] if r["status"] == "ok" else math.nan)
+                    for r in mine
+                    if r["kind"] == k
+                ]
+                for k in kinds
+            },
+        },
     ]
     files["png"] = report.plot_series(
-        out_dir / "attention.png", panels,
-        title=(f"{machine['device']}, {opts.dtype}, H={opts.heads}, D={opts.head_dim}, "
-               f"M={opts.value_dim}, batch=max(1, {opts.tokens}/N); jax {machine['jax']}"))
-    log("\n" + report.markdown_table(rows, ["n", "batch", "kind", "pass", "time_ms",
-                                            "time_per_sample_ms", "peak_mib", "status"]))
+        out_dir / "attention.png",
+        panels,
+        title=(
+            f"{machine['device']}, {opts.dtype}, H={opts.heads}, D={opts.head_dim}, "
+            f"M={opts.value_dim}, batch=max(1, {opts.tokens}/N); jax {machine['jax']}"
+        ),
+    )
+    log(
+        "\n"
+        + report.markdown_table(
+            rows, ["n", "batch", "kind", "pass", "time_ms", "time_per_sample_ms", "peak_mib", "status"]
+        )
+    )
     if ratios:
-        log("\ntime / time(causal-linear/chunked):\n" + report.markdown_table(
-            ratios, list(ratios[0].keys())))
+        log("\ntime / time(causal-linear/chunked):\n" + report.markdown_table(ratios, list(ratios[0].keys())))
     if peer_ratios:
-        log("\nthe authors' library in this run (theirs_over_ours > 1: ours is faster):\n"
-            + report.markdown_table(peer_ratios, list(peer_ratios[0])))
+        log(
+            "\nthe authors' library in this run (theirs_over_ours > 1: ours is faster):\n"
+            + report.markdown_table(peer_ratios, list(peer_ratios[0]))
+        )
         files["peers_csv"] = report.write_csv(out_dir / "attention_peers.csv", peer_ratios)
-    log("\nlog-log slope of peak memory vs N (batch 1): "
-        + ", ".join(f"{k} {v:.2f}" for k, v in slopes.items()))
+    log(
+        "\nlog-log slope of peak memory vs N (batch 1): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in slopes.items())
+    )
     log("wrote " + ", ".join(str(p) for p in files.values()))
-    return {"rows": rows, "speedups": ratios, "memory_slopes": slopes,
-            "peer_ratios": peer_ratios, "files": files}
+    return {
+        "rows": rows,
+        "speedups": ratios,
+        "memory_slopes": slopes,
+        "peer_ratios": peer_ratios,
+        "files": files,
+    }

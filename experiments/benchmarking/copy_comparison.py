@@ -28,16 +28,25 @@ RUNS = {
     "enc-dec/lsh-4": "lsh4",
 }
 
-TABLE_COLUMNS = ["run", "steps", "wall_time_s", "steps_per_sec", "final_train_loss",
-                 "eval_loss", "token_accuracy", "sequence_accuracy", "greedy_sequence_accuracy",
-                 "steps_to_loss_0.1"]
+TABLE_COLUMNS = [
+    "run",
+    "steps",
+    "wall_time_s",
+    "steps_per_sec",
+    "final_train_loss",
+    "eval_loss",
+    "token_accuracy",
+    "sequence_accuracy",
+    "greedy_sequence_accuracy",
+    "steps_to_loss_0.1",
+]
 
 
 @dataclasses.dataclass
 class CopyComparisonOptions:
     runs: tuple[str, ...] = tuple(RUNS)
-    size: str = "cpu"                 # configs/copy.py variants setting the scale
-    overrides: str = ""               # further "key=value,..." applied last
+    size: str = "cpu"  # configs/copy.py variants setting the scale
+    overrides: str = ""  # further "key=value,..." applied last
     out_dir: str = "benchmark_results/copy"
 
     def __post_init__(self):
@@ -48,8 +57,11 @@ class CopyComparisonOptions:
 
 def run_config(name: str, options: CopyComparisonOptions):
     """The config of run `name`: model variant, then size, then the run's, then overrides."""
-    parts = (["encoder_decoder"] if name.startswith("enc-dec/") else []) + \
-        [options.size, RUNS[name], options.overrides]
+    parts = (["encoder_decoder"] if name.startswith("enc-dec/") else []) + [
+        options.size,
+        RUNS[name],
+        options.overrides,
+    ]
     return copy_config.get_config(",".join(p for p in parts if p))
 
 
@@ -61,13 +73,18 @@ def summarize(name: str, records: list[dict]) -> dict:
         raise ValueError(f"copy run {name!r} has no finished metrics.")
     last, last_eval = train[-1], evals[-1]
     below = [r["step"] for r in train if r["loss"] < 0.1]
-    return {"run": name, "steps": last["step"], "wall_time_s": last["wall_time"],
-            "steps_per_sec": last["step"] / last["wall_time"],
-            "final_train_loss": last["loss"], "eval_loss": last_eval["eval_loss"],
-            "token_accuracy": last_eval["token_accuracy"],
-            "sequence_accuracy": last_eval["sequence_accuracy"],
-            "greedy_sequence_accuracy": last_eval.get("greedy_sequence_accuracy", float("nan")),
-            "steps_to_loss_0.1": below[0] if below else float("nan")}
+    return {
+        "run": name,
+        "steps": last["step"],
+        "wall_time_s": last["wall_time"],
+        "steps_per_sec": last["step"] / last["wall_time"],
+        "final_train_loss": last["loss"],
+        "eval_loss": last_eval["eval_loss"],
+        "token_accuracy": last_eval["token_accuracy"],
+        "sequence_accuracy": last_eval["sequence_accuracy"],
+        "greedy_sequence_accuracy": last_eval.get("greedy_sequence_accuracy", float("nan")),
+        "steps_to_loss_0.1": below[0] if below else float("nan"),
+    }
 
 
 def run_and_report(options: CopyComparisonOptions, log=print) -> list[dict]:
@@ -82,16 +99,37 @@ def run_and_report(options: CopyComparisonOptions, log=print) -> list[dict]:
         rows.append(summarize(name, records))
         curves[name] = [(r["step"], r["wall_time"], r["loss"]) for r in records if "loss" in r]
     report.write_csv(out / "copy_results.csv", rows)
-    report.write_csv(out / "copy_curves.csv", [
-        {"run": n, "step": s, "wall_time_s": w, "loss": loss} for n, pts in curves.items()
-        for s, w, loss in pts])
-    report.write_json(out / "copy_results.json", machine=measure.machine_description(),
-                      options=dataclasses.asdict(options), rows=rows)
-    report.plot_series(out / "copy_convergence.png", [
-        {"xlabel": "step", "ylabel": "train loss (copied symbols, nats)",
-         "series": {n: [(s, loss) for s, _, loss in pts] for n, pts in curves.items()}},
-        {"xlabel": "training wall time (s)", "ylabel": "train loss (copied symbols, nats)",
-         "series": {n: [(w, loss) for _, w, loss in pts] for n, pts in curves.items()}},
-    ], title=f"copy task, size variant {options.size!r}", log_x=False, marker=None)
+    report.write_csv(
+        out / "copy_curves.csv",
+        [
+            {"run": n, "step": s, "wall_time_s": w, "loss": loss}
+            for n, pts in curves.items()
+            for s, w, loss in pts
+        ],
+    )
+    report.write_json(
+        out / "copy_results.json",
+        machine=measure.machine_description(),
+        options=dataclasses.asdict(options),
+        rows=rows,
+    )
+    report.plot_series(
+        out / "copy_convergence.png",
+        [
+            {
+                "xlabel": "step",
+                "ylabel": "train loss (copied symbols, nats)",
+                "series": {n: [(s, loss) for s, _, loss in pts] for n, pts in curves.items()},
+            },
+            {
+                "xlabel": "training wall time (s)",
+                "ylabel": "train loss (copied symbols, nats)",
+                "series": {n: [(w, loss) for _, w, loss in pts] for n, pts in curves.items()},
+            },
+        ],
+        title=f"copy task, size variant {options.size!r}",
+        log_x=False,
+        marker=None,
+    )
     log(report.markdown_table(rows, TABLE_COLUMNS))
     return rows

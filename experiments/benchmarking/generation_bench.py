@@ -46,15 +46,15 @@ class GenerationBenchOptions:
     archs: tuple[str, ...] = ARCHS
     methods: tuple[str, ...] = DEFAULT_METHODS
     batches: tuple[int, ...] = (1, 16)
-    timed_steps: int = 128          # at most this many sub-pixels timed per image (0 = all)
-    recompute_steps: int = 1        # ... for the recompute methods
+    timed_steps: int = 128  # at most this many sub-pixels timed per image (0 = all)
+    recompute_steps: int = 1  # ... for the recompute methods
     memory_lengths: tuple[int, ...] = (256, 1024, 4096, 16384, 65536)
     memory_batch: int = 1
     min_repeats: int = 3
     min_seconds: float = 1.0
-    memory_fraction: float = 0.6    # of free memory; a case needing more is skipped
+    memory_fraction: float = 0.6  # of free memory; a case needing more is skipped
     seed: int = 0
-    peers: tuple[str, ...] = ()     # "fast-transformers": the authors' library, MNIST shapes
+    peers: tuple[str, ...] = ()  # "fast-transformers": the authors' library, MNIST shapes
 
     def __post_init__(self):
         peers.check_peers(self.peers)
@@ -114,21 +114,36 @@ def time_method(opts: GenerationBenchOptions, arch: str, method: str, batch: int
     limit = opts.recompute_steps if method.endswith("recompute") else opts.timed_steps
     steps = min(length, limit) if limit else length
     compiled, args = _compiled_sampler(model, sample, batch, steps)
-    row = {"arch": arch, "method": method, "batch": batch, "length": length,
-           "timed_steps": steps, "peak_mib": (measure.peak_bytes(compiled) or math.nan) / 2 ** 20}
+    row = {
+        "arch": arch,
+        "method": method,
+        "batch": batch,
+        "length": length,
+        "timed_steps": steps,
+        "peak_mib": (measure.peak_bytes(compiled) or math.nan) / 2**20,
+    }
     budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
-    if row["peak_mib"] * 2 ** 20 > budget:
-        row.update(images_per_s=math.nan, seconds_per_image=math.nan, ms_per_step=math.nan,
-                   repeats=0, status=f"skipped: needs {row['peak_mib'] / 1024:.1f} GiB, budget "
-                                     f"{budget / 2**30:.1f} GiB")
+    if row["peak_mib"] * 2**20 > budget:
+        row.update(
+            images_per_s=math.nan,
+            seconds_per_image=math.nan,
+            ms_per_step=math.nan,
+            repeats=0,
+            status=f"skipped: needs {row['peak_mib'] / 1024:.1f} GiB, budget {budget / 2**30:.1f} GiB",
+        )
         return row
-    timing = measure.time_compiled(compiled, *args, min_repeats=opts.min_repeats,
-                                   min_seconds=opts.min_seconds)
+    timing = measure.time_compiled(
+        compiled, *args, min_repeats=opts.min_repeats, min_seconds=opts.min_seconds
+    )
     seconds_per_step = timing.median_s / steps
     seconds_per_batch = seconds_per_step * length
-    row.update(images_per_s=batch / seconds_per_batch,
-               seconds_per_image=seconds_per_batch / batch, ms_per_step=seconds_per_step * 1e3,
-               repeats=timing.repeats, status="ok")
+    row.update(
+        images_per_s=batch / seconds_per_batch,
+        seconds_per_image=seconds_per_batch / batch,
+        ms_per_step=seconds_per_step * 1e3,
+        repeats=timing.repeats,
+        status="ok",
+    )
     if not method.endswith("recompute"):
         flops = step_flops(model, batch)
         row["step_gflop"] = flops / 1e9 if flops else math.nan
@@ -144,8 +159,14 @@ def memory_vs_length(opts: GenerationBenchOptions, method: str) -> list[dict]:
         model = paper_model("mnist", attention, max_length=length, seed=opts.seed)
         compiled, _ = _compiled_sampler(model, sample, opts.memory_batch, length)
         peak = measure.peak_bytes(compiled)
-        rows.append({"method": method, "length": length, "batch": opts.memory_batch,
-                     "peak_mib": (peak or math.nan) / 2 ** 20})
+        rows.append(
+            {
+                "method": method,
+                "length": length,
+                "batch": opts.memory_batch,
+                "peak_mib": (peak or math.nan) / 2**20,
+            }
+        )
     return rows
 
 
@@ -156,41 +177,55 @@ def run(opts: GenerationBenchOptions, *, log=print) -> tuple[list[dict], list[di
             for method in opts.methods:
                 rows = [time_method(opts, arch, method, batch)]
                 if opts.peers and arch == "mnist" and method in peers.GENERATION_METHODS:
-                    rows.append(peers.generation_row(
-                        method, batch, rows[0]["length"], opts.timed_steps,
-                        min_repeats=opts.min_repeats, min_seconds=opts.min_seconds,
-                        seed=opts.seed))
+                    rows.append(
+                        peers.generation_row(
+                            method,
+                            batch,
+                            rows[0]["length"],
+                            opts.timed_steps,
+                            min_repeats=opts.min_repeats,
+                            min_seconds=opts.min_seconds,
+                            seed=opts.seed,
+                        )
+                    )
                 for row in rows:
                     speed.append(row)
-                    log(f"{arch:<8} B={batch:<5} {row['method']:<18} {row['images_per_s']:>10.3f} "
+                    log(
+                        f"{arch:<8} B={batch:<5} {row['method']:<18} {row['images_per_s']:>10.3f} "
                         f"images/s {row['ms_per_step']:>9.3f} ms/step (timed "
                         f"{row['timed_steps']}/{row['length']} steps) {row['peak_mib']:>9.1f} "
-                        f"MiB {row['status']}")
+                        f"MiB {row['status']}"
+                    )
     memory = []
     for method in opts.methods:
         if method.endswith("recompute"):
             continue  # its memory is the parallel forward's: see benchmark_attention
         memory.extend(memory_vs_length(opts, method))
-        log(f"memory {method}: " + ", ".join(f"L={r['length']} {r['peak_mib']:.1f} MiB"
-                                              for r in memory if r["method"] == method))
+        log(
+            f"memory {method}: "
+            + ", ".join(f"L={r['length']} {r['peak_mib']:.1f} MiB" for r in memory if r["method"] == method)
+        )
     return speed, memory
 
 
 def ratios(speed: list[dict], baseline: str = "linear/recurrent") -> list[dict]:
     """images/s of the baseline over each other method, same architecture and batch."""
-    by_key = {(r["arch"], r["batch"], r["method"]): r["images_per_s"] for r in speed
-              if not r["method"].startswith("fast-transformers:")}
+    by_key = {
+        (r["arch"], r["batch"], r["method"]): r["images_per_s"]
+        for r in speed
+        if not r["method"].startswith("fast-transformers:")
+    }
     out = []
     for (arch, batch, method), ips in by_key.items():
         base = by_key.get((arch, batch, baseline))
         if base and method != baseline and math.isfinite(ips):
-            out.append({"arch": arch, "batch": batch, "method": method,
-                        f"{baseline}_speedup": base / ips})
+            out.append({"arch": arch, "batch": batch, "method": method, f"{baseline}_speedup": base / ips})
     return out
 
 
-def run_and_report(opts: GenerationBenchOptions, out_dir, *, matmul_reference: bool = True,
-                   log=print) -> dict:
+def run_and_report(
+    opts: GenerationBenchOptions, out_dir, *, matmul_reference: bool = True, log=print
+) -> dict:
     """Run, print tables, write generation*.csv/json and generation.png under out_dir."""
     import pathlib
 
@@ -200,50 +235,93 @@ def run_and_report(opts: GenerationBenchOptions, out_dir, *, matmul_reference: b
     machine = measure.machine_description()
     log(f"machine: {machine}")
     speed, memory = run(opts, log=log)
-    extra = {"ratios": ratios(speed),
-             "peer_ratios": peers.same_run_ratios(speed, ("arch", "batch"), "ms_per_step",
-                                                  peers.GENERATION_METHODS, "method")}
+    extra = {
+        "ratios": ratios(speed),
+        "peer_ratios": peers.same_run_ratios(
+            speed, ("arch", "batch"), "ms_per_step", peers.GENERATION_METHODS, "method"
+        ),
+    }
     if matmul_reference:
         # What this machine's matmuls reach: a large square one, and the MLP's shape per step.
         extra["matmul_gflops"] = {
             "2048x2048x2048": measure.matmul_flops_per_second(2048, 2048, 2048) / 1e9,
-            **{f"{b}x256x1024": measure.matmul_flops_per_second(b, 256, 1024) / 1e9
-               for b in opts.batches}}
+            **{f"{b}x256x1024": measure.matmul_flops_per_second(b, 256, 1024) / 1e9 for b in opts.batches},
+        }
     files = {
         "csv": report.write_csv(out_dir / "generation.csv", speed),
         "memory_csv": report.write_csv(out_dir / "generation_memory.csv", memory),
-        "json": report.write_json(out_dir / "generation.json", machine=machine,
-                                  options=dataclasses.asdict(opts), rows=speed, memory=memory,
-                                  **extra),
+        "json": report.write_json(
+            out_dir / "generation.json",
+            machine=machine,
+            options=dataclasses.asdict(opts),
+            rows=speed,
+            memory=memory,
+            **extra,
+        ),
     }
     methods = list(dict.fromkeys(r["method"] for r in speed))
     panels = [
-        {"xlabel": "batch size", "ylabel": "images/s (more is better)",
-         "series": {f"{arch} {m}": [(r["batch"], r["images_per_s"]) for r in speed
-                                    if r["arch"] == arch and r["method"] == m]
-                    for arch in opts.archs for m in methods}},
-        {"xlabel": "generated length L (MNIST architecture, batch "
-                   f"{opts.memory_batch})", "ylabel": "peak memory (MiB, XLA)",
-         "series": {m: [(r["length"], r["peak_mib"]) for r in memory if r["method"] == m]
-                    for m in dict.fromkeys(r["method"] for r in memory)}},
+        {
+            "xlabel": "batch size",
+            "ylabel": "images/s (more is better)",
+            "series": {
+                f"{arch} {m}": [
+                    (r["batch"], r["images_per_s"]) for r in speed if r["arch"] == arch and r["method"] == m
+                ]
+                for arch in opts.archs
+                for m in methods
+            },
+        },
+        {
+            "xlabel": f"generated length L (MNIST architecture, batch {opts.memory_batch})",
+            "ylabel": "peak memory (MiB, XLA)",
+            "series": {
+                m: [(r["length"], r["peak_mib"]) for r in memory if r["method"] == m]
+                for m in dict.fromkeys(r["method"] for r in memory)
+            },
+        },
     ]
     files["png"] = report.plot_series(
-        out_dir / "generation.png", panels,
-        title=f"{machine['device']}, float32, untrained paper architectures; jax {machine['jax']}")
-    log("\n" + report.markdown_table(speed, [c for c in (
-        "arch", "batch", "method", "images_per_s", "seconds_per_image", "ms_per_step",
-        "timed_steps", "peak_mib", "achieved_gflops", "status") if any(c in r for r in speed)]))
+        out_dir / "generation.png",
+        panels,
+        title=f"{machine['device']}, float32, untrained paper architectures; jax {machine['jax']}",
+    )
+    log(
+        "\n"
+        + report.markdown_table(
+            speed,
+            [
+                c
+                for c in (
+                    "arch",
+                    "batch",
+                    "method",
+                    "images_per_s",
+                    "seconds_per_image",
+                    "ms_per_step",
+                    "timed_steps",
+                    "peak_mib",
+                    "achieved_gflops",
+                    "status",
+                )
+                if any(c in r for r in speed)
+            ],
+        )
+    )
     if extra["ratios"]:
         log("\n" + report.markdown_table(extra["ratios"], list(extra["ratios"][0])))
     if extra["peer_ratios"]:
-        log("\nthe authors' library in this run (theirs_over_ours > 1: ours is faster):\n"
-            + report.markdown_table(extra["peer_ratios"], list(extra["peer_ratios"][0])))
-        files["peers_csv"] = report.write_csv(out_dir / "generation_peers.csv",
-                                              extra["peer_ratios"])
+        log(
+            "\nthe authors' library in this run (theirs_over_ours > 1: ours is faster):\n"
+            + report.markdown_table(extra["peer_ratios"], list(extra["peer_ratios"][0]))
+        )
+        files["peers_csv"] = report.write_csv(out_dir / "generation_peers.csv", extra["peer_ratios"])
     if memory:
         log("\n" + report.markdown_table(memory, ["method", "length", "batch", "peak_mib"]))
     if matmul_reference:
-        log("\nmatmul GFLOP/s on this device: " + ", ".join(
-            f"{k}: {v:.1f}" for k, v in extra["matmul_gflops"].items()))
+        log(
+            "\nmatmul GFLOP/s on this device: "
+            + ", ".join(f"{k}: {v:.1f}" for k, v in extra["matmul_gflops"].items())
+        )
     log("wrote " + ", ".join(str(p) for p in files.values()))
     return {"speed": speed, "memory": memory, "files": files, **extra}

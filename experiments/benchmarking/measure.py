@@ -26,24 +26,29 @@ class Timing:
     repeats: int
 
 
-def time_compiled(compiled, *args, min_repeats: int = 3, max_repeats: int = 50,
-                  min_seconds: float = 0.5) -> Timing:
+def time_compiled(
+    compiled, *args, min_repeats: int = 3, max_repeats: int = 50, min_seconds: float = 0.5
+) -> Timing:
     """Median wall time of `compiled(*args)`; repeats until `min_repeats` and `min_seconds`.
 
     A call whose warm-up takes over 2 * min_seconds (and over a second) is timed once more only:
     seconds-long calls vary little, and repeating them would dominate a benchmark's run time.
     """
-    return time_call(lambda: jax.block_until_ready(compiled(*args)), min_repeats=min_repeats,
-                     max_repeats=max_repeats, min_seconds=min_seconds)
+    return time_call(
+        lambda: jax.block_until_ready(compiled(*args)),
+        min_repeats=min_repeats,
+        max_repeats=max_repeats,
+        min_seconds=min_seconds,
+    )
 
 
-def time_call(call, *, min_repeats: int = 3, max_repeats: int = 50,
-              min_seconds: float = 0.5) -> Timing:
+def time_call(call, *, min_repeats: int = 3, max_repeats: int = 50, min_seconds: float = 0.5) -> Timing:
     """`time_compiled` for any synchronous `call()` (one that returns when its work is done,
     e.g. torch on the CPU)."""
     if min_repeats < 1 or max_repeats < min_repeats:
-        raise ValueError(f"time_call: need 1 <= min_repeats <= max_repeats, got "
-                         f"{min_repeats}, {max_repeats}.")
+        raise ValueError(
+            f"time_call: need 1 <= min_repeats <= max_repeats, got {min_repeats}, {max_repeats}."
+        )
     start = time.perf_counter()
     call()  # first call: allocation, autotuning, caches
     if time.perf_counter() - start > max(2 * min_seconds, 1.0):
@@ -66,8 +71,12 @@ def peak_bytes(compiled) -> int | None:
     analysis = compiled.memory_analysis()
     if analysis is None:
         return None
-    total = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
-             analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+    total = (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        + analysis.temp_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )
     return int(max(total, getattr(analysis, "peak_memory_in_bytes", 0)))
 
 
@@ -116,6 +125,7 @@ def machine_description(device=None) -> dict:
 
 def _jaxlib_version() -> str:
     import jaxlib
+
     return jaxlib.__version__
 
 

@@ -46,12 +46,14 @@ def check_peers(peers) -> tuple[str, ...]:
             raise ValueError(
                 f"--peers=fast-transformers needs torch and pytorch-fast-transformers importable "
                 f"here ({e}); install them (see experiments/benchmarking/peers.py) or leave "
-                f"--peers out.") from None
+                f"--peers out."
+            ) from None
     return peers
 
 
 def _attention_module(name: str, head_dim: int):
     from fast_transformers.attention import CausalLinearAttention, FullAttention, LinearAttention
+
     if name == "causal-linear":
         return CausalLinearAttention(head_dim)
     if name == "linear":
@@ -59,18 +61,42 @@ def _attention_module(name: str, head_dim: int):
     return FullAttention(attention_dropout=0.0)
 
 
-def attention_row(kind: str, pass_: str, n: int, batch: int, heads: int, head_dim: int,
-                  value_dim: int, dtype: str, *, min_repeats: int = 3,
-                  min_seconds: float = 0.5, seed: int = 0) -> dict:
+def attention_row(
+    kind: str,
+    pass_: str,
+    n: int,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    value_dim: int,
+    dtype: str,
+    *,
+    min_repeats: int = 3,
+    min_seconds: float = 0.5,
+    seed: int = 0,
+) -> dict:
     """One attention case of the peer, as a row shaped like attention_bench's."""
     import torch
     from fast_transformers.masking import FullMask, LengthMask, TriangularCausalMask
 
     name = ATTENTION_KINDS[kind]
-    row = {"kind": f"fast-transformers:{name}", "pass": pass_, "n": n, "batch": batch,
-           "heads": heads, "head_dim": head_dim, "value_dim": value_dim, "dtype": dtype,
-           "chunk_size": None, "time_ms": math.nan, "time_per_sample_ms": math.nan,
-           "peak_mib": math.nan, "peak_per_sample_mib": math.nan, "repeats": 0, "status": "ok"}
+    row = {
+        "kind": f"fast-transformers:{name}",
+        "pass": pass_,
+        "n": n,
+        "batch": batch,
+        "heads": heads,
+        "head_dim": head_dim,
+        "value_dim": value_dim,
+        "dtype": dtype,
+        "chunk_size": None,
+        "time_ms": math.nan,
+        "time_per_sample_ms": math.nan,
+        "peak_mib": math.nan,
+        "peak_per_sample_mib": math.nan,
+        "repeats": 0,
+        "status": "ok",
+    }
     if dtype != "float32":
         row["status"] = "unavailable: the peer runs in float32 only"
         return row
@@ -82,6 +108,7 @@ def attention_row(kind: str, pass_: str, n: int, batch: int, heads: int, head_di
     lengths = LengthMask(torch.full((batch,), n, dtype=torch.int64), max_len=n)
 
     if pass_ == "forward":
+
         def call():
             with torch.no_grad():
                 attention(q, k, v, mask, lengths, lengths)
@@ -91,31 +118,54 @@ def attention_row(kind: str, pass_: str, n: int, batch: int, heads: int, head_di
 
         def call():
             torch.autograd.grad(attention(q, k, v, mask, lengths, lengths), (q, k, v), g)
+
     timing = measure.time_call(call, min_repeats=min_repeats, min_seconds=min_seconds)
-    row.update(time_ms=timing.median_s * 1e3, time_per_sample_ms=timing.median_s * 1e3 / batch,
-               repeats=timing.repeats)
+    row.update(
+        time_ms=timing.median_s * 1e3,
+        time_per_sample_ms=timing.median_s * 1e3 / batch,
+        repeats=timing.repeats,
+    )
     return row
 
 
 class _Generator:
     """The paper's image generator around their recurrent encoder, one sub-pixel per `step`."""
 
-    def __init__(self, attention: str, *, num_layers=8, num_heads=8, model_dim=256,
-                 feed_forward_dim=1024, num_classes=256, num_mixtures=10, seed=0):
+    def __init__(
+        self,
+        attention: str,
+        *,
+        num_layers=8,
+        num_heads=8,
+        model_dim=256,
+        feed_forward_dim=1024,
+        num_classes=256,
+        num_mixtures=10,
+        seed=0,
+    ):
         import torch
         from fast_transformers.builders import RecurrentEncoderBuilder
 
         torch.manual_seed(seed)
-        self.encoder = RecurrentEncoderBuilder.from_kwargs(
-            n_layers=num_layers, n_heads=num_heads, query_dimensions=model_dim // num_heads,
-            value_dimensions=model_dim // num_heads, feed_forward_dimensions=feed_forward_dim,
-            attention_type=attention, dropout=0.0, activation="relu").get().eval()
+        self.encoder = (
+            RecurrentEncoderBuilder.from_kwargs(
+                n_layers=num_layers,
+                n_heads=num_heads,
+                query_dimensions=model_dim // num_heads,
+                value_dimensions=model_dim // num_heads,
+                feed_forward_dimensions=feed_forward_dim,
+                attention_type=attention,
+                dropout=0.0,
+                activation="relu",
+            )
+            .get()
+            .eval()
+        )
         self.embed = torch.nn.Embedding(num_classes + 1, model_dim // 2)
         self.head = torch.nn.Linear(model_dim, 3 * num_mixtures)
         self.position_dim = model_dim - model_dim // 2
         self.num_classes, self.num_mixtures = num_classes, num_mixtures
-        inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, self.position_dim, 2)
-                             / self.position_dim)
+        inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, self.position_dim, 2) / self.position_dim)
         self.inv_freq = inv_freq
 
     def step(self, token_B, t: int, state):
@@ -137,8 +187,16 @@ class _Generator:
         return value, state
 
 
-def generation_row(method: str, batch: int, length: int, timed_steps: int, *,
-                   min_repeats: int = 3, min_seconds: float = 1.0, seed: int = 0) -> dict:
+def generation_row(
+    method: str,
+    batch: int,
+    length: int,
+    timed_steps: int,
+    *,
+    min_repeats: int = 3,
+    min_seconds: float = 1.0,
+    seed: int = 0,
+) -> dict:
     """Generation speed of the peer for the MNIST architecture, shaped like generation_bench's
     rows (`timed_steps` sub-pixels timed and scaled to `length`, as there)."""
     import torch
@@ -158,27 +216,45 @@ def generation_row(method: str, batch: int, length: int, timed_steps: int, *,
 
     timing = measure.time_call(generate, min_repeats=min_repeats, min_seconds=min_seconds)
     seconds_per_step, repeats = timing.median_s / steps, timing.repeats
-    return {"arch": "mnist", "method": f"fast-transformers:{name}", "batch": batch,
-            "length": length, "timed_steps": steps, "peak_mib": math.nan,
-            "images_per_s": batch / (seconds_per_step * length),
-            "seconds_per_image": seconds_per_step * length / batch,
-            "ms_per_step": seconds_per_step * 1e3, "repeats": repeats, "status": "ok"}
+    return {
+        "arch": "mnist",
+        "method": f"fast-transformers:{name}",
+        "batch": batch,
+        "length": length,
+        "timed_steps": steps,
+        "peak_mib": math.nan,
+        "images_per_s": batch / (seconds_per_step * length),
+        "seconds_per_image": seconds_per_step * length / batch,
+        "ms_per_step": seconds_per_step * 1e3,
+        "repeats": repeats,
+        "status": "ok",
+    }
 
 
-def same_run_ratios(rows: list[dict], key_fields: tuple[str, ...], time_field: str,
-                    pairs: dict[str, str], kind_field: str) -> list[dict]:
+def same_run_ratios(
+    rows: list[dict], key_fields: tuple[str, ...], time_field: str, pairs: dict[str, str], kind_field: str
+) -> list[dict]:
     """theirs / ours of `time_field` for every case where both ran in these rows (>1: we are
     faster). `pairs` maps our kind to the peer's name."""
-    index = {tuple(r[f] for f in key_fields) + (r[kind_field],): r for r in rows
-             if r["status"] == "ok" and math.isfinite(r[time_field])}
+    index = {
+        tuple(r[f] for f in key_fields) + (r[kind_field],): r
+        for r in rows
+        if r["status"] == "ok" and math.isfinite(r[time_field])
+    }
     out = []
     for key, ours in index.items():
         if key[-1] not in pairs:
             continue
         theirs = index.get(key[:-1] + (f"fast-transformers:{pairs[key[-1]]}",))
         if theirs:
-            out.append({**dict(zip(key_fields, key[:-1])), "ours": key[-1],
-                        "theirs": theirs[kind_field], f"ours_{time_field}": ours[time_field],
-                        f"theirs_{time_field}": theirs[time_field],
-                        "theirs_over_ours": theirs[time_field] / ours[time_field]})
+            out.append(
+                {
+                    **dict(zip(key_fields, key[:-1])),
+                    "ours": key[-1],
+                    "theirs": theirs[kind_field],
+                    f"ours_{time_field}": ours[time_field],
+                    f"theirs_{time_field}": theirs[time_field],
+                    "theirs_over_ours": theirs[time_field] / ours[time_field],
+                }
+            )
     return out

@@ -55,7 +55,7 @@ class PrefillBenchOptions:
     model_dim: int = 256
     num_heads: int = 8
     vocab_size: int = 256
-    image_arch: str = "mnist"        # "" = no image-completion part
+    image_arch: str = "mnist"  # "" = no image-completion part
     image_kinds: tuple[str, ...] = ("linear", "softmax")
     image_batches: tuple[int, ...] = (1, 16)
     image_length: int | None = None  # None: the architecture's own length (MNIST: 784)
@@ -63,7 +63,7 @@ class PrefillBenchOptions:
     image_prefix: int | None = None  # None: half the image
     min_repeats: int = 3
     min_seconds: float = 1.0
-    memory_fraction: float = 0.6     # of free memory; a case needing more is skipped
+    memory_fraction: float = 0.6  # of free memory; a case needing more is skipped
     seed: int = 0
 
     def __post_init__(self):
@@ -71,8 +71,10 @@ class PrefillBenchOptions:
             if kind not in LM_KINDS:
                 raise ValueError(f"unknown attention kind {kind!r}; expected some of {LM_KINDS}.")
         if self.image_arch and self.image_arch not in IMAGE_ARCHS:
-            raise ValueError(f"unknown image architecture {self.image_arch!r}; expected one of "
-                             f"{IMAGE_ARCHS} or '' for none.")
+            raise ValueError(
+                f"unknown image architecture {self.image_arch!r}; expected one of "
+                f"{IMAGE_ARCHS} or '' for none."
+            )
         for name in ("prompt_lengths", "batches", "softmax_lengths", "image_batches"):
             values = getattr(self, name)
             if any(v < 1 for v in values):
@@ -95,8 +97,13 @@ class PrefillBenchOptions:
 
 def lm_model(opts: PrefillBenchOptions, kind: str) -> CausalLM:
     """The benchmark's language model in eval mode (untrained, no dropout)."""
-    config = TransformerConfig(num_layers=opts.num_layers, num_heads=opts.num_heads,
-                               model_dim=opts.model_dim, attention=kind, dropout=0.0)
+    config = TransformerConfig(
+        num_layers=opts.num_layers,
+        num_heads=opts.num_heads,
+        model_dim=opts.model_dim,
+        attention=kind,
+        dropout=0.0,
+    )
     model = CausalLM(config, opts.vocab_size, rngs=nnx.Rngs(opts.seed))
     model.eval()
     return model
@@ -140,7 +147,7 @@ def compile_timed(fn, *args):
 
 def _over_budget(row: dict, compiled, budget: int) -> bool:
     peak = measure.peak_bytes(compiled)
-    row["peak_mib"] = (peak or math.nan) / 2 ** 20
+    row["peak_mib"] = (peak or math.nan) / 2**20
     if peak is not None and peak > budget:
         row["status"] = f"skipped: needs {peak / 2**30:.1f} GiB, budget {budget / 2**30:.1f} GiB"
         return True
@@ -160,15 +167,28 @@ def run_lm(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
                 prompt_BP = jax.random.randint(key, (batch, length), 0, opts.vocab_size)
                 logits = {}
                 for method in METHODS:
-                    row = {"kind": kind, "batch": batch, "prompt": length, "method": method,
-                           "time_ms": math.nan, "compile_s": math.nan, "peak_mib": math.nan,
-                           "repeats": 0, "status": "ok"}
-                    compiled, row["compile_s"] = compile_timed(first_token_fn(model, method),
-                                                               params, prompt_BP)
+                    row = {
+                        "kind": kind,
+                        "batch": batch,
+                        "prompt": length,
+                        "method": method,
+                        "time_ms": math.nan,
+                        "compile_s": math.nan,
+                        "peak_mib": math.nan,
+                        "repeats": 0,
+                        "status": "ok",
+                    }
+                    compiled, row["compile_s"] = compile_timed(
+                        first_token_fn(model, method), params, prompt_BP
+                    )
                     if not _over_budget(row, compiled, budget):
-                        timing = measure.time_compiled(compiled, params, prompt_BP,
-                                                       min_repeats=opts.min_repeats,
-                                                       min_seconds=opts.min_seconds)
+                        timing = measure.time_compiled(
+                            compiled,
+                            params,
+                            prompt_BP,
+                            min_repeats=opts.min_repeats,
+                            min_seconds=opts.min_seconds,
+                        )
                         row.update(time_ms=timing.median_s * 1e3, repeats=timing.repeats)
                         logits[method] = compiled(params, prompt_BP)[1]
                     rows.append(row)
@@ -183,9 +203,11 @@ def run_lm(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
 
 def format_lm_row(row: dict) -> str:
     """One log line of an LM row."""
-    return (f"LM {row['kind']:<8} B={row['batch']:<3} P={row['prompt']:<6} {row['method']:<10} "
-            f"{row['time_ms']:>10.2f} ms  compile {row['compile_s']:6.2f} s  "
-            f"{row['peak_mib']:>8.1f} MiB  {row['status']}")
+    return (
+        f"LM {row['kind']:<8} B={row['batch']:<3} P={row['prompt']:<6} {row['method']:<10} "
+        f"{row['time_ms']:>10.2f} ms  compile {row['compile_s']:6.2f} s  "
+        f"{row['peak_mib']:>8.1f} MiB  {row['status']}"
+    )
 
 
 def image_model(opts: PrefillBenchOptions, kind: str):
@@ -196,8 +218,9 @@ def image_model(opts: PrefillBenchOptions, kind: str):
     from experiments.benchmarking import generation_bench
 
     if opts.image_layers is None:
-        return generation_bench.paper_model(opts.image_arch, kind, max_length=opts.image_length,
-                                            seed=opts.seed)
+        return generation_bench.paper_model(
+            opts.image_arch, kind, max_length=opts.image_length, seed=opts.seed
+        )
     from experiments.data import pipeline
     from experiments.training.loop import build_model
 
@@ -267,22 +290,42 @@ def run_images(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
             raise ValueError(f"image_prefix must be in [1, {length}), got {k}.")
         for batch in opts.image_batches:
             key = jax.random.key(opts.seed + batch)
-            prefix_BK = jax.random.randint(jax.random.fold_in(key, 1), (batch, k), 0,
-                                           model.num_classes, jnp.int32)
+            prefix_BK = jax.random.randint(
+                jax.random.fold_in(key, 1), (batch, k), 0, model.num_classes, jnp.int32
+            )
             images = {}
             for method in METHODS:
-                row = {"arch": opts.image_arch, "kind": kind, "batch": batch, "length": length,
-                       "prefix": k, "method": method, "time_ms": math.nan,
-                       "images_per_s": math.nan, "compile_s": math.nan, "peak_mib": math.nan,
-                       "repeats": 0, "status": "ok"}
-                compiled, row["compile_s"] = compile_timed(completion_fn(model, method, batch),
-                                                           params, key, prefix_BK)
+                row = {
+                    "arch": opts.image_arch,
+                    "kind": kind,
+                    "batch": batch,
+                    "length": length,
+                    "prefix": k,
+                    "method": method,
+                    "time_ms": math.nan,
+                    "images_per_s": math.nan,
+                    "compile_s": math.nan,
+                    "peak_mib": math.nan,
+                    "repeats": 0,
+                    "status": "ok",
+                }
+                compiled, row["compile_s"] = compile_timed(
+                    completion_fn(model, method, batch), params, key, prefix_BK
+                )
                 if not _over_budget(row, compiled, budget):
-                    timing = measure.time_compiled(compiled, params, key, prefix_BK,
-                                                   min_repeats=opts.min_repeats,
-                                                   min_seconds=opts.min_seconds)
-                    row.update(time_ms=timing.median_s * 1e3,
-                               images_per_s=batch / timing.median_s, repeats=timing.repeats)
+                    timing = measure.time_compiled(
+                        compiled,
+                        params,
+                        key,
+                        prefix_BK,
+                        min_repeats=opts.min_repeats,
+                        min_seconds=opts.min_seconds,
+                    )
+                    row.update(
+                        time_ms=timing.median_s * 1e3,
+                        images_per_s=batch / timing.median_s,
+                        repeats=timing.repeats,
+                    )
                     images[method] = compiled(params, key, prefix_BK)
                 rows.append(row)
             if len(images) == 2:  # same keys per sub-pixel: the same images, up to draws that
@@ -293,10 +336,12 @@ def run_images(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
                     row.update(same_subpixels=same, prefix_kept=prefix_kept)
             for row in rows[-2:]:
                 row["layers"] = len(model.decoder.layers)
-                log(f"images {row['arch']} {kind:<8} B={batch:<3} K={k}/{length} "
+                log(
+                    f"images {row['arch']} {kind:<8} B={batch:<3} K={k}/{length} "
                     f"{row['method']:<10} {row['images_per_s']:>9.3f} images/s "
                     f"{row['time_ms']:>10.1f} ms  compile {row['compile_s']:6.2f} s  "
-                    f"{row['peak_mib']:>8.1f} MiB  {row['status']}")
+                    f"{row['peak_mib']:>8.1f} MiB  {row['status']}"
+                )
     return rows
 
 
@@ -310,8 +355,14 @@ def speedups(rows: list[dict], group: tuple[str, ...]) -> list[dict]:
     for (key, method), t in times.items():
         base = times.get((key, "step-scan"))
         if method == "prefill" and base:
-            out.append({**dict(zip(group, key)), "prefill_ms": t, "step_scan_ms": base,
-                        "step_scan_over_prefill": base / t})
+            out.append(
+                {
+                    **dict(zip(group, key)),
+                    "prefill_ms": t,
+                    "step_scan_ms": base,
+                    "step_scan_over_prefill": base / t,
+                }
+            )
     return out
 
 
@@ -334,46 +385,102 @@ def run_and_report(opts: PrefillBenchOptions, out_dir, *, log=print) -> dict:
     image_ratios = speedups(image_rows, IMAGE_GROUP)
     files = {
         "csv": report.write_csv(out_dir / "prefill.csv", lm_rows),
-        "json": report.write_json(out_dir / "prefill.json", machine=machine,
-                                  options=dataclasses.asdict(opts), rows=lm_rows,
-                                  ratios=lm_ratios, images=image_rows,
-                                  image_ratios=image_ratios),
+        "json": report.write_json(
+            out_dir / "prefill.json",
+            machine=machine,
+            options=dataclasses.asdict(opts),
+            rows=lm_rows,
+            ratios=lm_ratios,
+            images=image_rows,
+            image_ratios=image_ratios,
+        ),
     }
     if image_rows:
         files["images_csv"] = report.write_csv(out_dir / "prefill_images.csv", image_rows)
     series = {}
     for r in lm_rows:
-        series.setdefault(f"{r['kind']} B={r['batch']} {r['method']}", []).append(
-            (r["prompt"], r["time_ms"]))
+        series.setdefault(f"{r['kind']} B={r['batch']} {r['method']}", []).append((r["prompt"], r["time_ms"]))
     ratio_series = {}
     for r in lm_ratios:
         ratio_series.setdefault(f"{r['kind']} B={r['batch']}", []).append(
-            (r["prompt"], r["step_scan_over_prefill"]))
+            (r["prompt"], r["step_scan_over_prefill"])
+        )
     panels = [
-        {"xlabel": "prompt length P (tokens)", "ylabel": "time to first new token (ms)",
-         "series": series},
-        {"xlabel": "prompt length P (tokens)", "ylabel": "step-scan time / prefill time",
-         "series": ratio_series},
+        {"xlabel": "prompt length P (tokens)", "ylabel": "time to first new token (ms)", "series": series},
+        {
+            "xlabel": "prompt length P (tokens)",
+            "ylabel": "step-scan time / prefill time",
+            "series": ratio_series,
+        },
     ]
     files["png"] = report.plot_series(
-        out_dir / "prefill.png", panels,
-        title=(f"{machine['device']} x{machine['host_cpus']} CPUs, float32, CausalLM "
-               f"{opts.num_layers} layers, width {opts.model_dim}, {opts.num_heads} heads "
-               f"(untrained); jax {machine['jax']}"))
-    log("\n" + report.markdown_table(lm_rows, [c for c in (
-        "kind", "batch", "prompt", "method", "time_ms", "compile_s", "peak_mib", "max_logit_diff",
-        "status") if any(c in r for r in lm_rows)]))
+        out_dir / "prefill.png",
+        panels,
+        title=(
+            f"{machine['device']} x{machine['host_cpus']} CPUs, float32, CausalLM "
+            f"{opts.num_layers} layers, width {opts.model_dim}, {opts.num_heads} heads "
+            f"(untrained); jax {machine['jax']}"
+        ),
+    )
+    log(
+        "\n"
+        + report.markdown_table(
+            lm_rows,
+            [
+                c
+                for c in (
+                    "kind",
+                    "batch",
+                    "prompt",
+                    "method",
+                    "time_ms",
+                    "compile_s",
+                    "peak_mib",
+                    "max_logit_diff",
+                    "status",
+                )
+                if any(c in r for r in lm_rows)
+            ],
+        )
+    )
     if lm_ratios:
-        log("\nstep-scan / prefill (same run):\n" + report.markdown_table(
-            lm_ratios, list(lm_ratios[0])))
+        log("\nstep-scan / prefill (same run):\n" + report.markdown_table(lm_ratios, list(lm_ratios[0])))
     if image_rows:
-        log("\n" + report.markdown_table(image_rows, [c for c in (
-            "arch", "kind", "batch", "prefix", "length", "method", "images_per_s", "time_ms",
-            "compile_s", "peak_mib", "same_subpixels", "prefix_kept", "status")
-            if any(c in r for r in image_rows)]))
+        log(
+            "\n"
+            + report.markdown_table(
+                image_rows,
+                [
+                    c
+                    for c in (
+                        "arch",
+                        "kind",
+                        "batch",
+                        "prefix",
+                        "length",
+                        "method",
+                        "images_per_s",
+                        "time_ms",
+                        "compile_s",
+                        "peak_mib",
+                        "same_subpixels",
+                        "prefix_kept",
+                        "status",
+                    )
+                    if any(c in r for r in image_rows)
+                ],
+            )
+        )
     if image_ratios:
-        log("\nimage completion, step-scan / prefill (same run):\n" + report.markdown_table(
-            image_ratios, list(image_ratios[0])))
+        log(
+            "\nimage completion, step-scan / prefill (same run):\n"
+            + report.markdown_table(image_ratios, list(image_ratios[0]))
+        )
     log("wrote " + ", ".join(str(p) for p in files.values()))
-    return {"lm": lm_rows, "lm_ratios": lm_ratios, "images": image_rows,
-            "image_ratios": image_ratios, "files": files}
+    return {
+        "lm": lm_rows,
+        "lm_ratios": lm_ratios,
+        "images": image_rows,
+        "image_ratios": image_ratios,
+        "files": files,
+    }

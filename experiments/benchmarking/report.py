@@ -22,15 +22,16 @@ def write_csv(path, rows: list[dict]) -> pathlib.Path:
 def write_json(path, *, machine: dict, options: dict, rows: list[dict], **extra) -> pathlib.Path:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-             for r in rows]
-    path.write_text(json.dumps({"machine": machine, "options": options, "rows": clean, **extra},
-                               indent=1, default=str))
+    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
+    path.write_text(
+        json.dumps({"machine": machine, "options": options, "rows": clean, **extra}, indent=1, default=str)
+    )
     return path
 
 
 def markdown_table(rows: list[dict], columns: list[str], *, floats: str = ".3g") -> str:
     """A GitHub markdown table of the given columns (NaN shown as '-')."""
+
     def cell(v):
         if isinstance(v, float):
             return "-" if math.isnan(v) else format(v, floats)
@@ -43,13 +44,16 @@ def markdown_table(rows: list[dict], columns: list[str], *, floats: str = ".3g")
 
 def _pyplot():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
-def plot_series(path, panels: list[dict], *, title: str, log_x: bool = True,
-                marker: str | None = "o") -> pathlib.Path:
+def plot_series(
+    path, panels: list[dict], *, title: str, log_x: bool = True, marker: str | None = "o"
+) -> pathlib.Path:
     """Line plots side by side, log y; log-2 x unless `log_x=False`.
 
     Each panel: {"ylabel": str, "xlabel": str, "series": {label: [(x, y), ...]}}; points with a

@@ -65,14 +65,15 @@ class SequenceParallelBenchOptions:
             if kind not in KINDS:
                 raise ValueError(f"unknown attention kind {kind!r}; expected some of {KINDS}.")
         if not self.parallelism or min(self.parallelism) < 1:
-            raise ValueError(f"parallelism must be positive device counts, got "
-                             f"{self.parallelism}.")
+            raise ValueError(f"parallelism must be positive device counts, got {self.parallelism}.")
         for kind in self.kinds:
             length = self.length_for(kind)
             bad = [p for p in self.parallelism if length % p]
             if length < 1 or bad:
-                raise ValueError(f"{kind}: sequence length {length} must be positive and divide "
-                                 f"by every P in {self.parallelism} (not by {bad}).")
+                raise ValueError(
+                    f"{kind}: sequence length {length} must be positive and divide "
+                    f"by every P in {self.parallelism} (not by {bad})."
+                )
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}.")
 
@@ -89,16 +90,24 @@ def sequence_mesh(num_devices: int) -> jax.sharding.Mesh:
         raise ValueError(
             f"P={num_devices} needs {num_devices} devices but JAX sees {available}; on CPU set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} before jax is "
-            "imported (experiments.benchmark_sequence_parallel does so).")
-    return jax.make_mesh((num_devices,), (AXIS,), devices=jax.devices()[:num_devices],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+            "imported (experiments.benchmark_sequence_parallel does so)."
+        )
+    return jax.make_mesh(
+        (num_devices,), (AXIS,), devices=jax.devices()[:num_devices], axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
 
 def lm_model(opts: SequenceParallelBenchOptions, kind: str, num_devices: int) -> CausalLM:
     """The benchmark's model; sequence-parallel when P > 1. Same seed, same weights for every P."""
     extra = {"sequence_axis": AXIS} if num_devices > 1 else {}
-    config = TransformerConfig(num_layers=opts.num_layers, num_heads=opts.num_heads,
-                               model_dim=opts.model_dim, attention=kind, dropout=0.0, **extra)
+    config = TransformerConfig(
+        num_layers=opts.num_layers,
+        num_heads=opts.num_heads,
+        model_dim=opts.model_dim,
+        attention=kind,
+        dropout=0.0,
+        **extra,
+    )
     return CausalLM(config, opts.vocab_size, rngs=nnx.Rngs(opts.seed))
 
 
@@ -109,7 +118,8 @@ def make_train_step(graphdef, tx):
         def loss_fn(params):
             logits_BTV = nnx.merge(graphdef, params, rest)(tokens_BT)
             return optax.softmax_cross_entropy_with_integer_labels(
-                logits_BTV.astype(jnp.float32), targets_BT).mean()
+                logits_BTV.astype(jnp.float32), targets_BT
+            ).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -121,17 +131,30 @@ def make_train_step(graphdef, tx):
 def run_case(opts: SequenceParallelBenchOptions, kind: str, num_devices: int, budget: int) -> dict:
     """Compile the step for (kind, P), read its per-device memory, time it unless over budget."""
     length = opts.length_for(kind)
-    row = {"kind": kind, "P": num_devices, "length": length, "batch": opts.batch,
-           "tokens_per_device": length // num_devices, "argument_mib": math.nan,
-           "output_mib": math.nan, "temp_mib": math.nan, "alias_mib": math.nan,
-           "peak_mib": math.nan, "step_ms": math.nan, "compile_s": math.nan, "loss": math.nan,
-           "repeats": 0, "status": "ok"}
+    row = {
+        "kind": kind,
+        "P": num_devices,
+        "length": length,
+        "batch": opts.batch,
+        "tokens_per_device": length // num_devices,
+        "argument_mib": math.nan,
+        "output_mib": math.nan,
+        "temp_mib": math.nan,
+        "alias_mib": math.nan,
+        "peak_mib": math.nan,
+        "step_ms": math.nan,
+        "compile_s": math.nan,
+        "loss": math.nan,
+        "repeats": 0,
+        "status": "ok",
+    }
     mesh = sequence_mesh(num_devices)
     model = lm_model(opts, kind, num_devices)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adam(opts.learning_rate)
-    tokens = np.asarray(jax.random.randint(jax.random.key(opts.seed), (opts.batch, length + 1),
-                                           0, opts.vocab_size, jnp.int32))
+    tokens = np.asarray(
+        jax.random.randint(jax.random.key(opts.seed), (opts.batch, length + 1), 0, opts.vocab_size, jnp.int32)
+    )
     with jax.set_mesh(mesh):
         replicated = NamedSharding(mesh, PartitionSpec())
         split_time = NamedSharding(mesh, PartitionSpec(None, AXIS))
@@ -146,18 +169,20 @@ def run_case(opts: SequenceParallelBenchOptions, kind: str, num_devices: int, bu
         analysis = compiled.memory_analysis()
         if analysis is not None:
             for field in ("argument", "output", "temp", "alias"):
-                row[f"{field}_mib"] = getattr(analysis, f"{field}_size_in_bytes") / 2 ** 20
+                row[f"{field}_mib"] = getattr(analysis, f"{field}_size_in_bytes") / 2**20
         peak = measure.peak_bytes(compiled)
         if peak is not None:
-            row["peak_mib"] = peak / 2 ** 20
+            row["peak_mib"] = peak / 2**20
             if peak * num_devices > budget:  # all P devices live in this one process
-                row["status"] = (f"skipped: needs {peak * num_devices / 2**30:.1f} GiB on "
-                                 f"{num_devices} devices, budget {budget / 2**30:.1f} GiB")
+                row["status"] = (
+                    f"skipped: needs {peak * num_devices / 2**30:.1f} GiB on "
+                    f"{num_devices} devices, budget {budget / 2**30:.1f} GiB"
+                )
                 return row
-        timing = measure.time_compiled(compiled, *args, min_repeats=opts.min_repeats,
-                                       min_seconds=opts.min_seconds)
-        row.update(step_ms=timing.median_s * 1e3, repeats=timing.repeats,
-                   loss=float(compiled(*args)[2]))
+        timing = measure.time_compiled(
+            compiled, *args, min_repeats=opts.min_repeats, min_seconds=opts.min_seconds
+        )
+        row.update(step_ms=timing.median_s * 1e3, repeats=timing.repeats, loss=float(compiled(*args)[2]))
     return row
 
 
@@ -172,10 +197,12 @@ def run(opts: SequenceParallelBenchOptions, *, log=print) -> list[dict]:
         for num_devices in sorted(opts.parallelism):
             row = run_case(opts, kind, num_devices, budget)
             rows.append(row)
-            log(f"{kind:<8} T={row['length']:<6} P={num_devices} "
+            log(
+                f"{kind:<8} T={row['length']:<6} P={num_devices} "
                 f"{row['peak_mib']:>9.1f} MiB/device (temp {row['temp_mib']:.1f}) "
                 f"{row['step_ms']:>9.1f} ms/step  compile {row['compile_s']:.1f} s  "
-                f"loss {row['loss']:.5f}  {row['status']}")
+                f"loss {row['loss']:.5f}  {row['status']}"
+            )
     return add_ratios(rows)
 
 
@@ -187,8 +214,11 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     for r in rows:
         b = base.get(r["kind"])
         r = {**r, "ideal_memory": 1.0 / r["P"]}
-        for name, field in (("peak_vs_p1", "peak_mib"), ("temp_vs_p1", "temp_mib"),
-                            ("step_vs_p1", "step_ms")):
+        for name, field in (
+            ("peak_vs_p1", "peak_mib"),
+            ("temp_vs_p1", "temp_mib"),
+            ("step_vs_p1", "step_ms"),
+        ):
             r[name] = r[field] / b[field] if b and b[field] else math.nan
         r["loss_diff_vs_p1"] = abs(r["loss"] - b["loss"]) if b else math.nan
         out.append(r)
@@ -199,8 +229,9 @@ def memory_slopes(rows: list[dict], field: str = "peak_mib") -> dict[str, float]
     """Log-log slope of `field` (per device) vs P for each kind; -1 is a perfect 1/P split."""
     slopes = {}
     for kind in dict.fromkeys(r["kind"] for r in rows):
-        pts = [(r["P"], r[field]) for r in rows
-               if r["kind"] == kind and math.isfinite(r[field]) and r[field] > 0]
+        pts = [
+            (r["P"], r[field]) for r in rows if r["kind"] == kind and math.isfinite(r[field]) and r[field] > 0
+        ]
         if len({p for p, _ in pts}) >= 2:
             p, mem = np.log(np.array(pts, dtype=float)).T
             slopes[kind] = float(np.polyfit(p, mem, 1)[0])
@@ -220,9 +251,13 @@ def run_and_report(opts: SequenceParallelBenchOptions, out_dir, *, log=print) ->
     slopes = {"peak": memory_slopes(rows, "peak_mib"), "temp": memory_slopes(rows, "temp_mib")}
     files = {
         "csv": report.write_csv(out_dir / "sequence_parallel.csv", rows),
-        "json": report.write_json(out_dir / "sequence_parallel.json", machine=machine,
-                                  options=dataclasses.asdict(opts), rows=rows,
-                                  memory_slopes=slopes),
+        "json": report.write_json(
+            out_dir / "sequence_parallel.json",
+            machine=machine,
+            options=dataclasses.asdict(opts),
+            rows=rows,
+            memory_slopes=slopes,
+        ),
     }
     kinds = list(dict.fromkeys(r["kind"] for r in rows))
     memory_series, time_series = {}, {}
@@ -233,26 +268,57 @@ def run_and_report(opts: SequenceParallelBenchOptions, out_dir, *, log=print) ->
         memory_series[f"{label} temporaries"] = [(r["P"], r["temp_mib"]) for r in mine]
         first = next((r for r in mine if r["P"] == 1 and math.isfinite(r["peak_mib"])), None)
         if first:
-            memory_series[f"{label} ideal 1/P"] = [(r["P"], first["peak_mib"] / r["P"])
-                                                  for r in mine]
+            memory_series[f"{label} ideal 1/P"] = [(r["P"], first["peak_mib"] / r["P"]) for r in mine]
         time_series[label] = [(r["P"], r["step_ms"]) for r in mine]
     panels = [
-        {"xlabel": "devices P on the sequence axis", "ylabel": "memory per device (MiB, XLA)",
-         "series": memory_series},
-        {"xlabel": "devices P on the sequence axis",
-         "ylabel": "training step time (ms, median)", "series": time_series},
+        {
+            "xlabel": "devices P on the sequence axis",
+            "ylabel": "memory per device (MiB, XLA)",
+            "series": memory_series,
+        },
+        {
+            "xlabel": "devices P on the sequence axis",
+            "ylabel": "training step time (ms, median)",
+            "series": time_series,
+        },
     ]
     files["png"] = report.plot_series(
-        out_dir / "sequence_parallel.png", panels,
-        title=(f"{machine['num_devices']} {machine['device']} devices on {machine['host_cpus']} "
-               f"host CPUs; CausalLM {opts.num_layers} layers, width {opts.model_dim}, "
-               f"{opts.num_heads} heads, B={opts.batch}; jax {machine['jax']}"))
-    log("\n" + report.markdown_table(rows, [
-        "kind", "length", "P", "tokens_per_device", "argument_mib", "output_mib", "temp_mib",
-        "peak_mib", "peak_vs_p1", "ideal_memory", "step_ms", "step_vs_p1", "compile_s",
-        "loss_diff_vs_p1", "status"]))
-    log("\nlog-log slope of memory per device vs P (-1 = 1/P): " + "; ".join(
-        f"{what}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items())
-        for what, s in slopes.items()))
+        out_dir / "sequence_parallel.png",
+        panels,
+        title=(
+            f"{machine['num_devices']} {machine['device']} devices on {machine['host_cpus']} "
+            f"host CPUs; CausalLM {opts.num_layers} layers, width {opts.model_dim}, "
+            f"{opts.num_heads} heads, B={opts.batch}; jax {machine['jax']}"
+        ),
+    )
+    log(
+        "\n"
+        + report.markdown_table(
+            rows,
+            [
+                "kind",
+                "length",
+                "P",
+                "tokens_per_device",
+                "argument_mib",
+                "output_mib",
+                "temp_mib",
+                "peak_mib",
+                "peak_vs_p1",
+                "ideal_memory",
+                "step_ms",
+                "step_vs_p1",
+                "compile_s",
+                "loss_diff_vs_p1",
+                "status",
+            ],
+        )
+    )
+    log(
+        "\nlog-log slope of memory per device vs P (-1 = 1/P): "
+        + "; ".join(
+            f"{what}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()) for what, s in slopes.items()
+        )
+    )
     log("wrote " + ", ".join(str(p) for p in files.values()))
     return {"rows": rows, "memory_slopes": slopes, "files": files}

@@ -17,6 +17,14 @@ from experiments.data.pipeline import (
 )
 
 __all__ = [
-    "DATASETS", "SPLITS", "Batches", "DatasetInfo", "dataset_info", "default_manual_dir", "flatten_images",
-    "load_images", "num_classes", "unflatten",
+    "DATASETS",
+    "SPLITS",
+    "Batches",
+    "DatasetInfo",
+    "dataset_info",
+    "default_manual_dir",
+    "flatten_images",
+    "load_images",
+    "num_classes",
+    "unflatten",
 ]

@@ -57,10 +57,12 @@ class _ImageBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         # pillow), and the 0..16 digits are not mistaken for dark 8-bit images by image tools.
         info = self.dataset_info_from_configs(
             description=self.DESCRIPTION,
-            features=tfds.features.FeaturesDict({
-                "image": tfds.features.Tensor(shape=self.IMAGE_SHAPE, dtype=np.uint8),
-                "label": tfds.features.ClassLabel(num_classes=self.NUM_LABELS),
-            }),
+            features=tfds.features.FeaturesDict(
+                {
+                    "image": tfds.features.Tensor(shape=self.IMAGE_SHAPE, dtype=np.uint8),
+                    "label": tfds.features.ClassLabel(num_classes=self.NUM_LABELS),
+                }
+            ),
             supervised_keys=("image", "label"),
             homepage=self.HOMEPAGE,
             # Keep the raw files' order (examples sorted by their integer key): the training pipeline
@@ -146,13 +148,18 @@ class LtMnist(_ImageBuilder, skip_registration=True):
     @classmethod
     def missing_message(cls, split, manual_dir):
         names = ", ".join(f"{stem}.gz" for stem in MNIST_FILES[split])
-        return (f"MNIST split {split!r} is not prepared and its raw files are not in {manual_dir}. "
-                f"Download {names} from {MNIST_URL} and put them (gzipped or not) in {manual_dir}, "
-                "or pass download=True to fetch them.")
+        return (
+            f"MNIST split {split!r} is not prepared and its raw files are not in {manual_dir}. "
+            f"Download {names} from {MNIST_URL} and put them (gzipped or not) in {manual_dir}, "
+            "or pass download=True to fetch them."
+        )
 
     def _download_sources(self, dl_manager, splits):
-        urls = {f"{split}_{i}": MNIST_URL + stem + ".gz" for split in splits
-                for i, stem in enumerate(MNIST_FILES[split])}
+        urls = {
+            f"{split}_{i}": MNIST_URL + stem + ".gz"
+            for split in splits
+            for i, stem in enumerate(MNIST_FILES[split])
+        }
         paths = dl_manager.download(urls)
         return {split: (paths[f"{split}_0"], paths[f"{split}_1"]) for split in splits}
 
@@ -163,8 +170,10 @@ class LtMnist(_ImageBuilder, skip_registration=True):
         images = read_idx(images_path)
         labels = read_idx(labels_path)
         if images.ndim != 3 or images.shape[1:] != self.IMAGE_SHAPE[:2] or labels.shape != images.shape[:1]:
-            raise ValueError(f"{images_path} and {labels_path} are not a matching pair of MNIST IDX files: "
-                             f"images {images.shape}, labels {labels.shape}.")
+            raise ValueError(
+                f"{images_path} and {labels_path} are not a matching pair of MNIST IDX files: "
+                f"images {images.shape}, labels {labels.shape}."
+            )
         for i, (image, label) in enumerate(zip(images[..., None], labels)):
             yield i, {"image": image, "label": int(label)}
 
@@ -181,7 +190,8 @@ class LtCifar10(_ImageBuilder, skip_registration=True):
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Parsed from the python pickles."}
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
-        f"Put {CIFAR10_ARCHIVE} from {CIFAR10_URL} (or its extracted folder) in the manual dir.")
+        f"Put {CIFAR10_ARCHIVE} from {CIFAR10_URL} (or its extracted folder) in the manual dir."
+    )
     IMAGE_SHAPE = (32, 32, 3)
     NUM_LABELS = 10
     DESCRIPTION = "CIFAR-10 (Krizhevsky, 2009), read from the python version of the data set."
@@ -204,17 +214,21 @@ class LtCifar10(_ImageBuilder, skip_registration=True):
     @classmethod
     def missing_message(cls, split, manual_dir):
         names = ", ".join(CIFAR10_BATCHES[split])
-        return (f"CIFAR-10 split {split!r} is not prepared and its raw files are not in {manual_dir}. "
-                f"Download {CIFAR10_URL} and put {CIFAR10_ARCHIVE} (or the extracted folder {CIFAR10_DIR}/ "
-                f"holding {names}) in {manual_dir}, or pass download=True to fetch it.")
+        return (
+            f"CIFAR-10 split {split!r} is not prepared and its raw files are not in {manual_dir}. "
+            f"Download {CIFAR10_URL} and put {CIFAR10_ARCHIVE} (or the extracted folder {CIFAR10_DIR}/ "
+            f"holding {names}) in {manual_dir}, or pass download=True to fetch it."
+        )
 
     def _download_sources(self, dl_manager, splits):
         archive = dl_manager.download(CIFAR10_URL)  # one archive holds both splits
         return {split: ("archive", archive) for split in splits}
 
     def _split_generators(self, dl_manager):
-        return {split: self._generate_examples(split, *source)
-                for split, source in self._sources(dl_manager).items()}
+        return {
+            split: self._generate_examples(split, *source)
+            for split, source in self._sources(dl_manager).items()
+        }
 
     def _generate_examples(self, split, kind, paths):
         key = 0
@@ -290,8 +304,10 @@ def read_idx(path: os.PathLike | str) -> np.ndarray:
     header = 4 + 4 * ndim
     shape = tuple(int(d) for d in np.frombuffer(raw[4:header], dtype=">u4"))
     if len(raw) != header + int(np.prod(shape)):
-        raise ValueError(f"{path}: header says shape {shape} but it holds {len(raw) - header} bytes of data "
-                         "(truncated or corrupt download?).")
+        raise ValueError(
+            f"{path}: header says shape {shape} but it holds {len(raw) - header} bytes of data "
+            "(truncated or corrupt download?)."
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 
 

@@ -26,13 +26,13 @@ SEPARATOR = 0
 
 class CopyExamples(NamedTuple):
     symbols_BW: np.ndarray  # int32, the n symbols of each example then zeros
-    lengths_B: np.ndarray   # int32 n
+    lengths_B: np.ndarray  # int32 n
 
 
 class LanguageModelBatch(NamedTuple):
-    inputs_BT: np.ndarray   # tokens[:-1], T = L - 1
+    inputs_BT: np.ndarray  # tokens[:-1], T = L - 1
     targets_BT: np.ndarray  # tokens[1:]
-    mask_BT: np.ndarray     # float32, 1 where the target is a symbol of the copy
+    mask_BT: np.ndarray  # float32, 1 where the target is a symbol of the copy
 
 
 class Seq2SeqBatch(NamedTuple):
@@ -40,20 +40,21 @@ class Seq2SeqBatch(NamedTuple):
     source_lengths_B: np.ndarray
     target_in_BW: np.ndarray
     target_out_BW: np.ndarray
-    mask_BW: np.ndarray     # float32, 1 on the n symbols to copy
+    mask_BW: np.ndarray  # float32, 1 on the n symbols to copy
 
 
 def length_range(max_length: int) -> tuple[int, int]:
     """[low, high) of the number of symbols per example for sequences of `max_length`."""
     low, high = max_length // 4, (max_length - 1) // 2
     if low < 1 or high <= low:
-        raise ValueError(f"copy task: max_length={max_length} is too short; it needs >= 5 so "
-                         f"that n in [max_length // 4, (max_length - 1) // 2) is not empty.")
+        raise ValueError(
+            f"copy task: max_length={max_length} is too short; it needs >= 5 so "
+            f"that n in [max_length // 4, (max_length - 1) // 2) is not empty."
+        )
     return low, high
 
 
-def random_examples(rng: np.random.Generator, batch: int, max_length: int,
-                    num_symbols: int) -> CopyExamples:
+def random_examples(rng: np.random.Generator, batch: int, max_length: int, num_symbols: int) -> CopyExamples:
     """`batch` examples of random length and symbols."""
     if num_symbols < 1:
         raise ValueError(f"copy task: num_symbols must be >= 1, got {num_symbols}.")
@@ -70,7 +71,7 @@ def decoder_only_layout(examples: CopyExamples, max_length: int) -> LanguageMode
     symbols_BW, n_B = examples
     B, W = symbols_BW.shape
     tokens_BL = np.zeros((B, max_length), np.int32)
-    tokens_BL[:, 1:W + 1] = symbols_BW
+    tokens_BL[:, 1 : W + 1] = symbols_BW
     copy_start_B = n_B + 2  # index of the copy's first symbol in tokens
     cols_L = np.arange(max_length)[None, :]
     offset_BL = cols_L - copy_start_B[:, None]
@@ -94,8 +95,7 @@ class CopyBatches:
 
     MODELS = ("decoder", "encoder_decoder")
 
-    def __init__(self, *, batch_size: int, max_length: int, num_symbols: int, model: str,
-                 seed: int):
+    def __init__(self, *, batch_size: int, max_length: int, num_symbols: int, model: str, seed: int):
         if model not in self.MODELS:
             raise ValueError(f"copy task: model must be one of {self.MODELS}, got {model!r}.")
         length_range(max_length)

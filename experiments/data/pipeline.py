@@ -123,8 +123,10 @@ def load_images(
     if not (builder.is_prepared() and split in builder.info.splits):
         # Decide before TFDS runs: it must not get as far as a download that was not asked for.
         if not (download or split in builder_cls.raw_splits(manual_dir)):
-            raise FileNotFoundError(f"{builder_cls.missing_message(split, manual_dir)} "
-                                    f"(The prepared data will be written under {data_dir}.)")
+            raise FileNotFoundError(
+                f"{builder_cls.missing_message(split, manual_dir)} "
+                f"(The prepared data will be written under {data_dir}.)"
+            )
         _prepare(builder, manual_dir=manual_dir, overwrite=builder.is_prepared())
         builder = builder_cls(data_dir=data_dir, file_format="array_record")
 
@@ -132,8 +134,10 @@ def load_images(
     examples = source.__getitems__(range(len(source)))  # one batched read, not one call per image
     images = np.stack([example["image"] for example in examples])
     if images.dtype != np.uint8 or images.shape[1:] != info.image_shape:
-        raise ValueError(f"Prepared {name} {split} under {data_dir} holds {images.dtype} {images.shape[1:]}, "
-                         f"not uint8 {info.image_shape}: delete {builder.data_path} to prepare it again.")
+        raise ValueError(
+            f"Prepared {name} {split} under {data_dir} holds {images.dtype} {images.shape[1:]}, "
+            f"not uint8 {info.image_shape}: delete {builder.data_path} to prepare it again."
+        )
     return images
 
 
@@ -186,8 +190,9 @@ class Batches:
         if self.images_NxD.ndim != 2:
             raise ValueError(f"Expected images [N, H, W, C] or [N, D], got shape {images.shape}.")
         if not 0 < batch_size <= len(self.images_NxD):
-            raise ValueError(f"batch_size must be in 1..{len(self.images_NxD)} (the number of images), "
-                             f"got {batch_size}.")
+            raise ValueError(
+                f"batch_size must be in 1..{len(self.images_NxD)} (the number of images), got {batch_size}."
+            )
         if int(seed) != seed or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}.")
         self.batch_size = int(batch_size)
@@ -208,7 +213,7 @@ class Batches:
         if int(step) != step or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}.")
         epoch, i = divmod(int(step), self.steps_per_epoch)
-        rows = self.permutation(epoch)[i * self.batch_size:(i + 1) * self.batch_size]
+        rows = self.permutation(epoch)[i * self.batch_size : (i + 1) * self.batch_size]
         return self.images_NxD[rows]
 
     def iterate(self, start_step: int = 0) -> Iterator[np.ndarray]:

@@ -57,7 +57,8 @@ def _silence_failed_restore_aftermath() -> None:
     hook.drops_closed_loop_reports = True
     sys.unraisablehook = hook
     std_logging.getLogger("asyncio").addFilter(
-        lambda record: "exception was never retrieved" not in record.getMessage())
+        lambda record: "exception was never retrieved" not in record.getMessage()
+    )
 
 
 def _root_cause(error: BaseException) -> str:
@@ -71,8 +72,9 @@ def _root_cause(error: BaseException) -> str:
 
 def _signature(tree) -> list[tuple]:
     """The sorted (shape, dtype) of every array in `tree` (target arrays or Orbax metadata)."""
-    return sorted((tuple(leaf.shape), str(leaf.dtype)) for leaf in jax.tree.leaves(tree)
-                  if hasattr(leaf, "shape"))
+    return sorted(
+        (tuple(leaf.shape), str(leaf.dtype)) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape")
+    )
 
 
 def _file_hashes(step_dir: pathlib.Path) -> dict[str, str]:
@@ -97,13 +99,18 @@ class Checkpointer:
 
     def __init__(self, directory, *, max_to_keep: int = 2):
         if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
-            raise ValueError(f"Checkpointer: max_to_keep must be an int >= 1 (the newest "
-                             f"checkpoint is always kept), got {max_to_keep!r}.")
+            raise ValueError(
+                f"Checkpointer: max_to_keep must be an int >= 1 (the newest "
+                f"checkpoint is always kept), got {max_to_keep!r}."
+            )
         self.directory = pathlib.Path(directory).expanduser().absolute()
         self._manager = ocp.CheckpointManager(
-            self.directory, item_handlers=ocp.StandardCheckpointHandler(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                                 enable_async_checkpointing=False))
+            self.directory,
+            item_handlers=ocp.StandardCheckpointHandler(),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+            ),
+        )
 
     def all_steps(self) -> list[int]:
         """Every complete checkpoint's step, ascending."""
@@ -134,27 +141,35 @@ class Checkpointer:
         """
         step_dir = self.directory / str(step)
         if not step_dir.is_dir():
-            raise CheckpointError(f"there is no checkpoint step {step} in {self.directory}; "
-                                  f"its steps are {self.all_steps()}.")
+            raise CheckpointError(
+                f"there is no checkpoint step {step} in {self.directory}; its steps are {self.all_steps()}."
+            )
         manifest = step_dir / MANIFEST
         if not manifest.exists():
-            logging.warning("checkpoint step %d in %s has no %s; restoring it unverified.",
-                            step, self.directory, MANIFEST)
+            logging.warning(
+                "checkpoint step %d in %s has no %s; restoring it unverified.", step, self.directory, MANIFEST
+            )
             return
         try:
             expected = json.loads(manifest.read_text())
         except ValueError as e:
-            raise DamagedCheckpointError(f"checkpoint step {step} in {self.directory} is "
-                                         f"damaged: {MANIFEST} is unreadable ({e}).") from None
+            raise DamagedCheckpointError(
+                f"checkpoint step {step} in {self.directory} is damaged: {MANIFEST} is unreadable ({e})."
+            ) from None
         found = _file_hashes(step_dir)
         missing = sorted(set(expected) - set(found))
-        changed = sorted(name for name in set(expected) & set(found)
-                         if expected[name] != found[name])
+        changed = sorted(name for name in set(expected) & set(found) if expected[name] != found[name])
         if missing or changed:
-            what = "; ".join(filter(None, [missing and f"missing files {missing}",
-                                           changed and f"files whose bytes changed {changed}"]))
-            raise DamagedCheckpointError(
-                f"checkpoint step {step} in {self.directory} is damaged: {what}.")
+            what = "; ".join(
+                filter(
+                    None,
+                    [
+                        missing and f"missing files {missing}",
+                        changed and f"files whose bytes changed {changed}",
+                    ],
+                )
+            )
+            raise DamagedCheckpointError(f"checkpoint step {step} in {self.directory} is damaged: {what}.")
 
     def restore(self, target, step: int | None = None):
         """Verify and restore checkpoint `step` (default: latest) into the structure, shapes
@@ -178,9 +193,11 @@ class Checkpointer:
                 raise CheckpointMismatchError(
                     f"cannot restore checkpoint step {step} from {self.directory}: its arrays "
                     f"do not have the shapes of this model and optimizer; it was written by a "
-                    f"different config.") from e
+                    f"different config."
+                ) from e
             raise DamagedCheckpointError(
-                f"checkpoint step {step} in {self.directory} cannot be read: {cause}") from e
+                f"checkpoint step {step} in {self.directory} cannot be read: {cause}"
+            ) from e
 
     def metadata(self, step: int):
         """The saved tree of checkpoint `step` with each array's shape and dtype (no data read)."""
@@ -214,8 +231,11 @@ def _flatten(tree, prefix=""):
 def config_differences(saved: dict, config: dict) -> list[str]:
     """'key: saved -> new' for every (dotted) key whose value differs between two configs."""
     old, new = _flatten(saved), _flatten(config)
-    return [f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
-            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+    return [
+        f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key)
+    ]
 
 
 def _config_mismatch(checkpointer, step, workdir, config) -> str | None:
@@ -229,10 +249,12 @@ def _config_mismatch(checkpointer, step, workdir, config) -> str | None:
     differences = config_differences(saved, json.loads(config.to_json_best_effort()))
     if not differences:
         return None
-    return (f"cannot restore checkpoint step {step} from {checkpointer.directory}: it was "
-            f"written by the run configured in {path}, and this config differs in "
-            f"{'; '.join(differences)}. Resume with that run's config, or train this one in "
-            f"another workdir.")
+    return (
+        f"cannot restore checkpoint step {step} from {checkpointer.directory}: it was "
+        f"written by the run configured in {path}, and this config differs in "
+        f"{'; '.join(differences)}. Resume with that run's config, or train this one in "
+        f"another workdir."
+    )
 
 
 def restore_newest_intact(checkpointer: Checkpointer, target, workdir, config):
@@ -259,12 +281,14 @@ def restore_newest_intact(checkpointer: Checkpointer, target, workdir, config):
                 raise CheckpointMismatchError(mismatch) from e.__cause__
             raise
         if problems:
-            logging.warning("resuming from checkpoint step %d, the newest intact one in %s.",
-                            step, checkpointer.directory)
+            logging.warning(
+                "resuming from checkpoint step %d, the newest intact one in %s.", step, checkpointer.directory
+            )
         return state, step
     if problems:
         raise CheckpointError(
             f"no intact checkpoint in {checkpointer.directory}: {' '.join(problems)} The damaged "
             f"ones were moved to {checkpointer.directory.parent / DAMAGED_DIR}; re-running starts "
-            f"from step 0.")
+            f"from step 0."
+        )
     return target, 0

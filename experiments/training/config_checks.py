@@ -14,23 +14,48 @@ from linear_transformers.attention import (
     sequence_parallel_kinds,
 )
 
-_POSITIVE = ("num_layers", "num_heads", "model_dim", "feed_forward_dim", "num_mixtures",
-             "batch_size", "eval_batch_size", "num_samples", "num_symbols", "max_length",
-             "eval_batches", "keep_checkpoints")
-_NON_NEGATIVE = ("num_steps", "warmup_steps", "log_every", "eval_every", "checkpoint_every",
-                 "sample_every", "max_train_examples", "max_eval_examples",
-                 "weight_decay", "grad_clip", "dropout", "attention_dropout", "softmax_temp",
-                 "decay_steps", "decay_factor")
+_POSITIVE = (
+    "num_layers",
+    "num_heads",
+    "model_dim",
+    "feed_forward_dim",
+    "num_mixtures",
+    "batch_size",
+    "eval_batch_size",
+    "num_samples",
+    "num_symbols",
+    "max_length",
+    "eval_batches",
+    "keep_checkpoints",
+)
+_NON_NEGATIVE = (
+    "num_steps",
+    "warmup_steps",
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "sample_every",
+    "max_train_examples",
+    "max_eval_examples",
+    "weight_decay",
+    "grad_clip",
+    "dropout",
+    "attention_dropout",
+    "softmax_temp",
+    "decay_steps",
+    "decay_factor",
+)
 
 
-def check_keys(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict,
-               where: str) -> None:
+def check_keys(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict, where: str) -> None:
     """Every key of `defaults` and no other, else a ValueError naming the difference."""
     unknown = sorted(set(config) - set(defaults))
     missing = sorted(set(defaults) - set(config))
     if unknown or missing:
-        raise ValueError(f"config keys not understood: {unknown}; missing: {missing}. The "
-                         f"trainer's keys are listed in {where}.")
+        raise ValueError(
+            f"config keys not understood: {unknown}; missing: {missing}. The "
+            f"trainer's keys are listed in {where}."
+        )
     check_types(config, defaults)
 
 
@@ -41,8 +66,9 @@ class ConfigTypeError(TypeError, ValueError):
 _TYPE_NAMES = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
 
 
-def check_types(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict,
-                prefix: str = "config.") -> None:
+def check_types(
+    config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict, prefix: str = "config."
+) -> None:
     """Every value has its default's type (ints are not bools, numbers are not None), else a
     ConfigTypeError naming the key. ConfigDict itself refuses most wrong types, but lets a bool into
     an int field and None into any field."""
@@ -50,8 +76,9 @@ def check_types(config: ml_collections.ConfigDict, defaults: ml_collections.Conf
         value = config[key]
         if isinstance(default, ml_collections.ConfigDict):
             if not isinstance(value, ml_collections.ConfigDict):
-                raise ConfigTypeError(f"{prefix}{key} must be a group of keys like "
-                                f"{sorted(default)}, got {value!r}.")
+                raise ConfigTypeError(
+                    f"{prefix}{key} must be a group of keys like {sorted(default)}, got {value!r}."
+                )
             check_types(value, default, f"{prefix}{key}.")
             continue
         kind = type(default)
@@ -59,15 +86,18 @@ def check_types(config: ml_collections.ConfigDict, defaults: ml_collections.Conf
             continue
         allowed = (int, float) if kind is float else (kind,)
         if (isinstance(value, bool) and kind is not bool) or not isinstance(value, allowed):
-            raise ConfigTypeError(f"{prefix}{key} must be {_TYPE_NAMES[kind]}, got {value!r} "
-                            f"({type(value).__name__}).")
+            raise ConfigTypeError(
+                f"{prefix}{key} must be {_TYPE_NAMES[kind]}, got {value!r} ({type(value).__name__})."
+            )
 
 
 def check_attention(config: ml_collections.ConfigDict, key: str = "attention") -> None:
     """config[key] is a registered kind and config[key + "_options"] are options it takes."""
     if config[key] not in registered_attention_kinds():
-        raise ValueError(f"config.{key} {config[key]!r} is not a registered attention kind; "
-                         f"registered: {registered_attention_kinds()}.")
+        raise ValueError(
+            f"config.{key} {config[key]!r} is not a registered attention kind; "
+            f"registered: {registered_attention_kinds()}."
+        )
     check_attention_options(config[key], dict(config[key + "_options"]))
 
 
@@ -78,8 +108,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     """The checks every trainer shares: sizes, rates, optimizer, schedule, attention."""
     for key in _POSITIVE:
         if key in config and not config[key] >= 1:
-            why = (" (0 would leave no checkpoint to resume from)" if key == "keep_checkpoints"
-                   else "")
+            why = " (0 would leave no checkpoint to resume from)" if key == "keep_checkpoints" else ""
             raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}{why}.")
     for key in _NON_NEGATIVE:
         if key in config and not config[key] >= 0:
@@ -91,14 +120,21 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     if config.schedule not in SCHEDULES:
         raise ValueError(f"config.schedule must be one of {SCHEDULES}, got {config.schedule!r}.")
     if config.dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"config.dtype must be one of {COMPUTE_DTYPES} (the computation dtype; "
-                         f"parameters are stored in float32), got {config.dtype!r}.")
+        raise ValueError(
+            f"config.dtype must be one of {COMPUTE_DTYPES} (the computation dtype; "
+            f"parameters are stored in float32), got {config.dtype!r}."
+        )
     check_attention(config)
     mesh_lib.check_mesh_values(config.mesh)
 
 
-def check_mesh(config: ml_collections.ConfigDict, *, kinds: dict[str, str],
-               sequence_length: int | None = None, device_count: int | None = None) -> None:
+def check_mesh(
+    config: ml_collections.ConfigDict,
+    *,
+    kinds: dict[str, str],
+    sequence_length: int | None = None,
+    device_count: int | None = None,
+) -> None:
     """config.mesh fits the run: with mesh.sequence > 1 every attention kind in `kinds`
     ({config key: kind}) has a sequence-parallel form and `sequence_length` (when given: the
     trainer does not pad time itself) divides by mesh.sequence; then data x sequence must equal
@@ -111,18 +147,22 @@ def check_mesh(config: ml_collections.ConfigDict, *, kinds: dict[str, str],
                 raise ValueError(
                     f"config.mesh.sequence={sequence} splits time over devices, but config.{key}"
                     f"={kind!r} has no sequence-parallel form; use one of "
-                    f"{sequence_parallel_kinds()}, or config.mesh.sequence=1.")
+                    f"{sequence_parallel_kinds()}, or config.mesh.sequence=1."
+                )
         if sequence_length is not None and sequence_length % sequence:
             raise ValueError(
                 f"config.mesh.sequence={sequence} must divide the sequence length "
                 f"{sequence_length} (each device holds an equal block of time); choose a divisor "
-                f"of {sequence_length}.")
+                f"of {sequence_length}."
+            )
     data, _ = mesh_lib.mesh_shape(config.mesh, device_count)
     for key in ("batch_size",):
         if config[key] % data:
-            raise ValueError(f"config.{key}={config[key]} must be a multiple of the {data} "
-                             f"data-parallel replicas it is split over (config.mesh.data={data}"
-                             f", sequence={sequence}).")
+            raise ValueError(
+                f"config.{key}={config[key]} must be a multiple of the {data} "
+                f"data-parallel replicas it is split over (config.mesh.data={data}"
+                f", sequence={sequence})."
+            )
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
@@ -130,5 +170,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     check_keys(config, base.get_config(), "configs/base.py")
     check_values(config)
     if config.model_dim % 4:
-        raise ValueError(f"config.model_dim must be a multiple of 4 (half embedding, half "
-                         f"sine/cosine position encoding), got {config.model_dim}.")
+        raise ValueError(
+            f"config.model_dim must be a multiple of 4 (half embedding, half "
+            f"sine/cosine position encoding), got {config.model_dim}."
+        )

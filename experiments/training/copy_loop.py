@@ -66,17 +66,17 @@ def check_copy_config(config: ml_collections.ConfigDict) -> None:
     check_keys(config, copy_config.get_config(), "configs/copy.py")
     check_values(config)
     if config.model not in copy_task.CopyBatches.MODELS:
-        raise ValueError(f"config.model must be one of {copy_task.CopyBatches.MODELS}, got "
-                         f"{config.model!r}.")
+        raise ValueError(f"config.model must be one of {copy_task.CopyBatches.MODELS}, got {config.model!r}.")
     copy_task.length_range(config.max_length)
     if config.model_dim % 2:
-        raise ValueError(f"config.model_dim must be even (sine/cosine positions), got "
-                         f"{config.model_dim}.")
+        raise ValueError(f"config.model_dim must be even (sine/cosine positions), got {config.model_dim}.")
     if config.model == "decoder":
         for key in ("encoder_attention", "cross_attention"):
             if config[key]:
-                raise ValueError(f"config.{key}={config[key]!r} applies to model="
-                                 f"'encoder_decoder' only; this config has model='decoder'.")
+                raise ValueError(
+                    f"config.{key}={config[key]!r} applies to model="
+                    f"'encoder_decoder' only; this config has model='decoder'."
+                )
     elif config.encoder_attention:
         check_attention(config, "encoder_attention")
     check_mesh(config, kinds=attention_kinds(config))  # time is padded: no length condition
@@ -88,8 +88,9 @@ def attention_kinds(config) -> dict[str, str]:
     if config.model == "encoder_decoder":
         kinds["encoder_attention"] = config.encoder_attention or config.attention
         # "" = TransformerConfig's default for the decoder's kind.
-        kinds["cross_attention"] = config.cross_attention or TransformerConfig(
-            attention=config.attention).cross_kind
+        kinds["cross_attention"] = (
+            config.cross_attention or TransformerConfig(attention=config.attention).cross_kind
+        )
     return kinds
 
 
@@ -105,29 +106,39 @@ def _options(config, kind, options) -> dict:
     return options
 
 
-def build_model(config: ml_collections.ConfigDict, *,
-                sequence_axis: str | None = None) -> nnx.Module:
+def build_model(config: ml_collections.ConfigDict, *, sequence_axis: str | None = None) -> nnx.Module:
     """The decoder-only or encoder-decoder model of `config`, initialised from config.seed;
     `sequence_axis` (a mesh axis name) makes every attention layer sequence-parallel over it
     (the parameters do not depend on it)."""
     rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
     vocab = config.num_symbols + 1
     if config.model == "decoder":
-        return CausalLM(transformer_config(config, attention_options=_options(
-            config, config.attention, config.attention_options), sequence_axis=sequence_axis),
-            vocab, rngs=rngs)
+        return CausalLM(
+            transformer_config(
+                config,
+                attention_options=_options(config, config.attention, config.attention_options),
+                sequence_axis=sequence_axis,
+            ),
+            vocab,
+            rngs=rngs,
+        )
     enc_kind = config.encoder_attention or config.attention
-    enc_options = (config.encoder_attention_options if config.encoder_attention
-                   else config.attention_options)
+    enc_options = config.encoder_attention_options if config.encoder_attention else config.attention_options
     cross = {}
     if config.cross_attention:
-        cross = dict(cross_attention=config.cross_attention,
-                     cross_attention_options=_options(config, config.cross_attention, {}))
-    encoder = transformer_config(config, enc_kind, _options(config, enc_kind, enc_options),
-                                 sequence_axis=sequence_axis)
-    decoder = transformer_config(config, attention_options=_options(
-        config, config.attention, config.attention_options), sequence_axis=sequence_axis,
-        **cross)
+        cross = dict(
+            cross_attention=config.cross_attention,
+            cross_attention_options=_options(config, config.cross_attention, {}),
+        )
+    encoder = transformer_config(
+        config, enc_kind, _options(config, enc_kind, enc_options), sequence_axis=sequence_axis
+    )
+    decoder = transformer_config(
+        config,
+        attention_options=_options(config, config.attention, config.attention_options),
+        sequence_axis=sequence_axis,
+        **cross,
+    )
     return EncoderDecoder(encoder, decoder, vocab, rngs=rngs)
 
 
@@ -138,6 +149,7 @@ def pad_time(batch, multiple: int):
     weight 0, a causal decoder never looks ahead at it, and the encoder masks source keys past
     `source_lengths`. The per-example lengths are unchanged.
     """
+
     def pad(x):
         if x.ndim < 2 or x.shape[1] % multiple == 0:
             return x
@@ -159,8 +171,7 @@ def _forward(model, batch):
 def loss_and_counts(model, batch):
     """Masked mean cross-entropy, and sums for the accuracies."""
     logits_BTV, targets_BT, mask_BT = _forward(model, batch)
-    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32),
-                                                            targets_BT)
+    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
     loss = jnp.sum(ce_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
     return loss, accuracy_counts(jnp.argmax(logits_BTV, -1), targets_BT, mask_BT)
 
@@ -169,8 +180,12 @@ def accuracy_counts(predicted_BT, targets_BT, mask_BT) -> dict:
     """Sums over a batch: correct copied symbols, copied symbols, exact sequences, sequences."""
     correct_BT = (predicted_BT == targets_BT) & (mask_BT > 0)
     exact_B = jnp.all(correct_BT | (mask_BT == 0), axis=-1)
-    return {"correct": jnp.sum(correct_BT), "symbols": jnp.sum(mask_BT > 0),
-            "exact": jnp.sum(exact_B), "sequences": jnp.asarray(exact_B.shape[0])}
+    return {
+        "correct": jnp.sum(correct_BT),
+        "symbols": jnp.sum(mask_BT > 0),
+        "exact": jnp.sum(exact_B),
+        "sequences": jnp.asarray(exact_B.shape[0]),
+    }
 
 
 class _CopyTrainer:
@@ -197,8 +212,12 @@ class _CopyTrainer:
         self.tx = make_optimizer(config)
         self.schedule = make_schedule(config)
         # The step lives in the state, so a checkpoint's label and its contents always agree.
-        state = {"step": jnp.zeros((), jnp.int32), "params": params,
-                 "opt_state": self.tx.init(params), "rest": rest}
+        state = {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": self.tx.init(params),
+            "rest": rest,
+        }
         self.state = jax.device_put(state, mesh_lib.replicated(self.mesh))
         self.dropout_key = jax.random.key(config.seed + 2)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
@@ -236,15 +255,18 @@ class _CopyTrainer:
     def eval_model(self):
         """The current parameters in evaluation mode, without sequence parallelism (for
         greedy decoding with the recurrent form)."""
-        return nnx.merge(self.decode_graphdef, self.state["params"], self.rng_state,
-                         self.state["rest"])
+        return nnx.merge(self.decode_graphdef, self.state["params"], self.rng_state, self.state["rest"])
 
     def evaluate(self) -> dict:
         """Loss and accuracies over config.eval_batches held-out batches."""
         c = self.config
-        batches = copy_task.CopyBatches(batch_size=c.batch_size, max_length=c.max_length,
-                                        num_symbols=c.num_symbols, model=c.model,
-                                        seed=c.seed + EVAL_SEED_OFFSET)
+        batches = copy_task.CopyBatches(
+            batch_size=c.batch_size,
+            max_length=c.max_length,
+            num_symbols=c.num_symbols,
+            model=c.model,
+            seed=c.seed + EVAL_SEED_OFFSET,
+        )
         totals, greedy = {}, {}
         model = self.eval_model() if self.greedy else None
         data_only = mesh_lib.mesh_from_shape((self.mesh.size, 1), self.mesh.devices.flat)
@@ -261,16 +283,22 @@ class _CopyTrainer:
                 source = (batch.source_BW, batch.source_lengths_B)
                 if c.batch_size % self.mesh.size == 0:
                     source = mesh_lib.shard_batch(data_only, source)
-                predicted_BT = greedy_decode(model, source[0], batch.source_BW.shape[1],
-                                             start_token=copy_task.SEPARATOR,
-                                             source_lengths=source[1])
+                predicted_BT = greedy_decode(
+                    model,
+                    source[0],
+                    batch.source_BW.shape[1],
+                    start_token=copy_task.SEPARATOR,
+                    source_lengths=source[1],
+                )
                 targets_BT, mask_BT = batch.target_out_BW, batch.mask_BW
             if self.greedy:
                 for k, v in accuracy_counts(predicted_BT, targets_BT, mask_BT).items():
                     greedy[k] = greedy.get(k, 0.0) + float(v)
-        result = {"eval_loss": totals["loss_sum"] / totals["symbols"],
-                  "token_accuracy": totals["correct"] / totals["symbols"],
-                  "sequence_accuracy": totals["exact"] / totals["sequences"]}
+        result = {
+            "eval_loss": totals["loss_sum"] / totals["symbols"],
+            "token_accuracy": totals["correct"] / totals["symbols"],
+            "sequence_accuracy": totals["exact"] / totals["sequences"],
+        }
         if greedy:
             result["greedy_token_accuracy"] = greedy["correct"] / greedy["symbols"]
             result["greedy_sequence_accuracy"] = greedy["exact"] / greedy["sequences"]
@@ -284,12 +312,14 @@ def _greedy_by_recompute(model, batch):
         predicted_BT = greedy_recompute.decoder_only(model, batch.inputs_BT, batch.mask_BT > 0)
         return predicted_BT, batch.targets_BT, batch.mask_BT
     predicted_BT = greedy_recompute.encoder_decoder(
-        model, batch.source_BW, batch.source_lengths_B, batch.target_in_BW, batch.mask_BW > 0)
+        model, batch.source_BW, batch.source_lengths_B, batch.target_in_BW, batch.mask_BW > 0
+    )
     return predicted_BT, batch.target_out_BW, batch.mask_BW
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
-                       *, step_callback: Callable[[int, dict], None] | None = None) -> dict:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir, *, step_callback: Callable[[int, dict], None] | None = None
+) -> dict:
     """Train (resuming from the newest intact checkpoint in `workdir`) and evaluate; return
     the last metrics: step, loss, eval_loss, token/sequence accuracies (and greedy ones),
     wall_time. Locking, signals and interrupts as in `loop.train_and_evaluate`."""
@@ -298,16 +328,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
     with RunDirectory(workdir, config) as run:
         trainer = _CopyTrainer(config, mesh)
         trainer.state, step = run.resume(trainer.state)
-        wall_time = max([r["wall_time"] for r in read_metrics(run.path)
-                         if "wall_time" in r and r["step"] <= step], default=0.0)
+        wall_time = max(
+            [r["wall_time"] for r in read_metrics(run.path) if "wall_time" in r and r["step"] <= step],
+            default=0.0,
+        )
         run.write_config(config)
         return _train(config, run, trainer, step, wall_time, step_callback)
 
 
 def _train(config, run, trainer, step, wall_time, step_callback) -> dict:
-    batches = copy_task.CopyBatches(batch_size=config.batch_size, max_length=config.max_length,
-                                    num_symbols=config.num_symbols, model=config.model,
-                                    seed=config.seed)
+    batches = copy_task.CopyBatches(
+        batch_size=config.batch_size,
+        max_length=config.max_length,
+        num_symbols=config.num_symbols,
+        model=config.model,
+        seed=config.seed,
+    )
     writer = MetricsWriter(run.path)
     result = {"step": step}
     window, window_start = [], time.perf_counter()
@@ -320,7 +356,8 @@ def _train(config, run, trainer, step, wall_time, step_callback) -> dict:
                         f"non-finite loss or gradient at step {step} (loss="
                         f"{float(metrics['loss'])}); training stopped. The update was not "
                         f"applied; the latest checkpoint ({run.latest_step()}) in "
-                        f"{run.checkpointer.directory} is intact. Lower config.learning_rate.")
+                        f"{run.checkpointer.directory} is intact. Lower config.learning_rate."
+                    )
                 step += 1
                 window.append(metrics)
                 if step_callback is not None:
@@ -329,18 +366,24 @@ def _train(config, run, trainer, step, wall_time, step_callback) -> dict:
                     window = jax.device_get(window)
                     elapsed = time.perf_counter() - window_start
                     wall_time += elapsed
-                    scalars = {"loss": float(np.mean([m["loss"] for m in window])),
-                               "train_token_accuracy": sum(float(m["correct"]) for m in window) /
-                               sum(float(m["symbols"]) for m in window),
-                               "steps_per_sec": len(window) / elapsed, "wall_time": wall_time,
-                               "learning_rate": float(trainer.schedule(step - 1))}
+                    scalars = {
+                        "loss": float(np.mean([m["loss"] for m in window])),
+                        "train_token_accuracy": sum(float(m["correct"]) for m in window)
+                        / sum(float(m["symbols"]) for m in window),
+                        "steps_per_sec": len(window) / elapsed,
+                        "wall_time": wall_time,
+                        "learning_rate": float(trainer.schedule(step - 1)),
+                    }
                     writer.write(step, scalars)
                     result.update(step=step, loss=scalars["loss"], wall_time=wall_time)
                     if config.progress_bar:
-                        print(f"step {step}: loss {scalars['loss']:.4f} train token accuracy "
-                              f"{scalars['train_token_accuracy']:.3f} "
-                              f"({scalars['steps_per_sec']:.3g} steps/s, "
-                              f"{1 / scalars['steps_per_sec']:.3g} s/step)", flush=True)
+                        print(
+                            f"step {step}: loss {scalars['loss']:.4f} train token accuracy "
+                            f"{scalars['train_token_accuracy']:.3f} "
+                            f"({scalars['steps_per_sec']:.3g} steps/s, "
+                            f"{1 / scalars['steps_per_sec']:.3g} s/step)",
+                            flush=True,
+                        )
                     window = []
                 if due(step, config.checkpoint_every):
                     run.save(trainer.state)

@@ -27,8 +27,9 @@ def _greedy_scan(logits_at, tokens_BT, generated_BT):
     B, T = tokens_BT.shape
 
     def body(buffer_BT, t):
-        predicted_B = jnp.argmax(logits_at(buffer_BT, t, jnp.full((B,), t + 1, jnp.int32)),
-                                 axis=-1).astype(buffer_BT.dtype)
+        predicted_B = jnp.argmax(logits_at(buffer_BT, t, jnp.full((B,), t + 1, jnp.int32)), axis=-1).astype(
+            buffer_BT.dtype
+        )
         nxt = jnp.minimum(t + 1, T - 1)
         write_B = generated_BT[:, t] & (t + 1 < T)
         buffer_BT = buffer_BT.at[:, nxt].set(jnp.where(write_B, predicted_B, buffer_BT[:, nxt]))
@@ -62,8 +63,9 @@ def _encoder_decoder(graphdef, state, source_BS, source_lengths_B, target_in_BT,
     memory_BSE = model.encode(source_BS, source_lengths=source_lengths_B)
 
     def logits_at(buffer_BT, t, lengths_B):
-        logits_BTV = model.decode(buffer_BT, memory_BSE, source_lengths=source_lengths_B,
-                                  target_lengths=lengths_B)
+        logits_BTV = model.decode(
+            buffer_BT, memory_BSE, source_lengths=source_lengths_B, target_lengths=lengths_B
+        )
         return jax.lax.dynamic_index_in_dim(logits_BTV, t, 1, False)
 
     return _greedy_scan(logits_at, target_in_BT, generated_BT)
@@ -74,5 +76,11 @@ def encoder_decoder(model, source_BS, source_lengths_B, target_in_BT, generated_
     then the parallel decoder re-run on the target prefix at each position (target_in_BT gives
     the start token; generated_BT as in `decoder_only`)."""
     graphdef, state = nnx.split(model)
-    return _encoder_decoder(graphdef, state, jnp.asarray(source_BS), jnp.asarray(source_lengths_B),
-                            jnp.asarray(target_in_BT), jnp.asarray(generated_BT, bool))
+    return _encoder_decoder(
+        graphdef,
+        state,
+        jnp.asarray(source_BS),
+        jnp.asarray(source_lengths_B),
+        jnp.asarray(target_in_BT),
+        jnp.asarray(generated_BT, bool),
+    )

@@ -19,7 +19,7 @@ def image_grid(images_NHWC: np.ndarray, num_classes: int, *, pad: int = 1) -> np
     for i in range(n):
         r, q = divmod(i, cols)
         top, left = pad + r * (h + pad), pad + q * (w + pad)
-        grid[top:top + h, left:left + w] = pixels[i]
+        grid[top : top + h, left : left + w] = pixels[i]
     return grid
 
 

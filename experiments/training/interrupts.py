@@ -21,9 +21,11 @@ class Interrupted(KeyboardInterrupt):
 
     def __init__(self, signum: int, step: int, directory):
         self.signum, self.step, self.directory = signum, step, directory
-        super().__init__(f"{signal.Signals(signum).name} received: stopped after step {step} "
-                         f"with a checkpoint of it in {directory}; run the same command again "
-                         f"to resume.")
+        super().__init__(
+            f"{signal.Signals(signum).name} received: stopped after step {step} "
+            f"with a checkpoint of it in {directory}; run the same command again "
+            f"to resume."
+        )
 
 
 class SignalFlag:

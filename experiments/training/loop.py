@@ -44,9 +44,14 @@ class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN/Inf loss or gradient; the checkpoints on disk are all good."""
 
 
-def transformer_config(config: ml_collections.ConfigDict, attention: str | None = None,
-                       attention_options=None, *, sequence_axis: str | None = None,
-                       **extra) -> TransformerConfig:
+def transformer_config(
+    config: ml_collections.ConfigDict,
+    attention: str | None = None,
+    attention_options=None,
+    *,
+    sequence_axis: str | None = None,
+    **extra,
+) -> TransformerConfig:
     """The model part of a trainer config; `attention`/`attention_options` default to the
     config's, `sequence_axis` (a mesh axis name, e.g. mesh.SEQUENCE) splits time over that axis
     in every attention layer, `extra` sets further TransformerConfig fields (e.g.
@@ -54,23 +59,32 @@ def transformer_config(config: ml_collections.ConfigDict, attention: str | None 
     if sequence_axis is not None:
         extra["sequence_axis"] = sequence_axis
     return TransformerConfig(
-        num_layers=config.num_layers, num_heads=config.num_heads, model_dim=config.model_dim,
-        feed_forward_dim=config.feed_forward_dim, dropout=config.dropout,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        model_dim=config.model_dim,
+        feed_forward_dim=config.feed_forward_dim,
+        dropout=config.dropout,
         attention_dropout=config.attention_dropout,
-        softmax_temp=config.softmax_temp or None, attention=attention or config.attention,
+        softmax_temp=config.softmax_temp or None,
+        attention=attention or config.attention,
         dtype=config.dtype,
-        attention_options=dict(config.attention_options if attention_options is None
-                               else attention_options), **extra)
+        attention_options=dict(config.attention_options if attention_options is None else attention_options),
+        **extra,
+    )
 
 
-def build_model(config: ml_collections.ConfigDict, info, *,
-                sequence_axis: str | None = None) -> ImageGenerator:
+def build_model(
+    config: ml_collections.ConfigDict, info, *, sequence_axis: str | None = None
+) -> ImageGenerator:
     """The image generator for data set `info`, initialised from config.seed; `sequence_axis`
     as in `transformer_config` (the parameters do not depend on it)."""
     return ImageGenerator(
-        transformer_config(config, sequence_axis=sequence_axis), num_classes=info.num_classes,
-        num_mixtures=config.num_mixtures, max_length=math.prod(info.image_shape),
-        rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1))
+        transformer_config(config, sequence_axis=sequence_axis),
+        num_classes=info.num_classes,
+        num_mixtures=config.num_mixtures,
+        max_length=math.prod(info.image_shape),
+        rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
+    )
 
 
 _SPLIT_SPEC = re.compile(r"^(\w+)(?:\[(\d*):(\d*)\])?$")
@@ -81,21 +95,29 @@ def load_split(config, spec: str) -> np.ndarray:
     or "test[9000:]" (to train on part of a split when only that split is at hand)."""
     match = _SPLIT_SPEC.match(spec)
     if match is None or match.group(1) not in pipeline.SPLITS:
-        raise ValueError(f"split {spec!r} is not one of {pipeline.SPLITS}, optionally sliced as "
-                         f"'test[:9000]'.")
+        raise ValueError(
+            f"split {spec!r} is not one of {pipeline.SPLITS}, optionally sliced as 'test[:9000]'."
+        )
     name, start, stop = match.groups()
-    images = pipeline.load_images(config.dataset, name, data_dir=config.data_dir,
-                                  manual_dir=config.manual_dir or None, download=config.download)
-    x = pipeline.flatten_images(images)[int(start) if start else None:int(stop) if stop else None]
+    images = pipeline.load_images(
+        config.dataset,
+        name,
+        data_dir=config.data_dir,
+        manual_dir=config.manual_dir or None,
+        download=config.download,
+    )
+    x = pipeline.flatten_images(images)[int(start) if start else None : int(stop) if stop else None]
     if not len(x):
         raise ValueError(f"split {spec!r} of {config.dataset!r} is empty.")
     # Checked once here: inside the compiled steps a bad value would only show as a NaN loss.
     num_classes = pipeline.dataset_info(config.dataset).num_classes
     low, high = int(x.min()), int(x.max())
     if low < 0 or high >= num_classes:
-        raise ValueError(f"split {spec!r} of {config.dataset!r} has sub-pixel values in "
-                         f"[{low}, {high}]; the model takes [0, {num_classes}). Check the data "
-                         f"files in {config.manual_dir or config.data_dir}.")
+        raise ValueError(
+            f"split {spec!r} of {config.dataset!r} has sub-pixel values in "
+            f"[{low}, {high}]; the model takes [0, {num_classes}). Check the data "
+            f"files in {config.manual_dir or config.data_dir}."
+        )
     return x
 
 
@@ -103,12 +125,14 @@ def _load_data(config):
     train = load_split(config, config.train_split)
     test = load_split(config, config.eval_split)
     if config.max_train_examples:
-        train = train[:config.max_train_examples]
+        train = train[: config.max_train_examples]
     if config.max_eval_examples:
-        test = test[:config.max_eval_examples]
+        test = test[: config.max_eval_examples]
     if len(train) < config.batch_size:
-        raise ValueError(f"config.batch_size={config.batch_size} exceeds the {len(train)} "
-                         f"training images of {config.dataset!r} {config.train_split!r}.")
+        raise ValueError(
+            f"config.batch_size={config.batch_size} exceeds the {len(train)} "
+            f"training images of {config.dataset!r} {config.train_split!r}."
+        )
     return train, test
 
 
@@ -136,8 +160,12 @@ class _Trainer:
         self.tx = make_optimizer(config)
         self.schedule = make_schedule(config)
         # The step lives in the state, so a checkpoint's label and its contents always agree.
-        state = {"step": jnp.zeros((), jnp.int32), "params": params,
-                 "opt_state": self.tx.init(params), "rest": rest}
+        state = {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": self.tx.init(params),
+            "rest": rest,
+        }
         self.state = jax.device_put(state, self.replicated)
         self.dropout_key = jax.random.key(config.seed + 2)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
@@ -177,28 +205,27 @@ class _Trainer:
         bs += (-bs) % self.mesh.shape[mesh_lib.DATA]
         total = 0.0
         for start in range(0, len(test_BL), bs):
-            x = test_BL[start:start + bs]
+            x = test_BL[start : start + bs]
             weight = np.zeros(bs, np.float32)
-            weight[:len(x)] = 1.0
+            weight[: len(x)] = 1.0
             x = np.concatenate([x, np.zeros((bs - len(x), x.shape[1]), x.dtype)])
             with jax.set_mesh(self.mesh):
-                total += float(self.eval_step(self.state, self.shard_batch(x),
-                                              self.shard_batch(weight)))
+                total += float(self.eval_step(self.state, self.shard_batch(x), self.shard_batch(weight)))
         return float(mixture.bits_per_dim(total / (len(test_BL) * test_BL.shape[1])))
 
     def eval_model(self) -> ImageGenerator:
         """The current parameters in evaluation mode, without sequence parallelism (for
         sampling with the recurrent form, outside any mesh context)."""
-        return nnx.merge(self.sample_graphdef, self.state["params"], self.rng_state,
-                         self.state["rest"])
+        return nnx.merge(self.sample_graphdef, self.state["params"], self.rng_state, self.state["rest"])
 
     def write_samples(self, path, step: int) -> pathlib.Path:
         """Sample config.num_samples images with the recurrent form; write a PNG grid."""
         key = jax.random.fold_in(jax.random.key(self.config.seed + 3), step)
         x_NL = np.asarray(sample_images(self.eval_model(), key, self.config.num_samples))
         scale = max(1, 128 // self.info.image_shape[0])
-        return images.save_image_grid(path, x_NL.reshape(-1, *self.info.image_shape),
-                                      self.info.num_classes, scale=scale)
+        return images.save_image_grid(
+            path, x_NL.reshape(-1, *self.info.image_shape), self.info.num_classes, scale=scale
+        )
 
 
 def data_mesh(devices=None) -> jax.sharding.Mesh:
@@ -214,8 +241,9 @@ def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
-                       *, step_callback: Callable[[int, dict], None] | None = None) -> dict:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir, *, step_callback: Callable[[int, dict], None] | None = None
+) -> dict:
     """Train (resuming from the newest intact checkpoint in `workdir`), evaluate, sample;
     return the final metrics {"step", "train_bits_per_dim", "test_bits_per_dim",
     "steps_per_sec"}.
@@ -230,8 +258,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir,
     if config.distributed:
         jax.distributed.initialize()
     info = pipeline.dataset_info(config.dataset)
-    check_mesh(config, kinds={"attention": config.attention},
-               sequence_length=math.prod(info.image_shape))
+    check_mesh(config, kinds={"attention": config.attention}, sequence_length=math.prod(info.image_shape))
     with RunDirectory(workdir, config) as run:
         train_BL, test_BL = _load_data(config)
         trainer = _Trainer(config, info, mesh_lib.make_mesh(config))
@@ -246,8 +273,13 @@ def _train(config, run, trainer, train_BL, test_BL, step, step_callback) -> dict
     progress = None
     if config.progress_bar and jax.process_index() == 0:
         from tqdm import tqdm
-        progress = tqdm(total=config.num_steps, initial=step, desc=f"{config.dataset} "
-                        f"{config.attention}", dynamic_ncols=True)
+
+        progress = tqdm(
+            total=config.num_steps,
+            initial=step,
+            desc=f"{config.dataset} {config.attention}",
+            dynamic_ncols=True,
+        )
     result = {"step": step}
     window_start, window_steps, window_loss = time.perf_counter(), 0, []
     with run.stopping_at_step_boundaries(lambda: trainer.state) as signals:
@@ -260,7 +292,8 @@ def _train(config, run, trainer, train_BL, test_BL, step, step_callback) -> dict
                         f"{float(metrics['loss'])}); training stopped. The update was not "
                         f"applied and no checkpoint was written after it: the latest checkpoint "
                         f"({run.latest_step()}) in {run.checkpointer.directory} is intact. "
-                        f"Lower config.learning_rate or raise config.warmup_steps.")
+                        f"Lower config.learning_rate or raise config.warmup_steps."
+                    )
                 step += 1
                 window_steps += 1
                 window_loss.append(metrics["loss"])
@@ -269,16 +302,21 @@ def _train(config, run, trainer, train_BL, test_BL, step, step_callback) -> dict
                 if due(step, config.log_every) or step == config.num_steps:
                     loss = float(np.mean(jax.device_get(window_loss)))
                     rate = window_steps / (time.perf_counter() - window_start)
-                    scalars = {"loss": loss, "train_bits_per_dim": loss / math.log(2),
-                               "grad_norm": float(metrics["grad_norm"]), "steps_per_sec": rate,
-                               "learning_rate": float(trainer.schedule(step - 1))}
+                    scalars = {
+                        "loss": loss,
+                        "train_bits_per_dim": loss / math.log(2),
+                        "grad_norm": float(metrics["grad_norm"]),
+                        "steps_per_sec": rate,
+                        "learning_rate": float(trainer.schedule(step - 1)),
+                    }
                     writer.write(step, scalars)
-                    result.update(step=step, train_bits_per_dim=scalars["train_bits_per_dim"],
-                                  steps_per_sec=rate)
+                    result.update(
+                        step=step, train_bits_per_dim=scalars["train_bits_per_dim"], steps_per_sec=rate
+                    )
                     if progress is not None:
-                        progress.set_postfix(loss=f"{loss:.4f}",
-                                             bpd=f"{loss / math.log(2):.4f}",
-                                             steps_s=f"{rate:.1f}")
+                        progress.set_postfix(
+                            loss=f"{loss:.4f}", bpd=f"{loss / math.log(2):.4f}", steps_s=f"{rate:.1f}"
+                        )
                     window_start, window_steps, window_loss = time.perf_counter(), 0, []
                 if progress is not None:
                     progress.update(1)
@@ -288,8 +326,7 @@ def _train(config, run, trainer, train_BL, test_BL, step, step_callback) -> dict
                     test_bpd = trainer.evaluate(test_BL)
                     writer.write(step, {"test_bits_per_dim": test_bpd})
                     result["test_bits_per_dim"] = test_bpd
-                if (due(step, config.sample_every) or step == config.num_steps) and \
-                        jax.process_index() == 0:
+                if (due(step, config.sample_every) or step == config.num_steps) and jax.process_index() == 0:
                     trainer.write_samples(run.path / "samples" / f"step_{step:07d}.png", step)
                 if step < config.num_steps:
                     run.stop_if_signalled(signals, trainer.state)

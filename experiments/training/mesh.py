@@ -35,20 +35,27 @@ def _is_int(value) -> bool:
 def check_mesh_values(mesh_config) -> None:
     """`data` a positive int or -1, `sequence` a positive int, and no other key; else ValueError."""
     if not isinstance(mesh_config, (ml_collections.ConfigDict, dict)):
-        raise ValueError(f"config.mesh must be a ConfigDict with keys {list(AXES)} (e.g. "
-                         f"data=-1, sequence=1), got {mesh_config!r}.")
+        raise ValueError(
+            f"config.mesh must be a ConfigDict with keys {list(AXES)} (e.g. "
+            f"data=-1, sequence=1), got {mesh_config!r}."
+        )
     unknown = sorted(set(mesh_config) - set(AXES))
     missing = sorted(set(AXES) - set(mesh_config))
     if unknown or missing:
-        raise ValueError(f"config.mesh keys not understood: {unknown}; missing: {missing}. "
-                         f"config.mesh has keys {list(AXES)}.")
+        raise ValueError(
+            f"config.mesh keys not understood: {unknown}; missing: {missing}. "
+            f"config.mesh has keys {list(AXES)}."
+        )
     data, sequence = mesh_config["data"], mesh_config["sequence"]
     if not (_is_int(data) and (data >= 1 or data == -1)):
-        raise ValueError(f"config.mesh.data must be a positive int, or -1 for the devices left "
-                         f"over after mesh.sequence, got {data!r}.")
+        raise ValueError(
+            f"config.mesh.data must be a positive int, or -1 for the devices left "
+            f"over after mesh.sequence, got {data!r}."
+        )
     if not (_is_int(sequence) and sequence >= 1):
-        raise ValueError(f"config.mesh.sequence must be a positive int (1 = no sequence "
-                         f"parallelism), got {sequence!r}.")
+        raise ValueError(
+            f"config.mesh.sequence must be a positive int (1 = no sequence parallelism), got {sequence!r}."
+        )
 
 
 def mesh_shape(mesh_config, device_count: int | None = None) -> tuple[int, int]:
@@ -59,14 +66,18 @@ def mesh_shape(mesh_config, device_count: int | None = None) -> tuple[int, int]:
     data, sequence = int(mesh_config["data"]), int(mesh_config["sequence"])
     if data == -1:
         if device_count % sequence:
-            raise ValueError(f"config.mesh.sequence={sequence} does not divide the "
-                             f"{device_count} devices (config.mesh.data=-1 takes the rest); "
-                             f"choose a divisor of {device_count}.")
+            raise ValueError(
+                f"config.mesh.sequence={sequence} does not divide the "
+                f"{device_count} devices (config.mesh.data=-1 takes the rest); "
+                f"choose a divisor of {device_count}."
+            )
         data = device_count // sequence
     if data * sequence != device_count:
-        raise ValueError(f"config.mesh data={data} x sequence={sequence} = {data * sequence} "
-                         f"devices, but there are {device_count}; the product must equal the "
-                         f"device count (set config.mesh.data=-1 to use the rest).")
+        raise ValueError(
+            f"config.mesh data={data} x sequence={sequence} = {data * sequence} "
+            f"devices, but there are {device_count}; the product must equal the "
+            f"device count (set config.mesh.data=-1 to use the rest)."
+        )
     return data, sequence
 
 
@@ -88,14 +99,12 @@ def mesh_from_shape(shape: tuple[int, int], devices=None) -> jax.sharding.Mesh:
     """A ("data", "sequence") mesh of `shape` over `devices` (default: all)."""
     devices = jax.devices() if devices is None else list(devices)
     if math.prod(shape) != len(devices):
-        raise ValueError(f"mesh shape {shape} needs {math.prod(shape)} devices, got "
-                         f"{len(devices)}.")
-    return jax.make_mesh(tuple(shape), AXES, devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        raise ValueError(f"mesh shape {shape} needs {math.prod(shape)} devices, got {len(devices)}.")
+    return jax.make_mesh(tuple(shape), AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 def sequence_axis(mesh: jax.sharding.Mesh) -> str | None:
-    """"sequence" when `mesh` splits time over more than one device, else None: what the
+    """ "sequence" when `mesh` splits time over more than one device, else None: what the
     model's `TransformerConfig.sequence_axis` must be on this mesh."""
     return SEQUENCE if mesh.shape[SEQUENCE] > 1 else None
 
@@ -121,6 +130,7 @@ def shard_batch(mesh: jax.sharding.Mesh, batch):
     Each process supplies its own rows (every column of them): with several hosts, the time
     axis must be split over devices of one host (mesh.sequence <= local devices).
     """
+
     def put(x):
         x = np.asarray(x)
         sharding = batch_sharding(mesh, x.ndim)

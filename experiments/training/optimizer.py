@@ -22,10 +22,11 @@ def make_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
         return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(config.num_steps, warmup + 1))
     if config.schedule == "step":
         if not config.decay_steps > warmup:
-            raise ValueError(f"config.schedule='step' needs config.decay_steps > warmup_steps "
-                             f"({warmup}), got {config.decay_steps}.")
-        after = optax.piecewise_constant_schedule(lr, {config.decay_steps - warmup:
-                                                       config.decay_factor})
+            raise ValueError(
+                f"config.schedule='step' needs config.decay_steps > warmup_steps "
+                f"({warmup}), got {config.decay_steps}."
+            )
+        after = optax.piecewise_constant_schedule(lr, {config.decay_steps - warmup: config.decay_factor})
     else:
         after = optax.constant_schedule(lr)
     if warmup == 0:
@@ -37,7 +38,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     """Global-norm clipping, then RAdam (the paper's) or Adam, decoupled weight decay, schedule."""
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"config.optimizer must be one of {OPTIMIZERS}, got {config.optimizer!r}.")
-    scale = (optax.scale_by_radam() if config.optimizer == "radam" else optax.scale_by_adam())
+    scale = optax.scale_by_radam() if config.optimizer == "radam" else optax.scale_by_adam()
     parts = []
     if config.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(config.grad_clip))
@@ -56,7 +57,7 @@ def apply_if_finite(tx: optax.GradientTransformation, state: dict, loss, grads):
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     finite = jnp.isfinite(loss) & jnp.all(
-        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state,
-                 "rest": state["rest"]}
+        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+    )
+    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rest": state["rest"]}
     return jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state), finite

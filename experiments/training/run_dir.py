@@ -29,17 +29,22 @@ from experiments.training.workdir_lock import WorkdirLock
 def _check_directory(path: pathlib.Path, what: str) -> None:
     """Create `path` if needed and prove it is a writable directory, else one clear error."""
     if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"{what} {path} is a file, not a directory; pass a directory "
-                                 f"(it is created if missing).")
-    for action, attempt in (("created", lambda: path.mkdir(parents=True, exist_ok=True)),
-                            ("read", lambda: os.listdir(path)),
-                            ("written", lambda: tempfile.TemporaryFile(dir=path).close())):
+        raise NotADirectoryError(
+            f"{what} {path} is a file, not a directory; pass a directory (it is created if missing)."
+        )
+    for action, attempt in (
+        ("created", lambda: path.mkdir(parents=True, exist_ok=True)),
+        ("read", lambda: os.listdir(path)),
+        ("written", lambda: tempfile.TemporaryFile(dir=path).close()),
+    ):
         try:
             attempt()
         except OSError as e:
-            raise PermissionError(f"{what} {path} cannot be {action} ({e.strerror or e}); "
-                                  f"training reads and writes it: fix its permissions or "
-                                  f"choose another.") from None
+            raise PermissionError(
+                f"{what} {path} cannot be {action} ({e.strerror or e}); "
+                f"training reads and writes it: fix its permissions or "
+                f"choose another."
+            ) from None
 
 
 class RunDirectory:
@@ -57,8 +62,9 @@ class RunDirectory:
         if jax.process_index() == 0:
             self._lock.acquire()
         try:
-            self.checkpointer = Checkpointer(self.path / "checkpoints",
-                                             max_to_keep=self.config.keep_checkpoints)
+            self.checkpointer = Checkpointer(
+                self.path / "checkpoints", max_to_keep=self.config.keep_checkpoints
+            )
         except BaseException:
             self._lock.release()
             raise
@@ -112,8 +118,7 @@ class RunDirectory:
     def stop_if_signalled(self, signals, state) -> None:
         """After a step: if SIGINT/SIGTERM arrived, checkpoint `state` and raise Interrupted."""
         if signals.received:
-            raise interrupts.Interrupted(signals.signum, self.save(state),
-                                         self.checkpointer.directory)
+            raise interrupts.Interrupted(signals.signum, self.save(state), self.checkpointer.directory)
 
 
 def _drop_metrics_after(path: pathlib.Path, step: int) -> None:
@@ -142,9 +147,11 @@ def save_state_in_hand(run: RunDirectory, state) -> None:
     try:
         step = run.save(state)
     except Exception as e:  # deleted (donated) buffers: jax raises RuntimeError, or others
-        logging.warning("stopped without a new checkpoint (%s); the latest is step %s in %s.",
-                        str(e).splitlines()[0] if str(e) else type(e).__name__,
-                        run.latest_step(), run.checkpointer.directory)
+        logging.warning(
+            "stopped without a new checkpoint (%s); the latest is step %s in %s.",
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+            run.latest_step(),
+            run.checkpointer.directory,
+        )
     else:
-        logging.warning("stopped: checkpoint step %d saved in %s.", step,
-                        run.checkpointer.directory)
+        logging.warning("stopped: checkpoint step %d saved in %s.", step, run.checkpointer.directory)

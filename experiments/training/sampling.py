@@ -26,23 +26,35 @@ def load_config(workdir) -> ml_collections.ConfigDict:
     """The config a workdir was trained with (its config.json)."""
     workdir = pathlib.Path(workdir).expanduser()
     if not workdir.is_dir():
-        raise FileNotFoundError(f"workdir {workdir} is not a directory: --workdir must be a "
-                                f"directory written by python -m experiments.train.")
+        raise FileNotFoundError(
+            f"workdir {workdir} is not a directory: --workdir must be a "
+            f"directory written by python -m experiments.train."
+        )
     path = workdir / "config.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: --workdir must be a directory written by "
-                                f"python -m experiments.train.")
+        raise FileNotFoundError(
+            f"{path} not found: --workdir must be a directory written by python -m experiments.train."
+        )
     try:
         return ml_collections.ConfigDict(json.loads(path.read_text()))
     except ValueError as e:
-        raise ValueError(f"{path} is not a valid config ({e}); it is written by "
-                         f"python -m experiments.train when training starts: restore it, or "
-                         f"re-run training with the run's config to rewrite it.") from None
+        raise ValueError(
+            f"{path} is not a valid config ({e}); it is written by "
+            f"python -m experiments.train when training starts: restore it, or "
+            f"re-run training with the run's config to rewrite it."
+        ) from None
 
 
-def sample_from_workdir(workdir, *, num_images: int = 16, prefix_pixels: int = 0,
-                        method: str = "recurrent", seed: int = 0, step: int | None = None,
-                        out=None) -> dict:
+def sample_from_workdir(
+    workdir,
+    *,
+    num_images: int = 16,
+    prefix_pixels: int = 0,
+    method: str = "recurrent",
+    seed: int = 0,
+    step: int | None = None,
+    out=None,
+) -> dict:
     """Generate `num_images` images (completing the first `prefix_pixels` sub-pixels of test
     images when > 0) and write a PNG grid; return path, timing and the images."""
     if method not in METHODS:
@@ -62,16 +74,28 @@ def sample_from_workdir(workdir, *, num_images: int = 16, prefix_pixels: int = 0
         trainer.state = checkpointer.restore(trainer.state, step)
     except DamagedCheckpointError as e:
         others = [s for s in checkpointer.all_steps() if s != step]
-        raise DamagedCheckpointError(f"{e} Sample another checkpoint with --step (steps: "
-                                     f"{others}), or resume training to replace it.") from None
+        raise DamagedCheckpointError(
+            f"{e} Sample another checkpoint with --step (steps: {others}), or resume training to replace it."
+        ) from None
     finally:
         checkpointer.close()
-    prefix = _test_prefix(config.dataset, num_images, prefix_pixels, data_dir=config.data_dir,
-                          manual_dir=config.manual_dir or None)
-    path = pathlib.Path(out) if out else (pathlib.Path(workdir).expanduser() / "samples" /
-                                          f"sample_{method}_step{step}_k{prefix_pixels}.png")
-    result = _timed_sample(trainer.eval_model(), jax.random.key(seed), num_images, prefix,
-                           method, path, info)
+    prefix = _test_prefix(
+        config.dataset,
+        num_images,
+        prefix_pixels,
+        data_dir=config.data_dir,
+        manual_dir=config.manual_dir or None,
+    )
+    path = (
+        pathlib.Path(out)
+        if out
+        else (
+            pathlib.Path(workdir).expanduser()
+            / "samples"
+            / f"sample_{method}_step{step}_k{prefix_pixels}.png"
+        )
+    )
+    result = _timed_sample(trainer.eval_model(), jax.random.key(seed), num_images, prefix, method, path, info)
     return {**result, "step": step}
 
 
@@ -79,13 +103,13 @@ def _test_prefix(dataset: str, num_images: int, prefix_pixels: int, *, data_dir,
     """The first `prefix_pixels` sub-pixels of the first test images, [N, k] int32, or None."""
     if not prefix_pixels:
         return None
-    test = pipeline.flatten_images(pipeline.load_images(
-        dataset, "test", data_dir=data_dir, manual_dir=manual_dir, download=False))
+    test = pipeline.flatten_images(
+        pipeline.load_images(dataset, "test", data_dir=data_dir, manual_dir=manual_dir, download=False)
+    )
     return test[:num_images, :prefix_pixels].astype(np.int32)
 
 
-def _timed_sample(model, key, num_images: int, prefix, method: str, path: pathlib.Path,
-                  info) -> dict:
+def _timed_sample(model, key, num_images: int, prefix, method: str, path: pathlib.Path, info) -> dict:
     """Sample (compiled first, then timed), write a PNG grid at `path`."""
     if prefix is not None:
         num_images = len(prefix)
@@ -94,17 +118,33 @@ def _timed_sample(model, key, num_images: int, prefix, method: str, path: pathli
     start = time.perf_counter()
     x_NL = np.asarray(jax.block_until_ready(sample(model, key, num_images, prefix=prefix)))
     seconds = time.perf_counter() - start
-    images.save_image_grid(path, x_NL.reshape(-1, *info.image_shape), info.num_classes,
-                           scale=max(1, 128 // info.image_shape[0]))
-    return {"path": str(path), "num_images": num_images, "seconds": seconds,
-            "images_per_sec": num_images / seconds, "method": method, "images": x_NL}
+    images.save_image_grid(
+        path, x_NL.reshape(-1, *info.image_shape), info.num_classes, scale=max(1, 128 // info.image_shape[0])
+    )
+    return {
+        "path": str(path),
+        "num_images": num_images,
+        "seconds": seconds,
+        "images_per_sec": num_images / seconds,
+        "method": method,
+        "images": x_NL,
+    }
 
 
-def sample_from_fast_transformers(checkpoint, *, attention_type: str = "linear",
-                                  n_heads: int = 8, num_images: int = 16,
-                                  prefix_pixels: int = 1, method: str = "recurrent",
-                                  seed: int = 0, out=None, dataset: str = "mnist",
-                                  data_dir="~/tensorflow_datasets", manual_dir=None) -> dict:
+def sample_from_fast_transformers(
+    checkpoint,
+    *,
+    attention_type: str = "linear",
+    n_heads: int = 8,
+    num_images: int = 16,
+    prefix_pixels: int = 1,
+    method: str = "recurrent",
+    seed: int = 0,
+    out=None,
+    dataset: str = "mnist",
+    data_dir="~/tensorflow_datasets",
+    manual_dir=None,
+) -> dict:
     """Complete test images with a model trained by the authors' library: their demo's
     `Generator` / `RecurrentGenerator` state dict (.pth, or .npz of the same arrays), converted
     by `interop.image_generator_from_fast_transformers`.
@@ -117,23 +157,30 @@ def sample_from_fast_transformers(checkpoint, *, attention_type: str = "linear",
     if method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}.")
     if attention_type not in ("linear", "causal-linear", "full"):
-        raise ValueError(f"attention_type must be 'linear', 'causal-linear' or 'full' (the "
-                         f"demo's models), got {attention_type!r}.")
+        raise ValueError(
+            f"attention_type must be 'linear', 'causal-linear' or 'full' (the "
+            f"demo's models), got {attention_type!r}."
+        )
     info = pipeline.dataset_info(dataset)
     length = math.prod(info.image_shape)
     if not 1 <= prefix_pixels < length:
-        raise ValueError(f"prefix_pixels must be in [1, {length}) for a fast-transformers model "
-                         f"(it has no distribution for the first sub-pixel), got {prefix_pixels}.")
+        raise ValueError(
+            f"prefix_pixels must be in [1, {length}) for a fast-transformers model "
+            f"(it has no distribution for the first sub-pixel), got {prefix_pixels}."
+        )
     state_dict = interop.load_state_dict(pathlib.Path(checkpoint).expanduser())
-    config = interop.generator_config(state_dict, attention_type=attention_type,
-                                      n_heads=n_heads)
+    config = interop.generator_config(state_dict, attention_type=attention_type, n_heads=n_heads)
     model = interop.image_generator_from_fast_transformers(state_dict, config)
     if model.max_length != length or model.num_classes != info.num_classes:
-        raise ValueError(f"{checkpoint}: the model generates {model.max_length} sub-pixels of "
-                         f"{model.num_classes} values; {dataset} images have {length} of "
-                         f"{info.num_classes}.")
-    prefix = _test_prefix(dataset, num_images, prefix_pixels, data_dir=data_dir,
-                          manual_dir=manual_dir)
-    path = pathlib.Path(out) if out else pathlib.Path(
-        f"{pathlib.Path(checkpoint).stem}_{method}_k{prefix_pixels}.png")
+        raise ValueError(
+            f"{checkpoint}: the model generates {model.max_length} sub-pixels of "
+            f"{model.num_classes} values; {dataset} images have {length} of "
+            f"{info.num_classes}."
+        )
+    prefix = _test_prefix(dataset, num_images, prefix_pixels, data_dir=data_dir, manual_dir=manual_dir)
+    path = (
+        pathlib.Path(out)
+        if out
+        else pathlib.Path(f"{pathlib.Path(checkpoint).stem}_{method}_k{prefix_pixels}.png")
+    )
     return _timed_sample(model, jax.random.key(seed), num_images, prefix, method, path, info)

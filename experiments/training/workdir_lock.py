@@ -39,9 +39,13 @@ class WorkdirLock:
             raise WorkdirInUseError(
                 f"workdir {self.path.parent} is in use by another training run "
                 f"({self._holder()}); wait for it to finish or stop it, or use another "
-                f"workdir.") from None
-        holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": datetime.datetime.now().isoformat(timespec="seconds")}
+                f"workdir."
+            ) from None
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self._fd = fd

@@ -9,16 +9,22 @@ arguments; `encoder_from_fast_transformers`, `decoder_from_fast_transformers` an
 
 from linear_transformers.interop.builder_kwargs import config_from_builder_kwargs
 from linear_transformers.interop.convert import (
-                                                 as_numpy_state_dict,
-                                                 decoder_from_fast_transformers,
-                                                 encoder_from_fast_transformers,
-                                                 generator_config,
-                                                 image_generator_from_fast_transformers,
-                                                 load_state_dict,
-                                                 load_torch_checkpoint,
+    as_numpy_state_dict,
+    decoder_from_fast_transformers,
+    encoder_from_fast_transformers,
+    generator_config,
+    image_generator_from_fast_transformers,
+    load_state_dict,
+    load_torch_checkpoint,
 )
 
-__all__ = ["config_from_builder_kwargs", "as_numpy_state_dict", "decoder_from_fast_transformers",
-           "encoder_from_fast_transformers", "generator_config",
-           "image_generator_from_fast_transformers", "load_state_dict",
-           "load_torch_checkpoint"]
+__all__ = [
+    "config_from_builder_kwargs",
+    "as_numpy_state_dict",
+    "decoder_from_fast_transformers",
+    "encoder_from_fast_transformers",
+    "generator_config",
+    "image_generator_from_fast_transformers",
+    "load_state_dict",
+    "load_torch_checkpoint",
+]

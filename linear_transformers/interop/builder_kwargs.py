@@ -29,9 +29,15 @@ import warnings
 
 # The builders' own parameters and defaults (BaseTransformerBuilder).
 _BUILDER_DEFAULTS = {
-    "n_layers": 4, "n_heads": 4, "query_dimensions": 64, "value_dimensions": 64,
-    "feed_forward_dimensions": 1024, "dropout": 0.1, "activation": "relu",
-    "final_normalization": True, "event_dispatcher": "",
+    "n_layers": 4,
+    "n_heads": 4,
+    "query_dimensions": 64,
+    "value_dimensions": 64,
+    "feed_forward_dimensions": 1024,
+    "dropout": 0.1,
+    "activation": "relu",
+    "final_normalization": True,
+    "event_dispatcher": "",
 }
 _ENCODER_KIND_ARGS = ("attention_type",)
 _DECODER_KIND_ARGS = ("self_attention_type", "cross_attention_type")
@@ -43,24 +49,43 @@ _KIND_PARAMS = {
     "linear": ("feature_map",),
     "causal-linear": ("feature_map",),
     "reformer": ("chunk_size", "bits", "rounds", "masked", "softmax_temp", "attention_dropout"),
-    "clustered": ("clusters", "iterations", "bits", "hash_bias", "softmax_temp",
-                  "attention_dropout"),
-    "improved-clustered": ("clusters", "iterations", "bits", "hash_bias", "topk",
-                           "softmax_temp", "attention_dropout"),
-    "improved-causal": ("clusters", "iterations", "bits", "hash_bias", "topk", "softmax_temp",
-                        "attention_dropout"),
+    "clustered": ("clusters", "iterations", "bits", "hash_bias", "softmax_temp", "attention_dropout"),
+    "improved-clustered": (
+        "clusters",
+        "iterations",
+        "bits",
+        "hash_bias",
+        "topk",
+        "softmax_temp",
+        "attention_dropout",
+    ),
+    "improved-causal": (
+        "clusters",
+        "iterations",
+        "bits",
+        "hash_bias",
+        "topk",
+        "softmax_temp",
+        "attention_dropout",
+    ),
     "conditional-full": ("length_limit", "softmax_temp", "attention_dropout"),
     "exact-topk": ("topk", "softmax_temp", "attention_dropout"),
     "local": ("local_context", "softmax_temp", "attention_dropout"),
 }
 _ATTENTION_PARAMS = sorted({p for params in _KIND_PARAMS.values() for p in params})
-_OUR_KIND = {"full": "softmax", "linear": "linear", "causal-linear": "causal-linear",
-             "reformer": "reformer"}
+_OUR_KIND = {"full": "softmax", "linear": "linear", "causal-linear": "causal-linear", "reformer": "reformer"}
 _FEATURE_MAPS = (None, "elu", "relu", "favor")
 _ATTENTION_DROPOUT_DEFAULT = 0.1
 
-KNOWN_ARGUMENTS = tuple(sorted(set(_BUILDER_DEFAULTS) | set(_ENCODER_KIND_ARGS)
-                               | set(_DECODER_KIND_ARGS) | set(_ATTENTION_PARAMS) | {"strict"}))
+KNOWN_ARGUMENTS = tuple(
+    sorted(
+        set(_BUILDER_DEFAULTS)
+        | set(_ENCODER_KIND_ARGS)
+        | set(_DECODER_KIND_ARGS)
+        | set(_ATTENTION_PARAMS)
+        | {"strict"}
+    )
+)
 
 
 def _warn(message: str):
@@ -71,21 +96,25 @@ def _check_kind(name: str, kind) -> str:
     if kind in _OUR_KIND:
         return kind
     if isinstance(kind, str) and (":" in kind or "," in kind):
-        raise ValueError(f"from_kwargs: {name}={kind!r}: composed attention types (the authors' "
-                         f"'outer:inner' decorations) are not implemented here; available: "
-                         f"{sorted(_OUR_KIND)}.")
+        raise ValueError(
+            f"from_kwargs: {name}={kind!r}: composed attention types (the authors' "
+            f"'outer:inner' decorations) are not implemented here; available: "
+            f"{sorted(_OUR_KIND)}."
+        )
     if kind in _KIND_PARAMS:
-        raise ValueError(f"from_kwargs: {name}={kind!r} (the authors' {kind} attention) is not "
-                         f"implemented here; available: {sorted(_OUR_KIND)}.")
-    raise ValueError(f"from_kwargs: {name}={kind!r} is not one of the authors' attention types "
-                     f"{sorted(_KIND_PARAMS)}.")
+        raise ValueError(
+            f"from_kwargs: {name}={kind!r} (the authors' {kind} attention) is not "
+            f"implemented here; available: {sorted(_OUR_KIND)}."
+        )
+    raise ValueError(
+        f"from_kwargs: {name}={kind!r} is not one of the authors' attention types {sorted(_KIND_PARAMS)}."
+    )
 
 
 def _options(kind: str, given: dict, where: str) -> dict:
     """Our attention options for their `kind` from the attention arguments `given`."""
     if kind == "full":
-        options = {"attention_dropout": given.get("attention_dropout",
-                                                  _ATTENTION_DROPOUT_DEFAULT)}
+        options = {"attention_dropout": given.get("attention_dropout", _ATTENTION_DROPOUT_DEFAULT)}
         if given.get("softmax_temp") is not None:
             options["softmax_temp"] = given["softmax_temp"]
         return options
@@ -94,26 +123,35 @@ def _options(kind: str, given: dict, where: str) -> dict:
         if feature_map not in _FEATURE_MAPS:
             raise ValueError(
                 f"from_kwargs: feature_map={feature_map!r}: give the feature map by name, one of "
-                f"{list(_FEATURE_MAPS)} (None is the authors' default, elu(x) + 1).")
+                f"{list(_FEATURE_MAPS)} (None is the authors' default, elu(x) + 1)."
+            )
         return {} if feature_map is None else {"feature_map": feature_map}
     # reformer
     if "bits" in given:
-        raise ValueError(f"from_kwargs: bits={given['bits']!r} ({where} reformer): this LSH "
-                         "attention hashes into num_buckets buckets rather than sorting by a "
-                         "bits-wide hash; set TransformerConfig(attention_options="
-                         "{'num_buckets': ...}) instead.")
+        raise ValueError(
+            f"from_kwargs: bits={given['bits']!r} ({where} reformer): this LSH "
+            "attention hashes into num_buckets buckets rather than sorting by a "
+            "bits-wide hash; set TransformerConfig(attention_options="
+            "{'num_buckets': ...}) instead."
+        )
     if given.get("masked", True) is not True:
-        raise ValueError(f"from_kwargs: masked={given['masked']!r} ({where} reformer): this LSH "
-                         "attention always masks a query from its own key while other keys are "
-                         "in reach (masked=True); it has no unmasked form.")
+        raise ValueError(
+            f"from_kwargs: masked={given['masked']!r} ({where} reformer): this LSH "
+            "attention always masks a query from its own key while other keys are "
+            "in reach (masked=True); it has no unmasked form."
+        )
     if given.get("attention_dropout", 0.0):
-        raise ValueError(f"from_kwargs: attention_dropout={given['attention_dropout']!r} "
-                         f"({where} reformer): this LSH attention has no attention dropout; "
-                         "pass attention_dropout=0.")
+        raise ValueError(
+            f"from_kwargs: attention_dropout={given['attention_dropout']!r} "
+            f"({where} reformer): this LSH attention has no attention dropout; "
+            "pass attention_dropout=0."
+        )
     if "masked" not in given or "attention_dropout" not in given:
-        _warn(f"{where} reformer differs from the authors' defaults: it masks a query from its "
-              "own key (their masked=False), hashes into num_buckets=8 buckets (their bits) and "
-              "has no attention dropout (their 0.1).")
+        _warn(
+            f"{where} reformer differs from the authors' defaults: it masks a query from its "
+            "own key (their masked=False), hashes into num_buckets=8 buckets (their bits) and "
+            "has no attention dropout (their 0.1)."
+        )
     options = {}
     if "rounds" in given:
         options["num_rounds"] = given["rounds"]
@@ -131,46 +169,62 @@ def config_from_builder_kwargs(**kwargs):
     strict = kwargs.pop("strict", True)
     unknown = sorted(set(kwargs) - set(KNOWN_ARGUMENTS))
     if unknown and strict:
-        raise ValueError(f"from_kwargs: unknown arguments {unknown} (the authors' builders have "
-                         f"no such parameter); known: {list(KNOWN_ARGUMENTS)}.")
+        raise ValueError(
+            f"from_kwargs: unknown arguments {unknown} (the authors' builders have "
+            f"no such parameter); known: {list(KNOWN_ARGUMENTS)}."
+        )
     if unknown:
         _warn(f"ignoring {unknown}: not parameters of the authors' builders (strict=False).")
         kwargs = {k: v for k, v in kwargs.items() if k not in unknown}
     if set(kwargs) & set(_ENCODER_KIND_ARGS) and set(kwargs) & set(_DECODER_KIND_ARGS):
-        raise ValueError("from_kwargs: attention_type is an encoder builder's argument and "
-                         "self_attention_type / cross_attention_type a decoder builder's; give "
-                         "one builder's.")
+        raise ValueError(
+            "from_kwargs: attention_type is an encoder builder's argument and "
+            "self_attention_type / cross_attention_type a decoder builder's; give "
+            "one builder's."
+        )
     if kwargs.get("event_dispatcher", ""):
-        _warn(f"ignoring event_dispatcher={kwargs['event_dispatcher']!r}: no attention events "
-              "are dispatched here.")
+        _warn(
+            f"ignoring event_dispatcher={kwargs['event_dispatcher']!r}: no attention events "
+            "are dispatched here."
+        )
     builder = {k: kwargs.get(k, v) for k, v in _BUILDER_DEFAULTS.items()}
     attention_args = {k: kwargs[k] for k in _ATTENTION_PARAMS if k in kwargs}
 
     decoder = bool(set(kwargs) & set(_DECODER_KIND_ARGS))
     if decoder:
-        kinds = {"self": _check_kind("self_attention_type",
-                                     kwargs.get("self_attention_type", "full")),
-                 "cross": _check_kind("cross_attention_type",
-                                      kwargs.get("cross_attention_type", "full"))}
+        kinds = {
+            "self": _check_kind("self_attention_type", kwargs.get("self_attention_type", "full")),
+            "cross": _check_kind("cross_attention_type", kwargs.get("cross_attention_type", "full")),
+        }
     else:
         kinds = {"self": _check_kind("attention_type", kwargs.get("attention_type", "full"))}
     taken = {p for kind in kinds.values() for p in _KIND_PARAMS[kind]}
     ignored = sorted(set(attention_args) - taken)
     if ignored:
-        _warn(f"ignoring {ignored}: the authors' builder ignores them for "
-              f"{' and '.join(sorted(set(kinds.values())))} attention too.")
-    options = {role: _options(kind, {k: v for k, v in attention_args.items()
-                                     if k in _KIND_PARAMS[kind]}, role + "-attention")
-               for role, kind in kinds.items()}
+        _warn(
+            f"ignoring {ignored}: the authors' builder ignores them for "
+            f"{' and '.join(sorted(set(kinds.values())))} attention too."
+        )
+    options = {
+        role: _options(
+            kind, {k: v for k, v in attention_args.items() if k in _KIND_PARAMS[kind]}, role + "-attention"
+        )
+        for role, kind in kinds.items()
+    }
     fields = dict(
-        num_layers=builder["n_layers"], num_heads=builder["n_heads"],
+        num_layers=builder["n_layers"],
+        num_heads=builder["n_heads"],
         model_dim=builder["n_heads"] * builder["value_dimensions"],
-        query_dim=builder["query_dimensions"], value_dim=builder["value_dimensions"],
-        feed_forward_dim=builder["feed_forward_dimensions"], activation=builder["activation"],
-        dropout=builder["dropout"], final_normalization=bool(builder["final_normalization"]),
-        layer_norm_epsilon=1e-5, attention=_OUR_KIND[kinds["self"]],
-        attention_options=options["self"])
+        query_dim=builder["query_dimensions"],
+        value_dim=builder["value_dimensions"],
+        feed_forward_dim=builder["feed_forward_dimensions"],
+        activation=builder["activation"],
+        dropout=builder["dropout"],
+        final_normalization=bool(builder["final_normalization"]),
+        layer_norm_epsilon=1e-5,
+        attention=_OUR_KIND[kinds["self"]],
+        attention_options=options["self"],
+    )
     if decoder:
-        fields.update(cross_attention=_OUR_KIND[kinds["cross"]],
-                      cross_attention_options=options["cross"])
+        fields.update(cross_attention=_OUR_KIND[kinds["cross"]], cross_attention_options=options["cross"])
     return TransformerConfig(**fields)

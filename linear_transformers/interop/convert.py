@@ -47,8 +47,9 @@ def load_torch_checkpoint(path: str | os.PathLike) -> dict[str, np.ndarray]:
     except ImportError:
         raise ImportError(
             "load_torch_checkpoint reads .pth files with PyTorch, which is not installed; "
-            "install it with `pip install \"linear-transformers[torch]\"` (or `pip install "
-            "torch`), or pass the state dict as a mapping of names to numpy arrays.") from None
+            'install it with `pip install "linear-transformers[torch]"` (or `pip install '
+            "torch`), or pass the state dict as a mapping of names to numpy arrays."
+        ) from None
     loaded = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
     if isinstance(loaded, Mapping) and not _is_state_dict(loaded):
         for key in ("state_dict", "model"):
@@ -56,10 +57,12 @@ def load_torch_checkpoint(path: str | os.PathLike) -> dict[str, np.ndarray]:
                 loaded = loaded[key]
                 break
     if not _is_state_dict(loaded):
-        raise ValueError(f"load_torch_checkpoint: {os.fspath(path)!r} holds no state dict (a "
-                         f"mapping of names to tensors); found {type(loaded).__name__}"
-                         + (f" with keys {sorted(loaded)[:8]}" if isinstance(loaded, Mapping)
-                            else "") + ".")
+        raise ValueError(
+            f"load_torch_checkpoint: {os.fspath(path)!r} holds no state dict (a "
+            f"mapping of names to tensors); found {type(loaded).__name__}"
+            + (f" with keys {sorted(loaded)[:8]}" if isinstance(loaded, Mapping) else "")
+            + "."
+        )
     return as_numpy_state_dict(loaded)
 
 
@@ -77,12 +80,12 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _is_state_dict(value) -> bool:
-    return (isinstance(value, Mapping) and bool(value)
-            and all(hasattr(v, "shape") for v in value.values()))
+    return isinstance(value, Mapping) and bool(value) and all(hasattr(v, "shape") for v in value.values())
 
 
 def as_numpy_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """{name: numpy array} from numpy arrays or torch tensors (read on the CPU)."""
+
     def to_numpy(value):
         if hasattr(value, "detach"):  # a torch tensor
             value = value.detach().cpu()
@@ -90,6 +93,7 @@ def as_numpy_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
                 value = value.float()
             value = value.numpy()
         return np.asarray(value)
+
     return {str(k): to_numpy(v) for k, v in state_dict.items()}
 
 
@@ -103,13 +107,16 @@ class _Loader:
 
     def take(self, key: str, param: nnx.Param, *, transpose: bool = False):
         if key not in self.arrays:
-            raise ValueError(f"{self.what}: the state dict has no {key!r} (expected shape "
-                             f"{_torch_shape(param, transpose)}).")
+            raise ValueError(
+                f"{self.what}: the state dict has no {key!r} (expected shape "
+                f"{_torch_shape(param, transpose)})."
+            )
         array = self.arrays[key]
         expected = _torch_shape(param, transpose)
         if tuple(array.shape) != expected:
-            raise ValueError(f"{self.what}: {key!r} has shape {tuple(array.shape)}; this config "
-                             f"expects {expected}.")
+            raise ValueError(
+                f"{self.what}: {key!r} has shape {tuple(array.shape)}; this config expects {expected}."
+            )
         self.unused.discard(key)
         array = array.T if transpose else array
         param.set_value(jnp.asarray(array, param.get_value().dtype))
@@ -123,16 +130,17 @@ class _Loader:
         self.take(f"{key}.bias", norm.bias)
 
     def attention(self, key: str, attention):
-        for ours, theirs in (("query", "query"), ("key", "key"), ("value", "value"),
-                             ("out", "out")):
+        for ours, theirs in (("query", "query"), ("key", "key"), ("value", "value"), ("out", "out")):
             self.linear(f"{key}.{theirs}_projection", getattr(attention, ours))
 
     def finish(self, ignore: tuple[str, ...] = ()):
         unused = sorted(k for k in self.unused if k not in ignore)
         if unused:
-            raise ValueError(f"{self.what}: unexpected keys in the state dict: {unused[:10]}"
-                             + (f" and {len(unused) - 10} more" if len(unused) > 10 else "")
-                             + "; is the config the one the model was built with?")
+            raise ValueError(
+                f"{self.what}: unexpected keys in the state dict: {unused[:10]}"
+                + (f" and {len(unused) - 10} more" if len(unused) > 10 else "")
+                + "; is the config the one the model was built with?"
+            )
 
 
 def _torch_shape(param: nnx.Param, transpose: bool) -> tuple[int, ...]:
@@ -142,30 +150,41 @@ def _torch_shape(param: nnx.Param, transpose: bool) -> tuple[int, ...]:
 
 def _check_config(config: TransformerConfig, where: str):
     if not isinstance(config, TransformerConfig):
-        raise ValueError(f"{where}: config must be a TransformerConfig (e.g. "
-                         f"TransformerConfig.from_kwargs(**builder_kwargs)), got "
-                         f"{type(config).__name__}.")
+        raise ValueError(
+            f"{where}: config must be a TransformerConfig (e.g. "
+            f"TransformerConfig.from_kwargs(**builder_kwargs)), got "
+            f"{type(config).__name__}."
+        )
     for kind in dict.fromkeys((config.attention, config.cross_kind)):
         if kind not in _CONVERTIBLE_KINDS:
-            raise ValueError(f"{where}: attention kind {kind!r} cannot be converted; "
-                             f"convertible: {list(_CONVERTIBLE_KINDS)}.")
+            raise ValueError(
+                f"{where}: attention kind {kind!r} cannot be converted; "
+                f"convertible: {list(_CONVERTIBLE_KINDS)}."
+            )
     for options in (config.attention_options, config.cross_options):
         if options.get("feature_map", "elu") != "elu":
-            raise ValueError(f"{where}: only the authors' default feature map (elu(x) + 1) "
-                             f"converts; got feature_map={options['feature_map']!r}.")
+            raise ValueError(
+                f"{where}: only the authors' default feature map (elu(x) + 1) "
+                f"converts; got feature_map={options['feature_map']!r}."
+            )
 
 
 def _layer_count(arrays: Mapping[str, Any], prefix: str) -> int:
-    indices = {int(k[len(prefix):].split(".")[0]) for k in arrays
-               if k.startswith(prefix) and k[len(prefix):].split(".")[0].isdigit()}
+    indices = {
+        int(k[len(prefix) :].split(".")[0])
+        for k in arrays
+        if k.startswith(prefix) and k[len(prefix) :].split(".")[0].isdigit()
+    }
     return max(indices) + 1 if indices else 0
 
 
 def _check_layer_count(loader: _Loader, prefix: str, config: TransformerConfig):
     found = _layer_count(loader.arrays, f"{prefix}layers.")
     if found != config.num_layers:
-        raise ValueError(f"{loader.what}: the state dict has {found} layers under "
-                         f"{prefix + 'layers.'!r}; the config has num_layers={config.num_layers}.")
+        raise ValueError(
+            f"{loader.what}: the state dict has {found} layers under "
+            f"{prefix + 'layers.'!r}; the config has num_layers={config.num_layers}."
+        )
 
 
 def _load_encoder(loader: _Loader, encoder: Encoder, prefix: str, config: TransformerConfig):
@@ -181,8 +200,9 @@ def _load_encoder(loader: _Loader, encoder: Encoder, prefix: str, config: Transf
         loader.norm(f"{prefix}norm", encoder.final_norm)
 
 
-def encoder_from_fast_transformers(state_dict: Mapping[str, Any], config: TransformerConfig, *,
-                                   causal: bool = False, prefix: str = "") -> Encoder:
+def encoder_from_fast_transformers(
+    state_dict: Mapping[str, Any], config: TransformerConfig, *, causal: bool = False, prefix: str = ""
+) -> Encoder:
     """Our `Encoder` with the weights of their `TransformerEncoder` or `RecurrentEncoder`.
 
     causal=True for a model used with a `TriangularCausalMask` or built by
@@ -198,8 +218,9 @@ def encoder_from_fast_transformers(state_dict: Mapping[str, Any], config: Transf
     return encoder
 
 
-def decoder_from_fast_transformers(state_dict: Mapping[str, Any], config: TransformerConfig, *,
-                                   prefix: str = "") -> Decoder:
+def decoder_from_fast_transformers(
+    state_dict: Mapping[str, Any], config: TransformerConfig, *, prefix: str = ""
+) -> Decoder:
     """Our `Decoder` with the weights of their `TransformerDecoder` or `RecurrentDecoder`
     (causal self-attention, cross-attention to a memory). `prefix` as in
     `encoder_from_fast_transformers`."""
@@ -223,8 +244,9 @@ def decoder_from_fast_transformers(state_dict: Mapping[str, Any], config: Transf
     return decoder
 
 
-def generator_config(state_dict: Mapping[str, Any], *, attention_type: str, n_heads: int,
-                     **builder_kwargs) -> TransformerConfig:
+def generator_config(
+    state_dict: Mapping[str, Any], *, attention_type: str, n_heads: int, **builder_kwargs
+) -> TransformerConfig:
     """The config of the colab's `Generator` / `RecurrentGenerator` whose weights these are.
 
     Depth, width, query and feed-forward dimensions are read from the shapes; the attention
@@ -235,27 +257,38 @@ def generator_config(state_dict: Mapping[str, Any], *, attention_type: str, n_he
     arrays = as_numpy_state_dict(state_dict)
     key = "transformer.layers.0.attention.query_projection.weight"
     if key not in arrays:
-        raise ValueError(f"generator_config: the state dict has no {key!r}; expected the colab's "
-                         "Generator / RecurrentGenerator (transformer.layers.*, value_embedding, "
-                         "pos_embedding, predictor).")
+        raise ValueError(
+            f"generator_config: the state dict has no {key!r}; expected the colab's "
+            "Generator / RecurrentGenerator (transformer.layers.*, value_embedding, "
+            "pos_embedding, predictor)."
+        )
     query_width, model_dim = arrays[key].shape
     if query_width % n_heads or model_dim % n_heads:
-        raise ValueError(f"generator_config: n_heads={n_heads} does not divide the query width "
-                         f"{query_width} and model width {model_dim} of these weights.")
+        raise ValueError(
+            f"generator_config: n_heads={n_heads} does not divide the query width "
+            f"{query_width} and model width {model_dim} of these weights."
+        )
     kwargs = dict(
-        n_layers=_layer_count(arrays, "transformer.layers."), n_heads=n_heads,
-        query_dimensions=query_width // n_heads, value_dimensions=model_dim // n_heads,
+        n_layers=_layer_count(arrays, "transformer.layers."),
+        n_heads=n_heads,
+        query_dimensions=query_width // n_heads,
+        value_dimensions=model_dim // n_heads,
         feed_forward_dimensions=arrays["transformer.layers.0.linear1.weight"].shape[0]
-        if "transformer.layers.0.linear1.weight" in arrays else 4 * model_dim,
-        attention_type=attention_type, dropout=0.1, attention_dropout=0.1)
+        if "transformer.layers.0.linear1.weight" in arrays
+        else 4 * model_dim,
+        attention_type=attention_type,
+        dropout=0.1,
+        attention_dropout=0.1,
+    )
     kwargs.update(builder_kwargs)
     if kwargs["attention_type"] in ("linear", "causal-linear"):
         kwargs.pop("attention_dropout")  # linear attention takes none: no warning for defaults
     return TransformerConfig.from_kwargs(**kwargs)
 
 
-def image_generator_from_fast_transformers(state_dict: Mapping[str, Any],
-                                           config: TransformerConfig) -> ImageGenerator:
+def image_generator_from_fast_transformers(
+    state_dict: Mapping[str, Any], config: TransformerConfig
+) -> ImageGenerator:
     """Our `ImageGenerator` with the weights of the authors' demo `Generator` /
     `RecurrentGenerator` (value embedding ++ interleaved sine/cosine positions, their encoder,
     a mixture-of-logistics predictor).
@@ -275,21 +308,33 @@ def image_generator_from_fast_transformers(state_dict: Mapping[str, Any],
     loader = _Loader(state_dict, "image_generator_from_fast_transformers")
     for key in ("value_embedding.weight", "predictor.weight", "pos_embedding.pe"):
         if key not in loader.arrays:
-            raise ValueError(f"image_generator_from_fast_transformers: the state dict has no "
-                             f"{key!r}; expected the colab's Generator / RecurrentGenerator.")
+            raise ValueError(
+                f"image_generator_from_fast_transformers: the state dict has no "
+                f"{key!r}; expected the colab's Generator / RecurrentGenerator."
+            )
     num_classes = loader.arrays["value_embedding.weight"].shape[0]
     num_outputs = loader.arrays["predictor.weight"].shape[0]
     if num_outputs % 3:
-        raise ValueError(f"image_generator_from_fast_transformers: 'predictor.weight' has "
-                         f"{num_outputs} outputs; a mixture of logistics has 3 per component.")
+        raise ValueError(
+            f"image_generator_from_fast_transformers: 'predictor.weight' has "
+            f"{num_outputs} outputs; a mixture of logistics has 3 per component."
+        )
     table = loader.arrays["pos_embedding.pe"]
     if table.ndim != 3 or table.shape[0] != 1 or table.shape[2] != config.model_dim - config.model_dim // 2:
-        raise ValueError(f"image_generator_from_fast_transformers: 'pos_embedding.pe' has shape "
-                         f"{tuple(table.shape)}; expected (1, positions, "
-                         f"{config.model_dim - config.model_dim // 2}).")
-    model = ImageGenerator(config, num_classes=num_classes, num_mixtures=num_outputs // 3,
-                           max_length=table.shape[1] + 1, start_token=False,
-                           position_layout="interleaved", rngs=nnx.Rngs(0))
+        raise ValueError(
+            f"image_generator_from_fast_transformers: 'pos_embedding.pe' has shape "
+            f"{tuple(table.shape)}; expected (1, positions, "
+            f"{config.model_dim - config.model_dim // 2})."
+        )
+    model = ImageGenerator(
+        config,
+        num_classes=num_classes,
+        num_mixtures=num_outputs // 3,
+        max_length=table.shape[1] + 1,
+        start_token=False,
+        position_layout="interleaved",
+        rngs=nnx.Rngs(0),
+    )
     _check_position_table(table[0])
     loader.unused.discard("pos_embedding.pe")
     loader.take("value_embedding.weight", model.embed.embedding)
@@ -309,6 +354,8 @@ def _check_position_table(table_TE: np.ndarray):
     # Their float32 table rounds angles up to ~T: an ulp of 783 is 6e-5.
     error = float(np.max(np.abs(table_TE - expected)))
     if not error < 1e-3:
-        raise ValueError(f"image_generator_from_fast_transformers: 'pos_embedding.pe' is not the "
-                         f"interleaved sine/cosine table (max difference {error:.3g}); this "
-                         "converter reads the colab's PositionalEncoding only.")
+        raise ValueError(
+            f"image_generator_from_fast_transformers: 'pos_embedding.pe' is not the "
+            f"interleaved sine/cosine table (max difference {error:.3g}); this "
+            "converter reads the colab's PositionalEncoding only."
+        )

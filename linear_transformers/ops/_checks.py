@@ -18,9 +18,11 @@ def check_floating(named_arrays, *, name: str) -> None:
     for arr_name, arr in named_arrays:
         dtype = jnp.result_type(arr)
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"{name}: {arr_name} must be a floating-point array (float32, "
-                             f"bfloat16, float16, float64), got {dtype}; convert it with "
-                             f"`.astype(jnp.float32)`.")
+            raise ValueError(
+                f"{name}: {arr_name} must be a floating-point array (float32, "
+                f"bfloat16, float16, float64), got {dtype}; convert it with "
+                f"`.astype(jnp.float32)`."
+            )
 
 
 def check_qkv(q_BTHD, k_BSHD, v_BSHM, *, name: str) -> None:
@@ -29,18 +31,21 @@ def check_qkv(q_BTHD, k_BSHD, v_BSHM, *, name: str) -> None:
     for arr_name, arr in (("q", q_BTHD), ("k", k_BSHD), ("v", v_BSHM)):
         if arr.ndim != 4:
             raise ValueError(
-                    f"{name}: {arr_name} must have 4 dimensions [batch, time, heads, features], "
-                    f"got shape {tuple(arr.shape)}.")
+                f"{name}: {arr_name} must have 4 dimensions [batch, time, heads, features], "
+                f"got shape {tuple(arr.shape)}."
+            )
     check_floating((("q", q_BTHD), ("k", k_BSHD), ("v", v_BSHM)), name=name)
     B, _, H, D = q_BTHD.shape
     if k_BSHD.shape[0] != B or k_BSHD.shape[2] != H or k_BSHD.shape[3] != D:
         raise ValueError(
-                f"{name}: k shape {tuple(k_BSHD.shape)} does not match q shape {tuple(q_BTHD.shape)}; "
-                "k must be [B, S, H, D] with the batch, heads and features of q.")
+            f"{name}: k shape {tuple(k_BSHD.shape)} does not match q shape {tuple(q_BTHD.shape)}; "
+            "k must be [B, S, H, D] with the batch, heads and features of q."
+        )
     if v_BSHM.shape[:3] != k_BSHD.shape[:3]:
         raise ValueError(
-                f"{name}: v shape {tuple(v_BSHM.shape)} does not match k shape {tuple(k_BSHD.shape)}; "
-                "v must be [B, S, H, M] with the batch, length and heads of k.")
+            f"{name}: v shape {tuple(v_BSHM.shape)} does not match k shape {tuple(k_BSHD.shape)}; "
+            "v must be [B, S, H, M] with the batch, length and heads of k."
+        )
 
 
 def check_step_qkv(q_BHD, k_BHD, v_BHM, *, name: str) -> None:
@@ -48,15 +53,19 @@ def check_step_qkv(q_BHD, k_BHD, v_BHM, *, name: str) -> None:
     for arr_name, arr in (("q_t", q_BHD), ("k_t", k_BHD), ("v_t", v_BHM)):
         if arr.ndim != 3:
             raise ValueError(
-                    f"{name}: {arr_name} must have 3 dimensions [batch, heads, features], "
-                    f"got shape {tuple(arr.shape)}.")
+                f"{name}: {arr_name} must have 3 dimensions [batch, heads, features], "
+                f"got shape {tuple(arr.shape)}."
+            )
     check_floating((("q_t", q_BHD), ("k_t", k_BHD), ("v_t", v_BHM)), name=name)
     if q_BHD.shape != k_BHD.shape:
-        raise ValueError(f"{name}: q_t shape {tuple(q_BHD.shape)} and k_t shape "
-                                          f"{tuple(k_BHD.shape)} must be equal.")
+        raise ValueError(
+            f"{name}: q_t shape {tuple(q_BHD.shape)} and k_t shape {tuple(k_BHD.shape)} must be equal."
+        )
     if v_BHM.shape[:2] != q_BHD.shape[:2]:
-        raise ValueError(f"{name}: v_t shape {tuple(v_BHM.shape)} must share batch and heads "
-                                          f"with q_t shape {tuple(q_BHD.shape)}.")
+        raise ValueError(
+            f"{name}: v_t shape {tuple(v_BHM.shape)} must share batch and heads "
+            f"with q_t shape {tuple(q_BHD.shape)}."
+        )
 
 
 def check_key_lengths(key_lengths, batch: int, *, name: str, length: int | None = None):
@@ -71,15 +80,18 @@ def check_key_lengths(key_lengths, batch: int, *, name: str, length: int | None 
     key_lengths = jnp.asarray(key_lengths)
     if key_lengths.shape != (batch,) or not jnp.issubdtype(key_lengths.dtype, jnp.integer):
         raise ValueError(
-                f"{name}: key_lengths must be an integer array of shape ({batch},) giving the number of "
-                f"valid keys per batch element, got {key_lengths.dtype} array of shape "
-                f"{tuple(key_lengths.shape)}.")
+            f"{name}: key_lengths must be an integer array of shape ({batch},) giving the number of "
+            f"valid keys per batch element, got {key_lengths.dtype} array of shape "
+            f"{tuple(key_lengths.shape)}."
+        )
     if length is not None and is_concrete(key_lengths) and batch:
         values = np.asarray(key_lengths)
         bad = values[(values < 0) | (values > length)]
         if bad.size:
-            raise ValueError(f"{name}: key_lengths must be in [0, {length}] (the key length), "
-                             f"got {bad.tolist()} in {values.tolist()}.")
+            raise ValueError(
+                f"{name}: key_lengths must be in [0, {length}] (the key length), "
+                f"got {bad.tolist()} in {values.tolist()}."
+            )
     return key_lengths.astype(jnp.int32)
 
 
@@ -95,22 +107,27 @@ def check_mask(mask, shape_BHTS, *, name: str):
         return None
     dtype = jnp.result_type(mask)
     if dtype != jnp.bool_:
-        raise ValueError(f"{name}: mask must be boolean (True = attend), got {dtype}; for an "
-                         f"additive mask (0 = attend, a large negative number = blocked) pass "
-                         f"`mask == 0`.")
+        raise ValueError(
+            f"{name}: mask must be boolean (True = attend), got {dtype}; for an "
+            f"additive mask (0 = attend, a large negative number = blocked) pass "
+            f"`mask == 0`."
+        )
     mask = jnp.asarray(mask)
     given = tuple(mask.shape)
     if mask.ndim == 2:
         mask = mask[None, None]
     elif mask.ndim != 4:
-        raise ValueError(f"{name}: mask must be [T, S] or [B, H, T, S] (dimensions of size 1 "
-                         f"broadcast), got shape {tuple(mask.shape)}; for a per-example "
-                         f"[B, T, S] mask pass mask[:, None].")
+        raise ValueError(
+            f"{name}: mask must be [T, S] or [B, H, T, S] (dimensions of size 1 "
+            f"broadcast), got shape {tuple(mask.shape)}; for a per-example "
+            f"[B, T, S] mask pass mask[:, None]."
+        )
     try:
         jnp.broadcast_shapes(mask.shape, tuple(shape_BHTS))
     except ValueError as e:
-        raise ValueError(f"{name}: mask of shape {given} does not broadcast to "
-                         f"[B, H, T, S] = {tuple(shape_BHTS)}.") from e
+        raise ValueError(
+            f"{name}: mask of shape {given} does not broadcast to [B, H, T, S] = {tuple(shape_BHTS)}."
+        ) from e
     return mask
 
 

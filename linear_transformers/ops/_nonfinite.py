@@ -32,8 +32,7 @@ def finite_part(v):
     return jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))
 
 
-def seen_nonfinite_BTHM(v_BSHM, *, num_queries: int, causal: bool, key_lengths=None,
-                        mask_BHTS=None):
+def seen_nonfinite_BTHM(v_BSHM, *, num_queries: int, causal: bool, key_lengths=None, mask_BHTS=None):
     """bool [B, T, H, M]: query t sees a non-finite v[s, m] through the masks.
 
     key_lengths: int [B], keys s >= key_lengths[b] are unseen; mask_BHTS: boolean, broadcastable
@@ -47,8 +46,7 @@ def seen_nonfinite_BTHM(v_BSHM, *, num_queries: int, causal: bool, key_lengths=N
         seen_BHTS = jnp.broadcast_to(mask_BHTS, (B, H, num_queries, S))
         if causal:
             seen_BHTS &= jnp.tril(jnp.ones((num_queries, S), bool))
-        return jnp.einsum("bhts,bshm->bthm", seen_BHTS.astype(jnp.float32),
-                          bad_BSHM.astype(jnp.float32)) > 0
+        return jnp.einsum("bhts,bshm->bthm", seen_BHTS.astype(jnp.float32), bad_BSHM.astype(jnp.float32)) > 0
     if causal:
         return from_first(bad_BSHM, axis=1)
     return jnp.broadcast_to(jnp.any(bad_BSHM, axis=1, keepdims=True), (B, num_queries, H, M))
@@ -60,8 +58,7 @@ def from_first(bad, axis: int):
     n = bad.shape[axis]
     if n == 0:
         return bad
-    first = jnp.where(jnp.any(bad, axis=axis, keepdims=True),
-                      jnp.argmax(bad, axis=axis, keepdims=True), n)
+    first = jnp.where(jnp.any(bad, axis=axis, keepdims=True), jnp.argmax(bad, axis=axis, keepdims=True), n)
     shape = [1] * bad.ndim
     shape[axis] = n
     return jnp.arange(n).reshape(shape) >= first

@@ -59,8 +59,10 @@ def _normalise(num_xM, den_x, eps, dtype):
 
 def _block_totals(phi_k_BTHF, v_BTHM, acc):
     """(sum_t phi(k_t) v_t^T, sum_t phi(k_t)) of a block: what it adds to the state."""
-    return (_precision.einsum_in(acc, "bthf,bthm->bhfm", phi_k_BTHF, v_BTHM),
-            jnp.sum(phi_k_BTHF.astype(acc), axis=1))
+    return (
+        _precision.einsum_in(acc, "bthf,bthm->bhfm", phi_k_BTHF, v_BTHM),
+        jnp.sum(phi_k_BTHF.astype(acc), axis=1),
+    )
 
 
 def _quadratic(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chunk_size):
@@ -69,8 +71,9 @@ def _quadratic(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chu
     phi_q = phi_q_BTHF.astype(acc)
     sim_BHTS = jnp.einsum("bthf,bshf->bhts", phi_q, phi_k_BTHF.astype(acc))
     sim_BHTS = jnp.where(jnp.tril(jnp.ones((T, T), bool)), sim_BHTS, 0)
-    num_BTHM = (jnp.einsum("bhts,bshm->bthm", sim_BHTS, v_BTHM.astype(acc)) +
-                jnp.einsum("bthf,bhfm->bthm", phi_q, s0_BHFM))
+    num_BTHM = jnp.einsum("bhts,bshm->bthm", sim_BHTS, v_BTHM.astype(acc)) + jnp.einsum(
+        "bthf,bhfm->bthm", phi_q, s0_BHFM
+    )
     den_BTH = jnp.einsum("bhts->bth", sim_BHTS) + jnp.einsum("bthf,bhf->bth", phi_q, z0_BHF)
     ds_BHFM, dz_BHF = _block_totals(phi_k_BTHF, v_BTHM, acc)
     return _normalise(num_BTHM, den_BTH, eps, v_BTHM.dtype), (s0_BHFM + ds_BHFM, z0_BHF + dz_BHF)
@@ -80,7 +83,8 @@ def _associative_scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, a
     del chunk_size
     kv_BTHFM = _precision.einsum_in(acc, "bthf,bthm->bthfm", phi_k_BTHF, v_BTHM)
     s_BTHFM, z_BTHF = jax.lax.associative_scan(
-        lambda a, b: jax.tree.map(jnp.add, a, b), (kv_BTHFM, phi_k_BTHF.astype(acc)), axis=1)
+        lambda a, b: jax.tree.map(jnp.add, a, b), (kv_BTHFM, phi_k_BTHF.astype(acc)), axis=1
+    )
     s_BTHFM = s_BTHFM + s0_BHFM[:, None]
     z_BTHF = z_BTHF + z0_BHF[:, None]
     phi_q = phi_q_BTHF.astype(acc)
@@ -125,8 +129,9 @@ def _chunked_segment(carry, xs, eps, acc):
     sim_BHNCC = jnp.where(jnp.tril(jnp.ones((C, C), bool)), sim_BHNCC, 0)
 
     q_acc = q_BHNCF.astype(acc)
-    num_BHNCM = (jnp.einsum("bhncd,bhndm->bhncm", sim_BHNCC, v_BHNCM.astype(acc)) +
-                 jnp.einsum("bhncf,bhnfm->bhncm", q_acc, s_BHNFM))
+    num_BHNCM = jnp.einsum("bhncd,bhndm->bhncm", sim_BHNCC, v_BHNCM.astype(acc)) + jnp.einsum(
+        "bhncf,bhnfm->bhncm", q_acc, s_BHNFM
+    )
     den_BHNC = jnp.sum(sim_BHNCC, axis=-1) + jnp.einsum("bhncf,bhnf->bhnc", q_acc, z_BHNF)
     out_BHNCM = _normalise(num_BHNCM, den_BHNC, eps, v_BHNCM.dtype)
     carry = (s0_BHFM + jnp.sum(kv_BHNFM, axis=2), z0_BHF + jnp.sum(ksum_BHNF, axis=2))
@@ -147,12 +152,13 @@ def _chunked(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chunk
         # Padding goes after every real step, and its phi(k) is 0, so it reaches neither a real
         # output nor the final state.
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        phi_q_BTHF, phi_k_BTHF, v_BTHM = (jnp.pad(x, widths)
-                                          for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM))
+        phi_q_BTHF, phi_k_BTHF, v_BTHM = (jnp.pad(x, widths) for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM))
     # Heads next to batch once, so every einsum is a batched matmul over (b, h, n) without a
     # transpose of its own; segments lead for the scan.
-    xs = tuple(jnp.moveaxis(jnp.swapaxes(x, 1, 2).reshape(B, H, G, N, C, x.shape[-1]), 2, 0)
-               for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM))
+    xs = tuple(
+        jnp.moveaxis(jnp.swapaxes(x, 1, 2).reshape(B, H, G, N, C, x.shape[-1]), 2, 0)
+        for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM)
+    )
     carry = (s0_BHFM, z0_BHF)
     if G == 1:
         carry, out_GBHNCM = _chunked_segment(carry, tuple(x[0] for x in xs), eps, acc)
@@ -174,8 +180,12 @@ def _scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chunk_si
         phi_q_BHF, phi_k_BHF, v_BHM = (x.astype(acc) for x in xs)
         s_BHFM = s_BHFM + jnp.einsum("bhf,bhm->bhfm", phi_k_BHF, v_BHM)
         z_BHF = z_BHF + phi_k_BHF
-        out_BHM = _normalise(jnp.einsum("bhf,bhfm->bhm", phi_q_BHF, s_BHFM),
-                             jnp.einsum("bhf,bhf->bh", phi_q_BHF, z_BHF), eps, v_BTHM.dtype)
+        out_BHM = _normalise(
+            jnp.einsum("bhf,bhfm->bhm", phi_q_BHF, s_BHFM),
+            jnp.einsum("bhf,bhf->bh", phi_q_BHF, z_BHF),
+            eps,
+            v_BTHM.dtype,
+        )
         return (s_BHFM, z_BHF), out_BHM
 
     time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (phi_q_BTHF, phi_k_BTHF, v_BTHM))
@@ -189,13 +199,11 @@ def _finite_products(form):
     value at step s into NaN at every step (ops/_nonfinite.py)."""
 
     def guarded(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, **kw):
-        result = form(phi_q_BTHF, phi_k_BTHF, _nonfinite.finite_part(v_BTHM), s0_BHFM, z0_BHF,
-                      **kw)
+        result = form(phi_q_BTHF, phi_k_BTHF, _nonfinite.finite_part(v_BTHM), s0_BHFM, z0_BHF, **kw)
 
         def mark(result):
             out_BTHM, (s_BHFM, z_BHF) = result
-            seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v_BTHM, num_queries=v_BTHM.shape[1],
-                                                       causal=True)
+            seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v_BTHM, num_queries=v_BTHM.shape[1], causal=True)
             s_BHFM = _nonfinite.mark_seen(s_BHFM, jnp.any(seen_BTHM, axis=1)[:, :, None, :])
             return _nonfinite.mark_seen(out_BTHM, seen_BTHM), (s_BHFM, z_BHF)
 
@@ -208,8 +216,12 @@ def _finite_products(form):
 # guard wraps the whole chunked form, not just its within-chunk product: a state built from a
 # non-finite value would still send NaN into earlier steps' gradients (0 * NaN in the backward
 # pass of later steps' normalisation).
-_FORMS = {"quadratic": _finite_products(_quadratic), "associative_scan": _associative_scan,
-          "chunked": _finite_products(_chunked), "scan": _scan}
+_FORMS = {
+    "quadratic": _finite_products(_quadratic),
+    "associative_scan": _associative_scan,
+    "chunked": _finite_products(_chunked),
+    "scan": _scan,
+}
 
 
 def _features(q_BTHD, k_BTHD, v_BTHM, fm, key_lengths, offset):
@@ -219,8 +231,7 @@ def _features(q_BTHD, k_BTHD, v_BTHM, fm, key_lengths, offset):
     """
     phi_q_BTHF, phi_k_BTHF = fm.query(q_BTHD), fm.key(k_BTHD)
     if key_lengths is not None:
-        valid_BT11 = (offset + jnp.arange(k_BTHD.shape[1])[None, :] <
-                      key_lengths[:, None])[:, :, None, None]
+        valid_BT11 = (offset + jnp.arange(k_BTHD.shape[1])[None, :] < key_lengths[:, None])[:, :, None, None]
         phi_k_BTHF = jnp.where(valid_BT11, phi_k_BTHF, 0)
         v_BTHM = jnp.where(valid_BT11, v_BTHM, 0)
     return phi_q_BTHF, phi_k_BTHF, v_BTHM
@@ -232,8 +243,7 @@ def _one_device(q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state, *, fm, form,
     return out_BTHM, LinearState(s_BHFM, z_BHF)
 
 
-def _sequence_parallel(q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state, *, axis, fm, form,
-                       acc, **kw):
+def _sequence_parallel(q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state, *, axis, fm, form, acc, **kw):
     """The local form: this device's block, after the blocks of the devices before it."""
     offset = sp.device_offset(axis, q_BTHD.shape[1])
     phi_q, phi_k, v = _features(q_BTHD, k_BTHD, v_BTHM, fm, key_lengths, offset)
@@ -250,24 +260,39 @@ def _sequence_parallel(q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state, *, ax
 def check_linear_state(state, expected_BHFM, *, name: str) -> LinearState:
     """Raise a ValueError unless `state` is a LinearState of shapes S [B, H, F, M], z [B, H, F]."""
     if not isinstance(state, LinearState):
-        raise ValueError(f"{name}: initial_state must be an ops.LinearState (init_linear_state, "
-                         f"or the state a call with return_state=True returned), got "
-                         f"{type(state).__name__}.")
-    if (tuple(state.s_BHFM.shape) != tuple(expected_BHFM) or
-            tuple(state.z_BHF.shape) != tuple(expected_BHFM[:3])):
+        raise ValueError(
+            f"{name}: initial_state must be an ops.LinearState (init_linear_state, "
+            f"or the state a call with return_state=True returned), got "
+            f"{type(state).__name__}."
+        )
+    if tuple(state.s_BHFM.shape) != tuple(expected_BHFM) or tuple(state.z_BHF.shape) != tuple(
+        expected_BHFM[:3]
+    ):
         raise ValueError(
             f"{name}: initial_state shapes S {tuple(state.s_BHFM.shape)}, z "
             f"{tuple(state.z_BHF.shape)} do not fit the inputs, which need S {tuple(expected_BHFM)} "
-            f"and z {tuple(expected_BHFM[:3])} (init_linear_state(batch, heads, F, M)).")
+            f"and z {tuple(expected_BHFM[:3])} (init_linear_state(batch, heads, F, M))."
+        )
     for part in state:
         if not jnp.issubdtype(part.dtype, jnp.floating):
             raise ValueError(f"{name}: initial_state must be floating point, got {part.dtype}.")
     return state
 
 
-def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="chunked",
-                            chunk_size=None, eps=1e-6, initial_state=None, return_state=False,
-                            key_lengths=None, sequence_axis=None):
+def causal_linear_attention(
+    q_BTHD,
+    k_BTHD,
+    v_BTHM,
+    *,
+    feature_map="elu",
+    impl="chunked",
+    chunk_size=None,
+    eps=1e-6,
+    initial_state=None,
+    return_state=False,
+    key_lengths=None,
+    sequence_axis=None,
+):
     """Causal linear attention: query t attends to keys s <= t (and to the initial state).
 
     Args:
@@ -302,22 +327,23 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
     if impl not in IMPLS:
         raise ValueError(f"{name}: unknown impl {impl!r}; expected one of {IMPLS}.")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"{name}: chunk_size must be None or an integer >= 1, got "
-                         f"{chunk_size!r}.")
+        raise ValueError(f"{name}: chunk_size must be None or an integer >= 1, got {chunk_size!r}.")
     if not isinstance(return_state, bool):
         raise ValueError(f"{name}: return_state must be a bool, got {return_state!r}.")
     _checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
     B, T, H, D = q_BTHD.shape
     if T != k_BTHD.shape[1]:
-        raise ValueError(f"{name}: queries and keys must have the same length, got T={T} and "
-                         f"S={k_BTHD.shape[1]}.")
+        raise ValueError(
+            f"{name}: queries and keys must have the same length, got T={T} and S={k_BTHD.shape[1]}."
+        )
     fm = make_feature_map(feature_map)
     M = v_BTHM.shape[-1]
     acc = _checks.accumulation_dtype(v_BTHM.dtype)
     key_lengths = _checks.check_key_lengths(key_lengths, B, name=name, length=T)
     if initial_state is None:
-        initial_state = LinearState(jnp.zeros((B, H, fm.num_features(D), M), acc),
-                                    jnp.zeros((B, H, fm.num_features(D)), acc))
+        initial_state = LinearState(
+            jnp.zeros((B, H, fm.num_features(D), M), acc), jnp.zeros((B, H, fm.num_features(D)), acc)
+        )
     else:
         check_linear_state(initial_state, (B, H, fm.num_features(D), M), name=name)
         acc = jnp.promote_types(acc, jnp.result_type(*initial_state))
@@ -340,7 +366,11 @@ def causal_linear_attention(q_BTHD, k_BTHD, v_BTHM, *, feature_map="elu", impl="
             sp.axis_size(sequence_axis)
         local = functools.partial(_sequence_parallel, axis=sequence_axis, **kw)
         out, state = sp.call_over_sequence(
-            local, sequence_axis, (q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state),
-            (sp.TIME, sp.TIME, sp.TIME, sp.BATCH, sp.BATCH), (sp.TIME, sp.BATCH), batch=B)
+            local,
+            sequence_axis,
+            (q_BTHD, k_BTHD, v_BTHM, key_lengths, initial_state),
+            (sp.TIME, sp.TIME, sp.TIME, sp.BATCH, sp.BATCH),
+            (sp.TIME, sp.BATCH),
+            batch=B,
+        )
     return (out, state) if return_state else out
-

@@ -81,7 +81,8 @@ class FavorFeatureMap(FeatureMap):
         if projection_FD.ndim != 2:
             raise ValueError(
                 f"FAVOR+ projection must be a [num_features, head_dim] matrix, got shape "
-                f"{tuple(projection_FD.shape)}.")
+                f"{tuple(projection_FD.shape)}."
+            )
         self.projection_FD = projection_FD
 
     def num_features(self, head_dim: int) -> int:
@@ -89,7 +90,8 @@ class FavorFeatureMap(FeatureMap):
         if head_dim != self.projection_FD.shape[1]:
             raise ValueError(
                 f"FAVOR+ projection was drawn for head_dim={self.projection_FD.shape[1]}, "
-                f"used with head_dim={head_dim}.")
+                f"used with head_dim={head_dim}."
+            )
         return self.projection_FD.shape[0]
 
     def _exponent(self, x):
@@ -117,8 +119,7 @@ class FavorFeatureMap(FeatureMap):
         return f"FavorFeatureMap(num_features={f}, head_dim={d})"
 
 
-def favor_projection(key, num_features: int, head_dim: int, *, orthogonal: bool = True,
-                     dtype=jnp.float32):
+def favor_projection(key, num_features: int, head_dim: int, *, orthogonal: bool = True, dtype=jnp.float32):
     """Random [num_features, head_dim] matrix for FAVOR+.
 
     With `orthogonal=True` rows come in blocks of `head_dim` mutually orthogonal vectors whose
@@ -136,8 +137,7 @@ def favor_projection(key, num_features: int, head_dim: int, *, orthogonal: bool 
     # Q Haar-distributed, so every row is marginally isotropic and the estimator stays unbiased.
     q_blocks = q_blocks * jnp.sign(jnp.diagonal(r_blocks, axis1=-2, axis2=-1))[..., None, :]
     rows = jnp.swapaxes(q_blocks, -1, -2).reshape(num_blocks * head_dim, head_dim)[:num_features]
-    norms = jnp.linalg.norm(
-        jax.random.normal(norm_key, (num_features, head_dim), jnp.float32), axis=-1)
+    norms = jnp.linalg.norm(jax.random.normal(norm_key, (num_features, head_dim), jnp.float32), axis=-1)
     return (rows * norms[:, None]).astype(dtype)
 
 
@@ -173,9 +173,9 @@ def _make_favor(*, key=None, head_dim=None, num_features=None, orthogonal=True, 
             raise ValueError(
                 "feature map 'favor' (FAVOR+) draws a random matrix and needs an explicit RNG: "
                 "make_feature_map('favor', key=jax.random.key(0), head_dim=D, num_features=F), "
-                "or pass projection=favor_projection(key, F, D).")
-        projection = favor_projection(key, num_features or head_dim, head_dim,
-                                      orthogonal=orthogonal)
+                "or pass projection=favor_projection(key, F, D)."
+            )
+        projection = favor_projection(key, num_features or head_dim, head_dim, orthogonal=orthogonal)
     return FavorFeatureMap(projection)
 
 
@@ -188,21 +188,27 @@ def make_feature_map(spec, **options) -> FeatureMap:
     """Resolve `spec` (a registered name, a FeatureMap, or a callable) to a FeatureMap."""
     if isinstance(spec, FeatureMap):
         if options:
-            raise ValueError(f"options {sorted(options)} given with a FeatureMap instance {spec!r}; "
-                             "they would be ignored.")
+            raise ValueError(
+                f"options {sorted(options)} given with a FeatureMap instance {spec!r}; they would be ignored."
+            )
         return spec
     if isinstance(spec, str):
         if spec not in _REGISTRY:
-            raise ValueError(f"unknown feature map {spec!r}; registered feature maps: "
-                             f"{registered_feature_maps()} (or pass a callable).")
+            raise ValueError(
+                f"unknown feature map {spec!r}; registered feature maps: "
+                f"{registered_feature_maps()} (or pass a callable)."
+            )
         try:
             return _REGISTRY[spec](**options)
         except TypeError as e:
             raise ValueError(f"bad options {sorted(options)} for feature map {spec!r}: {e}") from e
     if callable(spec):
         if options:
-            raise ValueError(f"options {sorted(options)} given with a callable feature map; "
-                             "they would be ignored.")
+            raise ValueError(
+                f"options {sorted(options)} given with a callable feature map; they would be ignored."
+            )
         return CallableFeatureMap(spec, getattr(spec, "__name__", repr(spec)))
-    raise ValueError(f"feature_map must be a name from {registered_feature_maps()}, a FeatureMap "
-                     f"or a callable, got {spec!r}.")
+    raise ValueError(
+        f"feature_map must be a name from {registered_feature_maps()}, a FeatureMap "
+        f"or a callable, got {spec!r}."
+    )

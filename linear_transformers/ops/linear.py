@@ -24,6 +24,7 @@ from linear_transformers.ops.feature_maps import make_feature_map
 
 class LinearState(NamedTuple):
     """The recurrent state of linear attention: S = sum phi(k) v^T [B, H, F, M], z = sum phi(k)."""
+
     s_BHFM: jax.Array
     z_BHF: jax.Array
 
@@ -35,8 +36,9 @@ def init_linear_state(batch: int, heads: int, d: int, m: int, dtype=jnp.float32)
     `make_feature_map(...).num_features(D)` in general). Keep `dtype` float32 or wider: the state
     is a running sum.
     """
-    return LinearState(s_BHFM=jnp.zeros((batch, heads, d, m), dtype),
-                       z_BHF=jnp.zeros((batch, heads, d), dtype))
+    return LinearState(
+        s_BHFM=jnp.zeros((batch, heads, d, m), dtype), z_BHF=jnp.zeros((batch, heads, d), dtype)
+    )
 
 
 def _normalise(num_xM, den_x, eps, dtype):
@@ -47,8 +49,7 @@ def _local_state(k_BSHD, v_BSHM, key_lengths, *, fm, offset):
     acc = _checks.accumulation_dtype(v_BSHM.dtype)
     phi_k_BSHF = fm.key(k_BSHD)
     if key_lengths is not None:
-        valid_BS11 = (offset + jnp.arange(k_BSHD.shape[1])[None, :] <
-                      key_lengths[:, None])[:, :, None, None]
+        valid_BS11 = (offset + jnp.arange(k_BSHD.shape[1])[None, :] < key_lengths[:, None])[:, :, None, None]
         # where, not multiply: padded values may hold inf or NaN.
         phi_k_BSHF = jnp.where(valid_BS11, phi_k_BSHF, 0)
         v_BSHM = jnp.where(valid_BS11, v_BSHM, 0)
@@ -58,13 +59,13 @@ def _local_state(k_BSHD, v_BSHM, key_lengths, *, fm, offset):
 
 
 def _sequence_parallel_state(k_BSHD, v_BSHM, key_lengths, *, fm, axis):
-    local = _local_state(k_BSHD, v_BSHM, key_lengths, fm=fm,
-                         offset=sp.device_offset(axis, k_BSHD.shape[1]))
+    local = _local_state(k_BSHD, v_BSHM, key_lengths, fm=fm, offset=sp.device_offset(axis, k_BSHD.shape[1]))
     return LinearState(*(jax.lax.psum(x, axis) for x in local))
 
 
-def linear_state_from_keys(k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None,
-                           sequence_axis=None) -> LinearState:
+def linear_state_from_keys(
+    k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, sequence_axis=None
+) -> LinearState:
     """The summary (S, z) of all keys and values; padded keys (index >= key_lengths[b]) add 0.
 
     This is the whole memory a non-causal linear attention needs: cross-attention over a fixed
@@ -73,8 +74,9 @@ def linear_state_from_keys(k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=Non
     one psum gives every device the global summary; key_lengths are global indices.
     """
     fm = make_feature_map(feature_map)
-    key_lengths = _checks.check_key_lengths(key_lengths, k_BSHD.shape[0],
-                                            name="linear_attention", length=k_BSHD.shape[1])
+    key_lengths = _checks.check_key_lengths(
+        key_lengths, k_BSHD.shape[0], name="linear_attention", length=k_BSHD.shape[1]
+    )
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(k_BSHD, v_BSHM, name="linear_state_from_keys")
     if sequence_axis is None:
@@ -82,12 +84,17 @@ def linear_state_from_keys(k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=Non
     if not sp.is_manual(sequence_axis):
         sp.check_sequence_axis(sequence_axis, k_BSHD.shape[1], name="linear_state_from_keys")
     local = functools.partial(_sequence_parallel_state, fm=fm, axis=sequence_axis)
-    return sp.call_over_sequence(local, sequence_axis, (k_BSHD, v_BSHM, key_lengths),
-                                 (sp.TIME, sp.TIME, sp.BATCH), sp.BATCH, batch=k_BSHD.shape[0])
+    return sp.call_over_sequence(
+        local,
+        sequence_axis,
+        (k_BSHD, v_BSHM, key_lengths),
+        (sp.TIME, sp.TIME, sp.BATCH),
+        sp.BATCH,
+        batch=k_BSHD.shape[0],
+    )
 
 
-def linear_attention_from_state(state: LinearState, q_xHD, *, feature_map="elu", eps=1e-6,
-                                out_dtype=None):
+def linear_attention_from_state(state: LinearState, q_xHD, *, feature_map="elu", eps=1e-6, out_dtype=None):
     """Queries [..., H, D] attend to a fixed summary state; returns [..., H, M]."""
     fm = make_feature_map(feature_map)
     phi_q_xHF = fm.query(q_xHD).astype(state.s_BHFM.dtype)
@@ -100,8 +107,9 @@ def linear_attention_from_state(state: LinearState, q_xHD, *, feature_map="elu",
     return _normalise(num, den, eps, out_dtype or q_xHD.dtype)
 
 
-def linear_attention(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, eps=1e-6,
-                     sequence_axis=None):
+def linear_attention(
+    q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, eps=1e-6, sequence_axis=None
+):
     """Non-causal linear attention in O(T + S) time and memory.
 
     Args:
@@ -120,28 +128,35 @@ def linear_attention(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=N
     mask argument; key padding is the only mask this form supports.
     """
     _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
-    key_lengths = _checks.check_key_lengths(key_lengths, q_BTHD.shape[0], name="linear_attention",
-                                            length=k_BSHD.shape[1])
+    key_lengths = _checks.check_key_lengths(
+        key_lengths, q_BTHD.shape[0], name="linear_attention", length=k_BSHD.shape[1]
+    )
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
     if sequence_axis is not None and not sp.is_manual(sequence_axis):
         # The global view: queries and keys split over the axis, the summary made inside.
         sp.check_sequence_axis(sequence_axis, q_BTHD.shape[1], name="linear_attention")
         sp.check_sequence_axis(sequence_axis, k_BSHD.shape[1], name="linear_attention")
-        local = functools.partial(linear_attention, feature_map=feature_map, eps=eps,
-                                  sequence_axis=sequence_axis)
+        local = functools.partial(
+            linear_attention, feature_map=feature_map, eps=eps, sequence_axis=sequence_axis
+        )
         return sp.call_over_sequence(
-            lambda q, k, v, lengths: local(q, k, v, key_lengths=lengths), sequence_axis,
-            (q_BTHD, k_BSHD, v_BSHM, key_lengths), (sp.TIME, sp.TIME, sp.TIME, sp.BATCH), sp.TIME,
-            batch=q_BTHD.shape[0])
-    state = linear_state_from_keys(k_BSHD, v_BSHM, feature_map=feature_map,
-                                   key_lengths=key_lengths, sequence_axis=sequence_axis)
-    return linear_attention_from_state(state, q_BTHD, feature_map=feature_map, eps=eps,
-                                       out_dtype=v_BSHM.dtype)
+            lambda q, k, v, lengths: local(q, k, v, key_lengths=lengths),
+            sequence_axis,
+            (q_BTHD, k_BSHD, v_BSHM, key_lengths),
+            (sp.TIME, sp.TIME, sp.TIME, sp.BATCH),
+            sp.TIME,
+            batch=q_BTHD.shape[0],
+        )
+    state = linear_state_from_keys(
+        k_BSHD, v_BSHM, feature_map=feature_map, key_lengths=key_lengths, sequence_axis=sequence_axis
+    )
+    return linear_attention_from_state(
+        state, q_BTHD, feature_map=feature_map, eps=eps, out_dtype=v_BSHM.dtype
+    )
 
 
-def linear_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None,
-                               eps=1e-6):
+def linear_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, eps=1e-6):
     """The explicit kernel formula with the [T, S] similarity matrix, for tests."""
     fm = make_feature_map(feature_map)
     acc = _checks.accumulation_dtype(v_BSHM.dtype)
@@ -157,8 +172,7 @@ def linear_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key
     return _normalise(num, den, eps, v_BSHM.dtype)
 
 
-def linear_attention_step(state: LinearState, q_BHD, k_BHD, v_BHM, *, feature_map="elu",
-                          eps=1e-6):
+def linear_attention_step(state: LinearState, q_BHD, k_BHD, v_BHM, *, feature_map="elu", eps=1e-6):
     """One step of causal linear attention as an RNN: (state, q_t, k_t, v_t) -> (state, out_t).
 
     Inputs are [B, H, D] (values [B, H, M]); the state comes from `init_linear_state`.
@@ -172,11 +186,13 @@ def linear_attention_step(state: LinearState, q_BHD, k_BHD, v_BHM, *, feature_ma
         raise ValueError(
             f"linear_attention_step: state shapes S {tuple(state.s_BHFM.shape)}, z "
             f"{tuple(state.z_BHF.shape)} do not fit the inputs, which need S {expected} and z "
-            f"{expected[:3]} (init_linear_state(batch, heads, F, M)).")
+            f"{expected[:3]} (init_linear_state(batch, heads, F, M))."
+        )
     acc = state.s_BHFM.dtype
     phi_k_BHF = fm.key(k_BHD).astype(acc)
     s_BHFM = state.s_BHFM + jnp.einsum("bhf,bhm->bhfm", phi_k_BHF, v_BHM.astype(acc))
     z_BHF = state.z_BHF + phi_k_BHF
     new_state = LinearState(s_BHFM, z_BHF)
-    return new_state, linear_attention_from_state(new_state, q_BHD, feature_map=fm, eps=eps,
-                                                  out_dtype=v_BHM.dtype)
+    return new_state, linear_attention_from_state(
+        new_state, q_BHD, feature_map=fm, eps=eps, out_dtype=v_BHM.dtype
+    )

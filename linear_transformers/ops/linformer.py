@@ -23,14 +23,18 @@ def linformer_project(k_BSHD, v_BSHM, e_LK, f_LK, *, key_lengths=None):
     S = k_BSHD.shape[1]
     for name, p in (("e", e_LK), ("f", f_LK)):
         if p.ndim != 2:
-            raise ValueError(f"linformer: projection {name} must be [max_length, rows], got shape "
-                             f"{tuple(p.shape)}.")
+            raise ValueError(
+                f"linformer: projection {name} must be [max_length, rows], got shape {tuple(p.shape)}."
+            )
     if S > e_LK.shape[0] or S > f_LK.shape[0]:
-        raise ValueError(f"linformer: {S} keys exceed the maximum length {e_LK.shape[0]} its "
-                         f"projections were built for; build the layer with max_length >= {S} "
-                         f"or shorten the input.")
-    key_lengths = _checks.check_key_lengths(key_lengths, k_BSHD.shape[0], name="linformer",
-                                            length=k_BSHD.shape[1])
+        raise ValueError(
+            f"linformer: {S} keys exceed the maximum length {e_LK.shape[0]} its "
+            f"projections were built for; build the layer with max_length >= {S} "
+            f"or shorten the input."
+        )
+    key_lengths = _checks.check_key_lengths(
+        key_lengths, k_BSHD.shape[0], name="linformer", length=k_BSHD.shape[1]
+    )
     if key_lengths is not None:
         valid_BS11 = _checks.key_padding_mask(key_lengths, S)[:, :, None, None]
         k_BSHD = jnp.where(valid_BS11, k_BSHD, 0)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from linear_transformers.ops import _checks
 
-SELF_LOGIT = -1e5   # attend to oneself only when no other key is in reach
+SELF_LOGIT = -1e5  # attend to oneself only when no other key is in reach
 MASKED_LOGIT = -1e9
 
 
@@ -46,10 +46,13 @@ def check_lsh_options(*, num_rounds: int, num_buckets: int, chunk_size: int) -> 
     """Raise a ValueError naming the first unusable LSH option."""
     if not isinstance(num_rounds, int) or num_rounds < 1:
         raise ValueError(f"LSH attention: num_rounds must be an integer >= 1, got {num_rounds!r}.")
-    if not isinstance(num_buckets, int) or not (num_buckets == 1 or
-                                                (num_buckets >= 2 and num_buckets % 2 == 0)):
-        raise ValueError(f"LSH attention: num_buckets must be 1 or an even integer >= 2 (angular "
-                         f"hashing picks argmax over [xR, -xR]), got {num_buckets!r}.")
+    if not isinstance(num_buckets, int) or not (
+        num_buckets == 1 or (num_buckets >= 2 and num_buckets % 2 == 0)
+    ):
+        raise ValueError(
+            f"LSH attention: num_buckets must be 1 or an even integer >= 2 (angular "
+            f"hashing picks argmax over [xR, -xR]), got {num_buckets!r}."
+        )
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"LSH attention: chunk_size must be an integer >= 1, got {chunk_size!r}.")
 
@@ -75,15 +78,17 @@ def _prepare(q_BNHD, v_BNHM, rotations_RDU, chunk_size, key_lengths, name):
     _checks.check_qkv(q_BNHD, q_BNHD, v_BNHM, name=name)
     B, N, H, D = q_BNHD.shape
     if rotations_RDU.ndim != 3 or rotations_RDU.shape[1] != D:
-        raise ValueError(f"{name}: rotations must be [rounds, {D}, buckets/2], got shape "
-                         f"{tuple(rotations_RDU.shape)}.")
+        raise ValueError(
+            f"{name}: rotations must be [rounds, {D}, buckets/2], got shape {tuple(rotations_RDU.shape)}."
+        )
     if N == 0:
-        raise ValueError(f"{name}: needs at least one position to hash, got an empty sequence "
-                         f"(shape {tuple(q_BNHD.shape)}).")
+        raise ValueError(
+            f"{name}: needs at least one position to hash, got an empty sequence "
+            f"(shape {tuple(q_BNHD.shape)})."
+        )
     key_lengths = _checks.check_key_lengths(key_lengths, B, name=name, length=N)
     num_buckets = max(1, 2 * rotations_RDU.shape[2])
-    check_lsh_options(num_rounds=rotations_RDU.shape[0], num_buckets=num_buckets,
-                      chunk_size=chunk_size)
+    check_lsh_options(num_rounds=rotations_RDU.shape[0], num_buckets=num_buckets, chunk_size=chunk_size)
     acc = _checks.accumulation_dtype(q_BNHD.dtype)
     Np = -(-N // chunk_size) * chunk_size
     pad = [(0, 0), (0, Np - N), (0, 0), (0, 0)]
@@ -101,8 +106,9 @@ def _prepare(q_BNHD, v_BNHM, rotations_RDU, chunk_size, key_lengths, name):
     return q_BNHD, k_BNHD, v_BNHM, order_RBHN, rank_RBHN, lengths_B, acc
 
 
-def lsh_attention(q_BNHD, v_BNHM, rotations_RDU, *, chunk_size: int, causal: bool = False,
-                  key_lengths=None, scale=None):
+def lsh_attention(
+    q_BNHD, v_BNHM, rotations_RDU, *, chunk_size: int, causal: bool = False, key_lengths=None, scale=None
+):
     """LSH self-attention with shared query/key: O(N log N + N C R) time, O(N C R) memory.
 
     Args:
@@ -120,10 +126,11 @@ def lsh_attention(q_BNHD, v_BNHM, rotations_RDU, *, chunk_size: int, causal: boo
     B, N, H, D = q_BNHD.shape
     M = v_BNHM.shape[-1]
     q_BNHD, k_BNHD, v_BNHM, order_RBHN, rank_RBHN, lengths_B, acc = _prepare(
-        q_BNHD, v_BNHM, rotations_RDU, chunk_size, key_lengths, "lsh_attention")
+        q_BNHD, v_BNHM, rotations_RDU, chunk_size, key_lengths, "lsh_attention"
+    )
     R, C, Np = rotations_RDU.shape[0], chunk_size, q_BNHD.shape[1]
     G = Np // C
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
 
     def sort(x_BNHF):  # -> [R, B, H, G, C, F] in each round's sorted order
         x_RBHNF = jnp.broadcast_to(jnp.swapaxes(x_BNHF, 1, 2)[None], (R, B, H, Np, x_BNHF.shape[-1]))
@@ -172,8 +179,7 @@ def _window_counts(rank_RBHN, pq, pk, C, G):
 
     def chunk_of(pos, chunk_BHN):  # chunk of each position of `pos` [R, B, H, ...] in one round
         flat_RBHK = pos.reshape(R, B, H, -1)
-        got = jnp.take_along_axis(jnp.broadcast_to(chunk_BHN, (R,) + chunk_BHN.shape), flat_RBHK,
-                                  axis=-1)
+        got = jnp.take_along_axis(jnp.broadcast_to(chunk_BHN, (R,) + chunk_BHN.shape), flat_RBHK, axis=-1)
         return got.reshape(pos.shape)
 
     counts = 0
@@ -185,12 +191,14 @@ def _window_counts(rank_RBHN, pq, pk, C, G):
     return jnp.maximum(counts, 1)  # masked pairs (e.g. chunk 0's rolled-in half) may count 0
 
 
-def lsh_attention_reference(q_BNHD, v_BNHM, rotations_RDU, *, chunk_size: int,
-                            causal: bool = False, key_lengths=None, scale=None):
+def lsh_attention_reference(
+    q_BNHD, v_BNHM, rotations_RDU, *, chunk_size: int, causal: bool = False, key_lengths=None, scale=None
+):
     """The definition, densely: softmax over the union of every round's window, O(N^2)."""
     B, N, H, D = q_BNHD.shape
     q_BNHD, k_BNHD, v_BNHM, _, rank_RBHN, lengths_B, acc = _prepare(
-        q_BNHD, v_BNHM, rotations_RDU, chunk_size, key_lengths, "lsh_attention_reference")
+        q_BNHD, v_BNHM, rotations_RDU, chunk_size, key_lengths, "lsh_attention_reference"
+    )
     G = q_BNHD.shape[1] // chunk_size
     chunk_RBHN = (rank_RBHN // chunk_size)[..., :N]
     ci, cj = chunk_RBHN[..., :, None], chunk_RBHN[..., None, :]
@@ -199,10 +207,9 @@ def lsh_attention_reference(q_BNHD, v_BNHM, rotations_RDU, *, chunk_size: int,
     allowed_BHNN &= (jnp.arange(N)[None, :] < lengths_B[:, None])[:, None, None, :]
     if causal:
         allowed_BHNN &= jnp.tril(jnp.ones((N, N), bool))
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     logits = jnp.einsum("bihd,bjhd->bhij", q_BNHD[:, :N].astype(acc), k_BNHD[:, :N]) * scale
     logits = jnp.where(jnp.eye(N, dtype=bool), SELF_LOGIT, logits)
     logits = jnp.where(allowed_BHNN, logits, MASKED_LOGIT)
-    out_BHNM = jnp.einsum("bhij,bjhm->bhim", jax.nn.softmax(logits, -1),
-                          v_BNHM[:, :N].astype(acc))
+    out_BHNM = jnp.einsum("bhij,bjhm->bhim", jax.nn.softmax(logits, -1), v_BNHM[:, :N].astype(acc))
     return jnp.swapaxes(out_BHNM, 1, 2).astype(v_BNHM.dtype)

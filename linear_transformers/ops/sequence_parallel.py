@@ -43,22 +43,25 @@ def axis_size(axis: str) -> int:
     """Number of devices P on mesh axis `axis` (inside `jax.shard_map` or under `jax.set_mesh`)."""
     mesh = _context_mesh()
     if mesh.empty or axis not in mesh.axis_names:
-        raise ValueError(f"sequence_axis={axis!r} is not an axis of the current mesh "
-                         f"({'none set' if mesh.empty else mesh.axis_names}); call the op inside "
-                         f"jax.shard_map over that axis, or under `with jax.set_mesh(mesh):`.")
+        raise ValueError(
+            f"sequence_axis={axis!r} is not an axis of the current mesh "
+            f"({'none set' if mesh.empty else mesh.axis_names}); call the op inside "
+            f"jax.shard_map over that axis, or under `with jax.set_mesh(mesh):`."
+        )
     return mesh.shape[axis]
 
 
 def check_sequence_axis(axis, length: int, *, name: str) -> int:
     """Validate `axis` for a time axis of (global) `length`; return the device count P."""
     if not isinstance(axis, str) or not axis:
-        raise ValueError(f"{name}: sequence_axis must be a mesh axis name (str) or None, got "
-                         f"{axis!r}.")
+        raise ValueError(f"{name}: sequence_axis must be a mesh axis name (str) or None, got {axis!r}.")
     size = axis_size(axis)
     if length % size:
-        raise ValueError(f"{name}: the sequence length T={length} does not split evenly over "
-                         f"the {size} devices of mesh axis {axis!r}; pad T to a multiple of "
-                         f"{size} (key_lengths masks the padding).")
+        raise ValueError(
+            f"{name}: the sequence length T={length} does not split evenly over "
+            f"the {size} devices of mesh axis {axis!r}; pad T to a multiple of "
+            f"{size} (key_lengths masks the padding)."
+        )
     return size
 
 
@@ -71,8 +74,10 @@ def explicit_time_axis(x) -> str | None:
     entry = spec[1]
     names = (entry,) if isinstance(entry, str) else tuple(entry)
     if len(names) != 1:
-        raise ValueError(f"the time axis is sharded over several mesh axes {names}; sequence "
-                         "parallelism splits it over one. Reshard it onto a single axis.")
+        raise ValueError(
+            f"the time axis is sharded over several mesh axes {names}; sequence "
+            "parallelism splits it over one. Reshard it onto a single axis."
+        )
     return names[0]
 
 
@@ -81,8 +86,10 @@ def explicit_sequence_axis(*arrays_BTx, name: str) -> str | None:
     axis an op called without `sequence_axis` splits over), or None when none is."""
     axes = {explicit_time_axis(x) for x in arrays_BTx if x is not None} - {None}
     if len(axes) > 1:
-        raise ValueError(f"{name}: the time axes of the inputs are sharded on different mesh "
-                         f"axes {sorted(axes)}; shard them alike.")
+        raise ValueError(
+            f"{name}: the time axes of the inputs are sharded on different mesh "
+            f"axes {sorted(axes)}; shard them alike."
+        )
     return axes.pop() if axes else None
 
 
@@ -93,8 +100,12 @@ def match_batch_sharding(tree_Bx, like_BTx):
     otherwise meet updates sharded like the batch.
     """
     spec = getattr(getattr(jax.typeof(like_BTx), "sharding", None), "spec", None)
-    if spec is None or not len(spec) or spec[0] is None or not _has_axis_type(
-            _context_mesh(), AxisType.Explicit):
+    if (
+        spec is None
+        or not len(spec)
+        or spec[0] is None
+        or not _has_axis_type(_context_mesh(), AxisType.Explicit)
+    ):
         return tree_Bx
     return jax.tree.map(lambda x: jax.sharding.reshard(x, PartitionSpec(spec[0])), tree_Bx)
 
@@ -128,8 +139,9 @@ def _batch_axes(mesh, axis: str, batch: int, time_array):
     return None
 
 
-def call_over_sequence(local_fn: Callable, axis: str, args: Sequence[Any], kinds: Sequence[str],
-                       out_kinds, *, batch: int):
+def call_over_sequence(
+    local_fn: Callable, axis: str, args: Sequence[Any], kinds: Sequence[str], out_kinds, *, batch: int
+):
     """Run `local_fn(*args)` as the local form of a sequence-parallel op.
 
     Inside `jax.shard_map` over `axis`, calls it directly. Otherwise wraps it in `jax.shard_map`
@@ -156,6 +168,7 @@ def call_over_sequence(local_fn: Callable, axis: str, args: Sequence[Any], kinds
     present_args = [args[i] for i in present]
     if _has_axis_type(mesh, AxisType.Explicit):
         # Explicit axes: every operand must already carry the sharding its spec names.
-        present_args = [jax.tree.map(lambda x, s=s: jax.sharding.reshard(x, s), a)
-                        for a, s in zip(present_args, in_specs)]
+        present_args = [
+            jax.tree.map(lambda x, s=s: jax.sharding.reshard(x, s), a) for a, s in zip(present_args, in_specs)
+        ]
     return jax.shard_map(inner, in_specs=in_specs, out_specs=out_specs)(*present_args)

@@ -28,17 +28,26 @@ from linear_transformers import CausalLM, EncoderDecoder, TransformerConfig
 from linear_transformers.image_generator import ImageGenerator
 
 B, T, S, E, H, V, C = 2, 16, 8, 16, 2, 11, 17  # T and S divide over 2, 4 and 8 devices
-KINDS = {"linear": ("linear", {"chunk_size": 4}),  # local blocks of 8, 4, 2: chunks straddle
-         "softmax": ("softmax", {})}
+KINDS = {
+    "linear": ("linear", {"chunk_size": 4}),  # local blocks of 8, 4, 2: chunks straddle
+    "softmax": ("softmax", {}),
+}
 TOL = dict(atol=2e-5, rtol=2e-5)
 GRAD_TOL = dict(atol=2e-5, rtol=2e-4)
 
 
 def _config(name, sequence_axis):
     kind, options = KINDS[name]
-    return TransformerConfig(num_layers=1, num_heads=H, model_dim=E, feed_forward_dim=32,
-                             dropout=0.0, attention=kind, attention_options=options,
-                             sequence_axis=sequence_axis)
+    return TransformerConfig(
+        num_layers=1,
+        num_heads=H,
+        model_dim=E,
+        feed_forward_dim=32,
+        dropout=0.0,
+        attention=kind,
+        attention_options=options,
+        sequence_axis=sequence_axis,
+    )
 
 
 def _build(model_name, name, sequence_axis):
@@ -93,8 +102,9 @@ def _one_device(model_name, name):
 
 def _mesh(shape, names, explicit=False):
     kind = AxisType.Explicit if explicit else AxisType.Auto
-    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names),
-                         devices=jax.devices()[:int(np.prod(shape))])
+    return jax.make_mesh(
+        shape, names, axis_types=(kind,) * len(names), devices=jax.devices()[: int(np.prod(shape))]
+    )
 
 
 def _sequence_parallel(model_name, name, mesh, spec, model=None):
@@ -153,8 +163,7 @@ def test_explicit_axes_mesh_equals_one_device(name, sequence_axis):
     """Explicit axis types: time-sharded inputs run sequence-parallel whether the model names
     the axis or not (the ops read it from the inputs' sharding)."""
     model = _build("lm", name, sequence_axis)
-    got = _sequence_parallel("lm", name, _mesh((4,), ("seq",), explicit=True), P(None, "seq"),
-                             model=model)
+    got = _sequence_parallel("lm", name, _mesh((4,), ("seq",), explicit=True), P(None, "seq"), model=model)
     _check("lm", name, got)
 
 

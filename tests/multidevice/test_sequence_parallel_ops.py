@@ -56,8 +56,9 @@ def _num_features(fm_name):
 def _mesh(shape, names=("seq",), explicit=False):
     """A mesh over the first prod(shape) of the 8 devices; Auto axes unless `explicit`."""
     kind = AxisType.Explicit if explicit else AxisType.Auto
-    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names),
-                         devices=jax.devices()[:int(np.prod(shape))])
+    return jax.make_mesh(
+        shape, names, axis_types=(kind,) * len(names), devices=jax.devices()[: int(np.prod(shape))]
+    )
 
 
 def _randn(seed, *shape):
@@ -66,8 +67,7 @@ def _randn(seed, *shape):
 
 def _qkv(seed, t=T, s=None, batch=B, m=M):
     s = t if s is None else s
-    return (_randn(seed, batch, t, H, D), _randn(seed + 1, batch, s, H, D),
-            _randn(seed + 2, batch, s, H, m))
+    return (_randn(seed, batch, t, H, D), _randn(seed + 1, batch, s, H, D), _randn(seed + 2, batch, s, H, m))
 
 
 def _numpy_key_features(k, fm_name):
@@ -94,8 +94,7 @@ def _history_state(seed, fm_name, batch=B):
 def _weights(seed, t, fm_name, batch=B):
     """Coefficients of a random linear functional of (outputs, final S, final z)."""
     F = _num_features(fm_name)
-    return (_randn(seed, batch, t, H, M), _randn(seed + 1, batch, H, F, M),
-            _randn(seed + 2, batch, H, F))
+    return (_randn(seed, batch, t, H, M), _randn(seed + 1, batch, H, F, M), _randn(seed + 2, batch, H, F))
 
 
 def _functional(out, state, w):
@@ -115,9 +114,14 @@ def _mean_copy(states):
 
 
 def _causal(impl, fm_name, sequence_axis=None):
-    return functools.partial(ops.causal_linear_attention, impl=impl, chunk_size=CHUNK,
-                             feature_map=_fm(fm_name), return_state=True,
-                             sequence_axis=sequence_axis)
+    return functools.partial(
+        ops.causal_linear_attention,
+        impl=impl,
+        chunk_size=CHUNK,
+        feature_map=_fm(fm_name),
+        return_state=True,
+        sequence_axis=sequence_axis,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,17 +129,19 @@ def _causal_value_and_grad(impl, fm_name, p):
     """jit(value_and_grad) of the functional w.r.t. q, k, v and the initial state, with
     (outputs, per-device final states) as aux; p=None: one device, else shard_map over p."""
     if p is None:
+
         def run(q, k, v, state, key_lengths):
-            out, final = _causal(impl, fm_name)(q, k, v, initial_state=state,
-                                                key_lengths=key_lengths)
+            out, final = _causal(impl, fm_name)(q, k, v, initial_state=state, key_lengths=key_lengths)
             return out, _per_device(final)
     else:
+
         def local(q, k, v, state, key_lengths):
-            out, final = _causal(impl, fm_name, "seq")(q, k, v, initial_state=state,
-                                                       key_lengths=key_lengths)
+            out, final = _causal(impl, fm_name, "seq")(q, k, v, initial_state=state, key_lengths=key_lengths)
             return out, _per_device(final)
-        run = jax.shard_map(local, mesh=_mesh((p,)), in_specs=(TIME, TIME, TIME, P(), P()),
-                            out_specs=(TIME, P("seq")))
+
+        run = jax.shard_map(
+            local, mesh=_mesh((p,)), in_specs=(TIME, TIME, TIME, P(), P()), out_specs=(TIME, P("seq"))
+        )
 
     def loss(q, k, v, state, key_lengths, w):
         out, finals = run(q, k, v, state, key_lengths)
@@ -151,18 +157,20 @@ def _check_against_one_device(got, expected, p):
     chex.assert_trees_all_close(out, out1, **TOL)
     assert finals.s_BHFM.shape[0] == p, finals.s_BHFM.shape
     for i in range(p):
-        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], finals),
-                                    jax.tree.map(lambda x: x[0], finals1), **TOL)
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda x: x[i], finals), jax.tree.map(lambda x: x[0], finals1), **TOL
+        )
     chex.assert_trees_all_close(grads, grads1, **GRAD_TOL)
 
 
 # Chunked at P = 2 and 8, scan at 4 and 8, all four impls at P = 4; all from an initial state,
 # and a few from none.
-CAUSAL_CASES = ([(2, "chunked", "elu", True), (8, "chunked", "elu", True),
-                 (4, "scan", "elu", True)] +
-                [(4, impl, "elu", True) for impl in ("quadratic", "associative_scan")] +
-                [(4, "chunked", "favor", True)] +
-                [(4, "chunked", "elu", False), (8, "scan", "elu", False)])
+CAUSAL_CASES = (
+    [(2, "chunked", "elu", True), (8, "chunked", "elu", True), (4, "scan", "elu", True)]
+    + [(4, impl, "elu", True) for impl in ("quadratic", "associative_scan")]
+    + [(4, "chunked", "favor", True)]
+    + [(4, "chunked", "elu", False), (8, "scan", "elu", False)]
+)
 
 
 @pytest.mark.parametrize("p,impl,fm_name,with_state", CAUSAL_CASES)
@@ -192,10 +200,12 @@ def test_causal_key_lengths_are_global(x64, p, impl, lengths):
     _check_against_one_device(got, expected, p)
     # ...and the state is the one of the valid prefix.
     for b, n in enumerate(lengths):
-        prefix = _numpy_state(k[b:b + 1, :n], v[b:b + 1, :n])
-        chex.assert_trees_all_close(tuple(x[0, b:b + 1] for x in got[0][1][1]),
-                                    tuple(np.asarray(x[b:b + 1]) + c
-                                          for x, c in zip(state0, prefix)), **TOL)
+        prefix = _numpy_state(k[b : b + 1, :n], v[b : b + 1, :n])
+        chex.assert_trees_all_close(
+            tuple(x[0, b : b + 1] for x in got[0][1][1]),
+            tuple(np.asarray(x[b : b + 1]) + c for x, c in zip(state0, prefix)),
+            **TOL,
+        )
 
 
 def test_causal_state_with_replicated_out_spec(x64):
@@ -208,8 +218,7 @@ def test_causal_state_with_replicated_out_spec(x64):
     def local(q, k, v, state):
         return _causal("chunked", "elu", "seq")(q, k, v, initial_state=state)
 
-    run = jax.shard_map(local, mesh=_mesh((4,)), in_specs=(TIME, TIME, TIME, P()),
-                        out_specs=(TIME, P()))
+    run = jax.shard_map(local, mesh=_mesh((4,)), in_specs=(TIME, TIME, TIME, P()), out_specs=(TIME, P()))
 
     def loss(q, k, v, state, run):
         out, final = run(q, k, v, state)
@@ -218,16 +227,19 @@ def test_causal_state_with_replicated_out_spec(x64):
     def one_run(q, k, v, state):
         return _causal("chunked", "elu")(q, k, v, initial_state=state)
 
-    got = jit(jax.value_and_grad(functools.partial(loss, run=run), argnums=(0, 1, 2, 3),
-                                 has_aux=True))(q, k, v, state0)
-    expected = jit(jax.value_and_grad(functools.partial(loss, run=one_run),
-                                      argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, state0)
+    got = jit(jax.value_and_grad(functools.partial(loss, run=run), argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, state0
+    )
+    expected = jit(
+        jax.value_and_grad(functools.partial(loss, run=one_run), argnums=(0, 1, 2, 3), has_aux=True)
+    )(q, k, v, state0)
     chex.assert_trees_all_close(got[0], expected[0], **TOL)
     chex.assert_trees_all_close(got[1], expected[1], **GRAD_TOL)
 
 
 def _global_value_and_grad(op):
     """value_and_grad of the functional of op(q, k, v, state, key_lengths) -> (out, state)."""
+
     def loss(q, k, v, state, key_lengths, w):
         out, final = op(q, k, v, state, key_lengths)
         return _functional(out, final, w), (out, final)
@@ -237,8 +249,8 @@ def _global_value_and_grad(op):
 
 def _causal_global(impl, sequence_axis):
     def op(q, k, v, state, key_lengths):
-        return _causal(impl, "elu", sequence_axis)(q, k, v, initial_state=state,
-                                                   key_lengths=key_lengths)
+        return _causal(impl, "elu", sequence_axis)(q, k, v, initial_state=state, key_lengths=key_lengths)
+
     return op
 
 
@@ -249,11 +261,9 @@ def test_causal_outside_shard_map_with_a_mesh_set(x64, impl):
     state0 = _history_state(13, "elu")
     key_lengths = jnp.asarray([T, 11], jnp.int32)
     w = _weights(23, T, "elu")
-    expected = jit(_global_value_and_grad(_causal_global(impl, None)))(
-        q, k, v, state0, key_lengths, w)
+    expected = jit(_global_value_and_grad(_causal_global(impl, None)))(q, k, v, state0, key_lengths, w)
     with jax.set_mesh(_mesh((4,))):
-        got = jit(_global_value_and_grad(_causal_global(impl, "seq")))(
-            q, k, v, state0, key_lengths, w)
+        got = jit(_global_value_and_grad(_causal_global(impl, "seq")))(q, k, v, state0, key_lengths, w)
     chex.assert_trees_all_close(got[0], expected[0], **TOL)
     chex.assert_trees_all_close(got[1], expected[1], **GRAD_TOL)
 
@@ -267,32 +277,35 @@ def test_causal_on_a_two_d_mesh_batch_on_data(x64, form, batch):
     state0 = _history_state(14, "elu", batch=batch)
     key_lengths = jnp.asarray([T, 7, 18][:batch], jnp.int32)
     w = _weights(24, T, "elu", batch=batch)
-    expected = jit(_global_value_and_grad(_causal_global("chunked", None)))(
-        q, k, v, state0, key_lengths, w)
+    expected = jit(_global_value_and_grad(_causal_global("chunked", None)))(q, k, v, state0, key_lengths, w)
     if form == "shard_map":
+
         def local(q, k, v, state, key_lengths):
-            out, final = _causal("chunked", "elu", "seq")(q, k, v, initial_state=state,
-                                                          key_lengths=key_lengths)
+            out, final = _causal("chunked", "elu", "seq")(
+                q, k, v, initial_state=state, key_lengths=key_lengths
+            )
             return out, _per_device(final)
 
         bt = P("data", "seq")
-        run = jax.shard_map(local, mesh=mesh, in_specs=(bt, bt, bt, P("data"), P("data")),
-                            out_specs=(bt, P("seq", "data")))
+        run = jax.shard_map(
+            local, mesh=mesh, in_specs=(bt, bt, bt, P("data"), P("data")), out_specs=(bt, P("seq", "data"))
+        )
 
         def loss(q, k, v, state, key_lengths, w):
             out, finals = run(q, k, v, state, key_lengths)
             return _functional(out, _mean_copy(finals), w), (out, finals)
 
-        (value, (out, finals)), grads = jit(jax.value_and_grad(
-            loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, state0, key_lengths, w)
+        (value, (out, finals)), grads = jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+            q, k, v, state0, key_lengths, w
+        )
         for i in range(4):  # every device on "seq" returned the global state
-            chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], finals), expected[0][1][1],
-                                        **TOL)
+            chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], finals), expected[0][1][1], **TOL)
         got = (value, (out, _mean_copy(finals))), grads
     else:
         with jax.set_mesh(mesh):
             got = jit(_global_value_and_grad(_causal_global("chunked", "seq")))(
-                q, k, v, state0, key_lengths, w)
+                q, k, v, state0, key_lengths, w
+            )
     chex.assert_trees_all_close(got[0], expected[0], **TOL)
     chex.assert_trees_all_close(got[1], expected[1], **GRAD_TOL)
 
@@ -312,9 +325,11 @@ def test_causal_on_an_explicit_axes_mesh(x64, sequence_axis):
     def put(x, *spec):
         return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 
-    args = ([put(x, "data", "seq") for x in (q, k, v)] +
-            [jax.tree.map(lambda x: put(x, "data"), state0), put(key_lengths, "data"),
-             (put(w[0], "data", "seq"), put(w[1], "data"), put(w[2], "data"))])
+    args = [put(x, "data", "seq") for x in (q, k, v)] + [
+        jax.tree.map(lambda x: put(x, "data"), state0),
+        put(key_lengths, "data"),
+        (put(w[0], "data", "seq"), put(w[1], "data"), put(w[2], "data")),
+    ]
     with jax.set_mesh(mesh):
         fn = _global_value_and_grad(_causal_global("chunked", sequence_axis))
         got = jit(fn)(*args)
@@ -334,17 +349,19 @@ def _linear_value_and_grad(p, fm_name):
     fm = _fm(fm_name)
 
     def both(q, k, v, key_lengths, axis):
-        out = ops.linear_attention(q, k, v, feature_map=fm, key_lengths=key_lengths,
-                                   sequence_axis=axis)
-        state = ops.linear_state_from_keys(k, v, feature_map=fm, key_lengths=key_lengths,
-                                           sequence_axis=axis)
+        out = ops.linear_attention(q, k, v, feature_map=fm, key_lengths=key_lengths, sequence_axis=axis)
+        state = ops.linear_state_from_keys(k, v, feature_map=fm, key_lengths=key_lengths, sequence_axis=axis)
         return out, _per_device(state)
 
     if p is None:
         run = functools.partial(both, axis=None)
     else:
-        run = jax.shard_map(functools.partial(both, axis="seq"), mesh=_mesh((p,)),
-                            in_specs=(TIME, TIME, TIME, P()), out_specs=(TIME, P("seq")))
+        run = jax.shard_map(
+            functools.partial(both, axis="seq"),
+            mesh=_mesh((p,)),
+            in_specs=(TIME, TIME, TIME, P()),
+            out_specs=(TIME, P("seq")),
+        )
 
     def loss(q, k, v, key_lengths, w):
         out, states = run(q, k, v, key_lengths)
@@ -361,8 +378,11 @@ def test_linear_attention_and_state_from_keys_psum_over_the_axis(x64, p, lengths
     got = _linear_value_and_grad(p, fm_name)(q, k, v, key_lengths, w)
     expected = _linear_value_and_grad(None, fm_name)(q, k, v, key_lengths, w)
     _check_against_one_device(got, expected, p)
-    chex.assert_trees_all_close(got[0][1][0], ops.linear_attention_reference(
-        q, k, v, feature_map=_fm(fm_name), key_lengths=key_lengths), **TOL)
+    chex.assert_trees_all_close(
+        got[0][1][0],
+        ops.linear_attention_reference(q, k, v, feature_map=_fm(fm_name), key_lengths=key_lengths),
+        **TOL,
+    )
 
 
 # ---------------------------------------------------------------- softmax attention
@@ -371,14 +391,17 @@ def test_linear_attention_and_state_from_keys_psum_over_the_axis(x64, p, lengths
 @functools.lru_cache(maxsize=None)
 def _softmax_value_and_grad(p, causal):
     def attend(q, k, v, key_lengths, axis):
-        return ops.softmax_attention(q, k, v, causal=causal, key_lengths=key_lengths,
-                                     sequence_axis=axis)
+        return ops.softmax_attention(q, k, v, causal=causal, key_lengths=key_lengths, sequence_axis=axis)
 
     if p is None:
         run = functools.partial(attend, axis=None)
     else:
-        run = jax.shard_map(functools.partial(attend, axis="seq"), mesh=_mesh((p,)),
-                            in_specs=(TIME, TIME, TIME, P()), out_specs=TIME)
+        run = jax.shard_map(
+            functools.partial(attend, axis="seq"),
+            mesh=_mesh((p,)),
+            in_specs=(TIME, TIME, TIME, P()),
+            out_specs=TIME,
+        )
 
     def loss(q, k, v, key_lengths, w):
         out = run(q, k, v, key_lengths)
@@ -389,8 +412,7 @@ def _softmax_value_and_grad(p, causal):
 
 # (p, causal, key lengths, value features): M != D takes the explicit-weights path on one
 # device, M == D jax.nn.dot_product_attention.
-SOFTMAX_CASES = [(4, True, (T, 9), M), (8, True, None, M), (4, True, (13, T), D),
-                 (2, False, (3, S), D)]
+SOFTMAX_CASES = [(4, True, (T, 9), M), (8, True, None, M), (4, True, (13, T), D), (2, False, (3, S), D)]
 
 
 @pytest.mark.parametrize("p,causal,lengths,m", SOFTMAX_CASES)
@@ -404,8 +426,11 @@ def test_softmax_attention_sequence_parallel_equals_one_device(x64, p, causal, l
     chex.assert_trees_all_close(grads, grads1, **GRAD_TOL)
     # (jax.nn.dot_product_attention, which one device uses for M == D, forms its logits in
     # float32 even for float64 inputs: float32 accuracy against the explicit formula there.)
-    chex.assert_trees_all_close(out, ops.softmax_attention_reference(
-        q, k, v, causal=causal, key_lengths=key_lengths), **(TOL if m != D else F32_TOL))
+    chex.assert_trees_all_close(
+        out,
+        ops.softmax_attention_reference(q, k, v, causal=causal, key_lengths=key_lengths),
+        **(TOL if m != D else F32_TOL),
+    )
 
 
 def test_softmax_outside_shard_map_with_a_mesh_set(x64):
@@ -413,8 +438,9 @@ def test_softmax_outside_shard_map_with_a_mesh_set(x64):
     key_lengths = jnp.asarray([T, 10], jnp.int32)
     expected = ops.softmax_attention_reference(q, k, v, causal=True, key_lengths=key_lengths)
     with jax.set_mesh(_mesh((4,))):
-        out = jit(functools.partial(ops.softmax_attention, causal=True,
-                                    sequence_axis="seq"))(q, k, v, key_lengths=key_lengths)
+        out = jit(functools.partial(ops.softmax_attention, causal=True, sequence_axis="seq"))(
+            q, k, v, key_lengths=key_lengths
+        )
     chex.assert_trees_all_close(out, expected, **TOL)
 
 
@@ -435,8 +461,7 @@ def _call(op_name, q, k, v, **kwargs):
     return ops.softmax_attention(q, k, v, causal=True, **kwargs)
 
 
-OP_NAMES = ["causal_linear_attention", "linear_attention", "linear_state_from_keys",
-            "softmax_attention"]
+OP_NAMES = ["causal_linear_attention", "linear_attention", "linear_state_from_keys", "softmax_attention"]
 
 
 @pytest.mark.parametrize("op_name", OP_NAMES)
@@ -448,8 +473,7 @@ def test_time_not_divisible_by_the_axis_size(op_name):
     assert re.search(r"\b10\b", message) and re.search(r"\b4\b", message), message
 
 
-@pytest.mark.parametrize("where", ["mesh without the axis", "shard_map without the axis",
-                                   "no mesh"])
+@pytest.mark.parametrize("where", ["mesh without the axis", "shard_map without the axis", "no mesh"])
 @pytest.mark.parametrize("op_name", OP_NAMES)
 def test_sequence_axis_not_in_the_mesh(op_name, where):
     q, k, v = _zeros_qkv(8)
@@ -459,10 +483,11 @@ def test_sequence_axis_not_in_the_mesh(op_name, where):
             with jax.set_mesh(_mesh((4,))):
                 _call(op_name, q, k, v, sequence_axis=axis)
         elif where == "shard_map without the axis":
+
             def local(q, k, v):
                 return jax.tree.leaves(_call(op_name, q, k, v, sequence_axis=axis))[0][:, :1]
-            jax.shard_map(local, mesh=_mesh((4,)), in_specs=(TIME,) * 3,
-                          out_specs=P("seq"))(q, k, v)
+
+            jax.shard_map(local, mesh=_mesh((4,)), in_specs=(TIME,) * 3, out_specs=P("seq"))(q, k, v)
         else:
             _call(op_name, q, k, v, sequence_axis=axis)
 
@@ -495,15 +520,18 @@ def test_time_sharded_inputs_on_an_explicit_axes_mesh_need_no_sequence_axis(x64,
         key_lengths = None
     fns = {
         "softmax": lambda q, k, v, lengths: ops.softmax_attention(
-            q, k, v, causal=True, implementation="reference"),
+            q, k, v, causal=True, implementation="reference"
+        ),
         "linear": lambda q, k, v, lengths: ops.linear_attention(q, k, v, key_lengths=lengths),
         "linear_state_from_keys": lambda q, k, v, lengths: ops.linear_state_from_keys(
-            k, v, key_lengths=lengths),
+            k, v, key_lengths=lengths
+        ),
     }
 
     def value_and_grad(q, k, v, lengths):
         def loss(q, k, v):
             return sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(fns[op](q, k, v, lengths)))
+
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     expected = jit(value_and_grad)(q, k, v, key_lengths)

@@ -23,8 +23,10 @@ NUM_DEVICES = 8
 
 # max_length 65: the decoder reads 64 tokens, a multiple of every sequence size here, so no
 # padding and the dropout masks (a function of the array shape) are those of the reference.
-COPY = ("smoke,max_length=65,num_layers=1,num_heads=2,model_dim=32,feed_forward_dim=64,"
-        "num_steps=4,log_every=1,eval_every=0,eval_batches=1,checkpoint_every=0,dropout=0.1")
+COPY = (
+    "smoke,max_length=65,num_layers=1,num_heads=2,model_dim=32,feed_forward_dim=64,"
+    "num_steps=4,log_every=1,eval_every=0,eval_batches=1,checkpoint_every=0,dropout=0.1"
+)
 
 
 def _losses(workdir):
@@ -43,8 +45,11 @@ def copy_runs(tmp_path_factory):
     # A module fixture is set up before conftest's (function-scoped) device check: skip here too.
     if jax.device_count() < NUM_DEVICES:
         pytest.skip(f"needs {NUM_DEVICES} devices, found {jax.device_count()}")
-    for mesh in ("mesh.data=8,mesh.sequence=1", "mesh.data=-1,mesh.sequence=8",
-                 "mesh.data=2,mesh.sequence=4"):
+    for mesh in (
+        "mesh.data=8,mesh.sequence=1",
+        "mesh.data=-1,mesh.sequence=8",
+        "mesh.data=2,mesh.sequence=4",
+    ):
         workdir = tmp_path_factory.mktemp("copy")
         runs[mesh] = workdir, copy_loop.train_and_evaluate(_copy(mesh), workdir)
     return runs
@@ -84,11 +89,13 @@ def test_sequence_parallel_encoder_decoder_with_greedy_decoding(tmp_path):
     # Sources of width 30 (max_length 64), padded to 32 for the 4 devices of the sequence axis:
     # exact, as padded keys are masked and the decoder is causal (without dropout: padding
     # changes the shape the dropout masks are drawn in).
-    arg = ("encoder_decoder," + COPY + ",num_steps=2,model_dim=32,feed_forward_dim=64,"
-           "max_length=64,dropout=0.0")
+    arg = (
+        "encoder_decoder," + COPY + ",num_steps=2,model_dim=32,feed_forward_dim=64,max_length=64,dropout=0.0"
+    )
     ref = copy_loop.train_and_evaluate(copy_config.get_config(arg), tmp_path / "ref")
     split = copy_loop.train_and_evaluate(
-        copy_config.get_config(arg + ",mesh.data=2,mesh.sequence=4"), tmp_path / "split")
+        copy_config.get_config(arg + ",mesh.data=2,mesh.sequence=4"), tmp_path / "split"
+    )
     np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "ref"), rtol=1e-4)
     for key in ("eval_loss", "greedy_token_accuracy"):
         assert split[key] == pytest.approx(ref[key], rel=1e-4), key
@@ -96,8 +103,9 @@ def test_sequence_parallel_encoder_decoder_with_greedy_decoding(tmp_path):
 
 def test_image_trainer_sequence_parallel_matches(tmp_path):
     def config(mesh):
-        c = digits.get_config("smoke,num_steps=3,log_every=1,eval_every=0,checkpoint_every=0,"
-                              "num_samples=2," + mesh)
+        c = digits.get_config(
+            "smoke,num_steps=3,log_every=1,eval_every=0,checkpoint_every=0,num_samples=2," + mesh
+        )
         c.data_dir = str(tmp_path / "tfds")
         return c
 
