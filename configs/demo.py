@@ -1,6 +1,6 @@
 """Demo: a tiny causal linear transformer learns arithmetic progressions, then generates as an RNN.
 
-Command (the README's first command runs it):
+Command:
   python -m experiments.demo --config configs/demo.py
   python -m experiments.demo --config configs/demo.py --config.attention=softmax
 

@@ -23,7 +23,7 @@ def _temp_bytes(impl, T, *, grad, B=1, H=8, D=32):
 @pytest.mark.parametrize("grad", [False, True])
 def test_chunked_handles_65536_steps_in_linear_memory(grad):
     small, large = _temp_bytes("chunked", 16384, grad=grad), _temp_bytes("chunked", 65536, grad=grad)
-    # The bar: T=65536, B=1, H=8, D=M=32 within a few GB on CPU.
+    # The target: T=65536, B=1, H=8, D=M=32 within a few GB on CPU.
     assert large < 2 * 2**30, f"{large / 2**20:.0f} MiB of temporaries at T=65536"
     # 4x the length costs at most ~4x the memory: linear, not quadratic (16x).
     assert large / small < 4.5, (small, large)

@@ -1,4 +1,4 @@
-"""Every public name the issue promises exists under that name, with a docstring."""
+"""Every public name the README documents exists under that name, with a docstring."""
 
 import inspect
 

@@ -10,6 +10,7 @@ and the same on CPU and GPU, unlike process RSS.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -124,9 +125,8 @@ def machine_description(device=None) -> dict:
 
 
 def _jaxlib_version() -> str:
-    import jaxlib
-
-    return jaxlib.__version__
+    # jaxlib is installed with jax (not imported here: it is jax's dependency, not ours).
+    return importlib.metadata.version("jaxlib")
 
 
 def matmul_flops_per_second(m: int, k: int, n: int, dtype="float32", *, seed: int = 0) -> float:

@@ -1,4 +1,4 @@
-"""Learning-rate schedule and optimizer from a config (optax, nothing hand-written)."""
+"""Learning-rate schedule and optimizer from a config (optax), and the guarded update step."""
 
 from __future__ import annotations
 
@@ -53,7 +53,12 @@ def apply_if_finite(tx: optax.GradientTransformation, state: dict, loss, grads):
     """One optimizer update of `state` {"step", "params", "opt_state", "rest"}, applied only if
     the loss and every gradient are finite; returns (new_state, finite). The update advances
     "step" by one; a non-finite step changes nothing, so the state in memory stays the last
-    good one."""
+    good one.
+
+    Not `optax.apply_if_finite`: that wrapper checks the gradients but not the loss, applies
+    the update anyway after `max_consecutive_errors`, and adds its counters to the optimizer
+    state, which would change the layout of every existing checkpoint. Here a non-finite step
+    is never applied, and the step counter and state stay those of the last good step."""
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     finite = jnp.isfinite(loss) & jnp.all(

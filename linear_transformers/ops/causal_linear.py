@@ -43,11 +43,13 @@ DEFAULT_CHUNK_SIZE = 64
 
 
 def default_chunk_size(platform: str | None = None, dtype="float32") -> int:
-    """The chunk length C that `impl="chunked"` uses when none is given, per backend and dtype.
+    """The chunk length C that `impl="chunked"` uses when none is given: 64, whatever the
+    backend and dtype.
 
-    Chosen by `experiments.benchmark_attention` sweeps (BENCHMARKS.md): the within-chunk [C, C]
-    product costs T*C work, the between-chunk states (T/C)*F*M memory traffic. 64 won on CPU
-    (C = 32..256, float32); no GPU measurement yet, so every backend and dtype gets 64.
+    The within-chunk [C, C] product costs T*C work, the between-chunk states (T/C)*F*M memory
+    traffic; 64 won the `experiments.benchmark_attention` sweep on CPU (C = 32..256, float32,
+    BENCHMARKS.md). Callers pass the backend and dtype so that a choice measured per backend
+    and dtype can be made here; none is measured yet, so both are ignored.
     """
     del platform, dtype
     return DEFAULT_CHUNK_SIZE

@@ -1,0 +1,64 @@
+"""Every import is declared: the library's in `dependencies`, the experiments' in the
+`experiments` extra (or an optional extra where the import is guarded), the tests' in `dev`."""
+
+import ast
+import importlib.metadata
+import pathlib
+import re
+import sys
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIRST_PARTY = {"linear_transformers", "experiments", "configs"}
+# Imported only inside a function, for an optional feature that says how to install it: torch
+# (the `torch` extra), the authors' library (peers in benchmarks, live tests), tensorboardX.
+OPTIONAL = {"torch", "fast_transformers", "tensorboardX"}
+
+
+def _imports(folder: str) -> set[str]:
+    names = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - FIRST_PARTY - {"__future__"}
+
+
+def _declared(requirements: list[str]) -> set[str]:
+    """Import names of the distributions in `requirements`."""
+    dists = {re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+    return {
+        module
+        for module, owners in importlib.metadata.packages_distributions().items()
+        if any(owner.lower().replace("_", "-") in dists for owner in owners)
+    }
+
+
+def _project():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_the_library_imports_only_its_dependencies():
+    project = _project()
+    library = _declared(project["dependencies"])
+    undeclared = _imports("linear_transformers") - library - {"torch"}
+    assert not undeclared, f"linear_transformers imports undeclared {sorted(undeclared)}"
+
+
+def test_the_experiments_import_only_declared_packages():
+    project = _project()
+    declared = _declared(project["dependencies"] + project["optional-dependencies"]["experiments"])
+    used = _imports("experiments") | _imports("configs")
+    undeclared = used - declared - OPTIONAL
+    assert not undeclared, f"experiments/configs import undeclared {sorted(undeclared)}"
+
+
+def test_the_tests_import_only_declared_packages():
+    project = _project()
+    extras = project["optional-dependencies"]
+    declared = _declared(project["dependencies"] + extras["experiments"] + extras["dev"])
+    local = {p.stem for p in (ROOT / "tests").rglob("*.py")}
+    undeclared = _imports("tests") - declared - OPTIONAL - local
+    assert not undeclared, f"tests import undeclared {sorted(undeclared)}"
