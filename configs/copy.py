@@ -40,60 +40,12 @@ encoder and lsh4 all < 2e-5 / 100%.
 import ml_collections
 
 from configs import variants
+from experiments.training import schemas
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.task = "copy"
-    c.seed = 0
-
-    # Data: n symbols, n uniform in [max_length // 4, (max_length - 1) // 2).
-    c.max_length = 128
-    c.num_symbols = 10
-
-    # Model: "decoder" (the paper's) or "encoder_decoder" (the replication's).
-    c.model = "decoder"
-    c.attention = "linear"  # decoder self-attention; encoder too unless encoder_attention
-    c.attention_options = ml_collections.ConfigDict()
-    c.encoder_attention = ""  # encoder_decoder only; "" = attention
-    c.encoder_attention_options = ml_collections.ConfigDict()
-    c.cross_attention = ""  # encoder_decoder only; "" = the default for `attention`
-    c.num_layers = 4
-    c.num_heads = 8
-    c.model_dim = 256
-    c.feed_forward_dim = 1024
-    c.dropout = 0.0
-    c.attention_dropout = 0.0
-    c.softmax_temp = 0.0  # 0 = 1/sqrt(head dim)
-    c.dtype = "float32"  # computation: float32 | bfloat16 (parameters stay float32)
-
-    # Optimisation.
-    c.optimizer = "radam"
-    c.learning_rate = 1e-3
-    c.schedule = "step"
-    c.decay_steps = 3000
-    c.decay_factor = 0.1
-    c.warmup_steps = 0
-    c.weight_decay = 0.0
-    c.grad_clip = 1.0
-    c.batch_size = 64
-    c.num_steps = 10_000
-
-    # Bookkeeping (0 = never, except at the end of the run).
-    c.log_every = 100
-    c.eval_every = 1000
-    c.eval_batches = 4  # held-out batches of batch_size for the accuracies
-    c.checkpoint_every = 1000
-    c.keep_checkpoints = 2
-    c.progress_bar = True  # a line per log_every steps
-
-    # Devices: a ("data", "sequence") mesh whose sizes multiply to the device count.
-    # sequence > 1 splits time over that many devices (sequence parallelism; every attention
-    # kind of the model must be linear, causal-linear or softmax; time is zero-padded to a
-    # multiple, which changes no loss); data = batch split (data parallel, batch_size must
-    # divide by it), -1 = the devices left over. E.g. --config.mesh.sequence=8.
-    c.mesh = ml_collections.ConfigDict({"data": -1, "sequence": 1})
-    return variants.apply(c, arg, VARIANTS)
+    """The paper's setting (`experiments.training.schemas.copy_task`), then the variants in `arg`."""
+    return variants.apply(schemas.copy_task(), arg, VARIANTS)
 
 
 def encoder_decoder(c):

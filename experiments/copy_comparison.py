@@ -10,7 +10,7 @@ prints a markdown table. Finished runs in --out_dir are resumed (a no-op), not r
 
 from absl import app, flags, logging
 
-from experiments.benchmarking.copy_comparison import RUNS, CopyComparisonOptions, run_and_report
+from experiments.benchmarking.copy_bench import RUNS, CopyComparisonOptions, run_and_report
 
 _RUNS = flags.DEFINE_list("runs", list(RUNS), f"Runs, from: {', '.join(RUNS)}.")
 _SIZE = flags.DEFINE_string("size", "cpu", "configs/copy.py variants setting the scale.")

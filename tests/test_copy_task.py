@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import copy as copy_config
-from experiments.benchmarking import copy_comparison
+from experiments.benchmarking import copy_bench
 from experiments.data import copy_task as ct
 from experiments.training import copy_loop, tasks
 from experiments.training.metrics import read_metrics
@@ -177,14 +177,14 @@ def test_the_copy_trainer_runs_in_bfloat16(tmp_path):
 
 
 def test_comparison_writes_table_curves_and_plot(tmp_path):
-    options = copy_comparison.CopyComparisonOptions(
+    options = copy_bench.CopyComparisonOptions(
         runs=("decoder/lsh-4", "enc-dec/linformer+linear"),
         size="smoke",
         overrides="num_steps=4,eval_every=4,model_dim=32",
         out_dir=str(tmp_path),
     )
     lines = []
-    rows = copy_comparison.run_and_report(options, log=lines.append)
+    rows = copy_bench.run_and_report(options, log=lines.append)
     assert [r["run"] for r in rows] == list(options.runs)
     assert all(r["steps"] == 4 and np.isfinite(r["eval_loss"]) for r in rows)
     # A reformer decoder has no recurrent form: greedy by re-running it on each prefix.
@@ -194,7 +194,7 @@ def test_comparison_writes_table_curves_and_plot(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     assert "| decoder/lsh-4 | 4 |" in lines[-1]
     with pytest.raises(ValueError, match="unknown copy runs"):
-        copy_comparison.CopyComparisonOptions(runs=("decoder/rnn",))
+        copy_bench.CopyComparisonOptions(runs=("decoder/rnn",))
 
 
 def test_train_command_runs_the_copy_config(tmp_path):

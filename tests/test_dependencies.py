@@ -1,5 +1,6 @@
 """Every import is declared: the library's in `dependencies`, the experiments' in the
-`experiments` extra (or an optional extra where the import is guarded), the tests' in `dev`."""
+`experiments` extra (or an optional extra where the import is guarded), the tests' in `dev`;
+and the layers import downwards only: library <- trainers <- configs <- entry points."""
 
 import ast
 import importlib.metadata
@@ -15,7 +16,8 @@ FIRST_PARTY = {"linear_transformers", "experiments", "configs"}
 OPTIONAL = {"torch", "fast_transformers", "tensorboardX"}
 
 
-def _imports(folder: str) -> set[str]:
+def _imports(folder: str, *, first_party: bool = False) -> set[str]:
+    """Top-level names `folder` imports: third-party ones, or first-party ones."""
     names = set()
     for path in (ROOT / folder).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -23,6 +25,8 @@ def _imports(folder: str) -> set[str]:
                 names |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
+    if first_party:
+        return names & FIRST_PARTY
     return names - set(sys.stdlib_module_names) - FIRST_PARTY - {"__future__"}
 
 
@@ -62,3 +66,10 @@ def test_the_tests_import_only_declared_packages():
     local = {p.stem for p in (ROOT / "tests").rglob("*.py")}
     undeclared = _imports("tests") - declared - OPTIONAL - local
     assert not undeclared, f"tests import undeclared {sorted(undeclared)}"
+
+
+def test_the_library_imports_no_experiment_and_the_trainers_no_config_file():
+    assert _imports("linear_transformers", first_party=True) == {"linear_transformers"}
+    # The trainers take a config object; config files import the trainers' schemas, not back.
+    assert "configs" not in _imports("experiments/training", first_party=True)
+    assert "configs" not in _imports("experiments/data", first_party=True)

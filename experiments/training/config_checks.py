@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from configs import base
 from experiments.training import mesh as mesh_lib
+from experiments.training import schemas
 from experiments.training.optimizer import OPTIMIZERS, SCHEDULES
 from linear_transformers.attention import (
     attention_class,
@@ -167,7 +167,7 @@ def check_mesh(
 
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Raise ValueError naming every unknown key or unusable value of an image config."""
-    check_keys(config, base.get_config(), "configs/base.py")
+    check_keys(config, schemas.image_generation(), "experiments/training/schemas.py (image_generation)")
     check_values(config)
     if config.model_dim % 4:
         raise ValueError(

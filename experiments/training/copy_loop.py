@@ -44,9 +44,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from configs import copy as copy_config
 from experiments.data import copy_task
-from experiments.training import greedy_recompute
+from experiments.training import greedy_recompute, schemas
 from experiments.training import mesh as mesh_lib
 from experiments.training.config_checks import check_attention, check_keys, check_mesh, check_values
 from experiments.training.loop import NonFiniteLossError, due, transformer_config
@@ -63,7 +62,7 @@ EVAL_SEED_OFFSET = 1_000_003  # held-out batches come from another stream than t
 
 def check_copy_config(config: ml_collections.ConfigDict) -> None:
     """Raise ValueError naming any unknown key or unusable value of a copy-task config."""
-    check_keys(config, copy_config.get_config(), "configs/copy.py")
+    check_keys(config, schemas.copy_task(), "experiments/training/schemas.py (copy_task)")
     check_values(config)
     if config.model not in copy_task.CopyBatches.MODELS:
         raise ValueError(f"config.model must be one of {copy_task.CopyBatches.MODELS}, got {config.model!r}.")
