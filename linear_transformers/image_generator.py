@@ -1,11 +1,12 @@
 """The paper's autoregressive image model: sub-pixels scored by a discretized mixture of logistics.
 
 Legend: B batch, T time (sub-pixels, row-major, channels interleaved), E model width,
-P = 3K mixture parameters (see `mixture`), C classes (sub-pixel values 0..C-1).
+K mixture components, Q = 3K mixture parameters (see `mixture`), V classes (sub-pixel values
+0..V-1).
 
 Two input conventions, chosen by `start_token` (f = `model.first_scored` below):
 
-- start_token=True (f = 0): position 0 reads a START token (index C) and position t > 0 the
+- start_token=True (f = 0): position 0 reads a START token (index V) and position t > 0 the
   previous sub-pixel x_{t-1}, so the output at t predicts x_t from x_{<t} and every sub-pixel,
   the first included, is scored.
 - start_token=False (f = 1), the convention of pytorch-fast-transformers' MNIST demo: no START
@@ -15,13 +16,13 @@ Two input conventions, chosen by `start_token` (f = `model.first_scored` below):
 The position encoding is [sin | cos] ("concatenated", the default) or sin, cos, sin, ...
 ("interleaved", the authors' colab): `position_layout`.
 
-  params_BTP = model(x_BT)                       parallel: [B, T - f, P], params[:, i] for x_{i+f}
+  params_BTQ = model(x_BT)                       parallel: [B, T - f, Q], params[:, i] for x_{i+f}
   state = model.init_state(batch)                recurrent (after `model.eval()`)
-  state, params_BP = model.step(state, token_B)  reads the input of the next position (see above)
-  state, params_BTP = model.prefill(state, tokens_BT)   T such tokens at once (= T steps)
+  state, params_BQ = model.step(state, token_B)  reads the input of the next position (see above)
+  state, params_BTQ = model.prefill(state, tokens_BT)   T such tokens at once (= T steps)
   images_BT = sample_images(model, key, batch)   one compiled `lax.scan`, constant memory per step
-  images_BT = sample_images(model, key, batch, prefix=x_BK)   the known prefix read by one
-                                                 prefill, the rest drawn step by step
+  images_BT = sample_images(model, key, batch, prefix=x_BT[:, :k])   the known first k read by
+                                                 one prefill, the rest drawn step by step
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class ImageGenerator(nnx.Module):
         return jnp.concatenate([start_B1, x_BT[:, :-1]], axis=1)
 
     def __call__(self, x_BT):
-        """Mixture parameters of the scored sub-pixels, [B, T - first_scored, P]: params[:, i] is
+        """Mixture parameters of the scored sub-pixels, [B, T - first_scored, Q]: params[:, i] is
         the distribution of x_{i + first_scored} given the sub-pixels before it. Without a start
         token T must be >= 2."""
         inputs_BT = self.shifted_inputs(x_BT)
@@ -185,7 +186,7 @@ class ImageGenerator(nnx.Module):
         return LMState(self.decoder.init_state(batch, self.max_length, dtype), jnp.zeros((), jnp.int32))
 
     def step(self, state: LMState, token_B):
-        """Read the input token of this position t (state.position); return its params_BP, the
+        """Read the input token of this position t (state.position); return its params_BQ, the
         distribution of x_{t + first_scored}. With a start token the token is START at t = 0,
         else x_{t-1}; without one it is x_t.
 
@@ -198,7 +199,7 @@ class ImageGenerator(nnx.Module):
     def prefill(self, state: LMState, tokens_BT):
         """Read T input tokens at once, as T calls of `step` would (with a start token: START at
         position 0, else the previous sub-pixel; without: the sub-pixel at that position):
-        -> (state, params [B, T, P]), params[:, i] the distribution of the sub-pixel the i-th of
+        -> (state, params [B, T, Q]), params[:, i] the distribution of the sub-pixel the i-th of
         these positions predicts (`step`); the position advances by T.
 
         From `init_state`, `shifted_inputs(x_BT)[:, :k]` reads the first k positions of x.
@@ -212,7 +213,7 @@ class ImageGenerator(nnx.Module):
 
 
 def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
-    """Validate the prefix: -> prefix [B, k] int32 (k = 0 without one)."""
+    """Validate the prefix: -> prefix_BT [B, k] int32 (k = 0 without one)."""
     if not isinstance(model, ImageGenerator):
         raise ValueError(f"{where}: model must be an ImageGenerator, got {type(model).__name__}.")
     if batch < 1:
@@ -252,37 +253,37 @@ def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 5))
-def _sample_recurrent(graphdef, params, key, batch, prefix_BK, num_steps):
+def _sample_recurrent(graphdef, params, key, batch, prefix_BT, num_steps):
     model = nnx.merge(graphdef, params)
-    L, k, f = model.max_length, prefix_BK.shape[1], model.first_scored
+    T, k, f = model.max_length, prefix_BT.shape[1], model.first_scored
     if num_steps <= k:  # Every requested sub-pixel is given: nothing to draw.
-        return jnp.pad(prefix_BK[:, :num_steps], ((0, 0), (0, L - num_steps)))
+        return jnp.pad(prefix_BT[:, :num_steps], ((0, 0), (0, T - num_steps)))
     # Position p reads input p and predicts x_{p + f}: the inputs known are START, x_0, ...,
     # x_{k-1} with a start token (f = 0), x_0, ..., x_{k-1} without (f = 1, k >= 1).
     if model.start_token is None:
-        inputs_BN = prefix_BK
+        inputs_BT = prefix_BT
     else:
         start_B1 = jnp.full((batch, 1), model.start_token, jnp.int32)
-        inputs_BN = jnp.concatenate([start_B1, prefix_BK], axis=1)
+        inputs_BT = jnp.concatenate([start_B1, prefix_BT], axis=1)
     state = model.init_state(batch)
     n = k - f  # positions whose predictions the prefix overrides
     if n:
         # In one parallel pass; position n reads x_{k-1} (or START) in the scan below and
         # draws x_k.
-        state, _ = model.prefill(state, inputs_BN[:, :n])
+        state, _ = model.prefill(state, inputs_BT[:, :n])
     # x_t's key is the same whatever the prefix and the convention: the draws match
     # sample_images_full_recompute.
-    keys = jax.random.split(key, L)[k:num_steps]
+    keys = jax.random.split(key, T)[k:num_steps]
 
     def body(carry, key_t):
         state, token_B = carry
-        state, params_BP = model.step(state, token_B)
-        token_B = mol_sample(key_t, params_BP, model.num_classes)
+        state, params_BQ = model.step(state, token_B)
+        token_B = mol_sample(key_t, params_BQ, model.num_classes)
         return (state, token_B), token_B
 
-    _, drawn_TB = jax.lax.scan(body, (state, inputs_BN[:, n]), keys)
-    images_BT = jnp.concatenate([prefix_BK, drawn_TB.T], axis=1)
-    return jnp.pad(images_BT, ((0, 0), (0, L - num_steps)))
+    _, drawn_TB = jax.lax.scan(body, (state, inputs_BT[:, n]), keys)
+    images_BT = jnp.concatenate([prefix_BT, drawn_TB.T], axis=1)
+    return jnp.pad(images_BT, ((0, 0), (0, T - num_steps)))
 
 
 def sample_images(model: ImageGenerator, key, batch: int, *, prefix=None, num_steps=None):
@@ -297,10 +298,10 @@ def sample_images(model: ImageGenerator, key, batch: int, *, prefix=None, num_st
     after that many sub-pixels (the rest are 0): previews and benchmarks. The model must be in
     eval mode.
     """
-    prefix_BK = _check_sampling_args(model, batch, prefix, "sample_images")
+    prefix_BT = _check_sampling_args(model, batch, prefix, "sample_images")
     num_steps = _check_num_steps(model, num_steps, "sample_images")
     graphdef, params = nnx.split(model)
-    return _sample_recurrent(graphdef, params, key, batch, prefix_BK, num_steps)
+    return _sample_recurrent(graphdef, params, key, batch, prefix_BT, num_steps)
 
 
 def _check_num_steps(model: ImageGenerator, num_steps, where: str) -> int:
@@ -323,8 +324,8 @@ def _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_lengt
         # Causality makes the not-yet-drawn tail of the buffer irrelevant to x_t's params, at
         # index t - first_scored (x_0 without a start token has none; the prefix gives it).
         index = jnp.maximum(t - model.first_scored, 0)
-        params_BP = jax.lax.dynamic_index_in_dim(model(images_BT), index, axis=1, keepdims=False)
-        drawn_B = mol_sample(key_t, params_BP, model.num_classes)
+        params_BQ = jax.lax.dynamic_index_in_dim(model(images_BT), index, axis=1, keepdims=False)
+        drawn_B = mol_sample(key_t, params_BQ, model.num_classes)
         token_B = jnp.where(t < prefix_length, prefix_BT[:, t], drawn_B)
         return images_BT.at[:, t].set(token_B), None
 
@@ -342,11 +343,11 @@ def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, pref
     over the whole max_length buffer, so each costs the same. `prefix` and `num_steps` as in
     `sample_images`.
     """
-    prefix_BK = _check_sampling_args(model, batch, prefix, "sample_images_full_recompute")
+    prefix_BT = _check_sampling_args(model, batch, prefix, "sample_images_full_recompute")
     num_steps = _check_num_steps(model, num_steps, "sample_images_full_recompute")
     # Padded to max_length with the length traced: one compilation serves every prefix length.
-    k = prefix_BK.shape[1]
-    prefix_BT = jnp.pad(prefix_BK, ((0, 0), (0, model.max_length - k)))
+    k = prefix_BT.shape[1]
+    padded_BT = jnp.pad(prefix_BT, ((0, 0), (0, model.max_length - k)))
     prefix_length = jnp.int32(k)
     graphdef, params = nnx.split(model)
-    return _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_length, num_steps)
+    return _sample_full_recompute(graphdef, params, key, batch, padded_BT, prefix_length, num_steps)

@@ -1,9 +1,9 @@
 """Discretized mixture of logistics over integer classes (PixelCNN++), one parametrisation throughout.
 
-Legend: K mixture components, C classes, P = 3K parameters per position; `...` any leading shape.
+Legend: K mixture components, V classes, Q = 3K parameters per position; `...` any leading shape.
 
-Class c in [0, C) sits at the center -1 + 2c / (C - 1) of a bin of half-width 1 / (C - 1); the
-first and last bins extend to -inf and +inf, so the C bin probabilities of each logistic sum to 1.
+Class v in [0, V) sits at the center -1 + 2v / (V - 1) of a bin of half-width 1 / (V - 1); the
+first and last bins extend to -inf and +inf, so the V bin probabilities of each logistic sum to 1.
 The parameters' last axis is laid out [logits K | means K | log_scales K], and a component's scale
 is exp(log_scale) with log_scale floored at LOG_SCALE_MIN in the loss and in the sampler alike
 (the authors' sampler used elu(r) + 1.0001 while their loss used exp(r), so the model they sampled
@@ -27,11 +27,11 @@ def _check_num_classes(num_classes: int, where: str):
         raise ValueError(f"{where}: num_classes must be an int >= 2, got {num_classes!r}.")
 
 
-def _check_params(params_P, where: str):
-    if params_P.ndim < 1 or params_P.shape[-1] == 0 or params_P.shape[-1] % 3:
+def _check_params(params_Q, where: str):
+    if params_Q.ndim < 1 or params_Q.shape[-1] == 0 or params_Q.shape[-1] % 3:
         raise ValueError(
             f"{where}: mixture params need a last axis of 3 * num_mixtures (logits | "
-            f"means | log_scales), got shape {tuple(params_P.shape)}."
+            f"means | log_scales), got shape {tuple(params_Q.shape)}."
         )
 
 
@@ -42,32 +42,32 @@ def num_params(num_mixtures: int) -> int:
     return 3 * num_mixtures
 
 
-def split_params(params_P):
+def split_params(params_Q):
     """[..., 3K] -> (logits [..., K], means [..., K], log_scales [..., K]), all float32.
 
     log_scales are floored at LOG_SCALE_MIN. The split happens in float32 whatever the input dtype,
     because bf16 arithmetic cannot resolve a bin edge 1/255 away from a mean near 1.
     """
-    params_P = jnp.asarray(params_P)
-    _check_params(params_P, "split_params")
-    logits_K, means_K, log_scales_K = jnp.split(params_P.astype(jnp.float32), 3, axis=-1)
+    params_Q = jnp.asarray(params_Q)
+    _check_params(params_Q, "split_params")
+    logits_K, means_K, log_scales_K = jnp.split(params_Q.astype(jnp.float32), 3, axis=-1)
     return logits_K, means_K, jnp.maximum(log_scales_K, LOG_SCALE_MIN)
 
 
 def class_centers(num_classes: int):
-    """The C bin centers -1 + 2c / (C - 1) in [-1, 1], float32."""
+    """The V bin centers -1 + 2v / (V - 1) in [-1, 1], float32."""
     _check_num_classes(num_classes, "class_centers")
     return -1.0 + 2.0 * jnp.arange(num_classes, dtype=jnp.float32) / (num_classes - 1)
 
 
 # Compiled because eager dispatch of these ~30 small ops dominates on CPU.
 @functools.partial(jax.jit, static_argnums=2)
-def _log_prob(params_P, x, num_classes: int):
-    """log P(x) with x broadcastable against params_P.shape[:-1]; no argument checks."""
-    x = x.astype(jnp.int32)  # uint8 images: comparisons with C = 256 would wrap around
-    logits_K, means_K, log_scales_K = split_params(params_P)
+def _log_prob(params_Q, x, num_classes: int):
+    """log P(x) with x broadcastable against params_Q.shape[:-1]; no argument checks."""
+    x = x.astype(jnp.int32)  # uint8 images: comparisons with V = 256 would wrap around
+    logits_K, means_K, log_scales_K = split_params(params_Q)
     half_width = 1.0 / (num_classes - 1)
-    # Bin edges (2x - C + 2) / (C - 1) and (2x - C) / (C - 1): exact integers divided once, so
+    # Bin edges (2x - V + 2) / (V - 1) and (2x - V) / (V - 1): exact integers divided once, so
     # each edge is rounded once: at scale exp(-7) one rounding of an edge near 1 costs ~1e-4 nats.
     twice_x = 2.0 * x.astype(jnp.float32)
     upper_edge = (twice_x + (2 - num_classes)) / (num_classes - 1)
@@ -87,53 +87,53 @@ def _log_prob(params_P, x, num_classes: int):
     # All three branches are finite everywhere, so jnp.where passes finite gradients.
     component_K = jnp.where(x_K == 0, first_K, jnp.where(x_K == num_classes - 1, last_K, middle_K))
     log_prob = jax.nn.logsumexp(jax.nn.log_softmax(logits_K, axis=-1) + component_K, axis=-1)
-    # Classes outside [0, C) have probability zero; -inf makes a loss on them fail loudly.
+    # Classes outside [0, V) have probability zero; -inf makes a loss on them fail loudly.
     return jnp.where((x >= 0) & (x < num_classes), log_prob, -jnp.inf)
 
 
-def mol_log_prob(params_P, x, num_classes: int):
+def mol_log_prob(params_Q, x, num_classes: int):
     """Natural-log probability of integer classes x [...] under params [..., 3K]: float32 [...].
 
     Classes outside [0, num_classes) get -inf.
     """
     _check_num_classes(num_classes, "mol_log_prob")
-    params_P, x = jnp.asarray(params_P), jnp.asarray(x)
-    _check_params(params_P, "mol_log_prob")
+    params_Q, x = jnp.asarray(params_Q), jnp.asarray(x)
+    _check_params(params_Q, "mol_log_prob")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(f"mol_log_prob: x must hold integer classes, got dtype {x.dtype}.")
-    if tuple(x.shape) != tuple(params_P.shape[:-1]):
+    if tuple(x.shape) != tuple(params_Q.shape[:-1]):
         raise ValueError(
             f"mol_log_prob: x shape {tuple(x.shape)} must equal the params' leading "
-            f"shape {tuple(params_P.shape[:-1])} (params shape {tuple(params_P.shape)})."
+            f"shape {tuple(params_Q.shape[:-1])} (params shape {tuple(params_Q.shape)})."
         )
-    return _log_prob(params_P, x, num_classes)
+    return _log_prob(params_Q, x, num_classes)
 
 
-def mol_probs(params_P, num_classes: int):
-    """Probabilities of every class: params [..., 3K] -> float32 [..., C], summing to 1."""
+def mol_probs(params_Q, num_classes: int):
+    """Probabilities of every class: params [..., 3K] -> float32 [..., V], summing to 1."""
     _check_num_classes(num_classes, "mol_probs")
-    params_P = jnp.asarray(params_P)
-    _check_params(params_P, "mol_probs")
-    classes_C = jnp.arange(num_classes, dtype=jnp.int32)
-    return jnp.exp(_log_prob(params_P[..., None, :], classes_C, num_classes))
+    params_Q = jnp.asarray(params_Q)
+    _check_params(params_Q, "mol_probs")
+    classes_V = jnp.arange(num_classes, dtype=jnp.int32)
+    return jnp.exp(_log_prob(params_Q[..., None, :], classes_V, num_classes))
 
 
-def mol_sample(key, params_P, num_classes: int):
+def mol_sample(key, params_Q, num_classes: int):
     """Draw classes int32 [...] from params [..., 3K]: the distribution `mol_log_prob` scores.
 
     A component is picked from the logits, a logistic drawn with its mean and scale
     exp(log_scale), and the draw mapped to the bin containing it (the nearest center, clipped to
-    [0, C - 1], which is how the edge bins reach to infinity).
+    [0, V - 1], which is how the edge bins reach to infinity).
     """
     _check_num_classes(num_classes, "mol_sample")
-    params_P = jnp.asarray(params_P)
-    _check_params(params_P, "mol_sample")
-    return _sample(key, params_P, num_classes)
+    params_Q = jnp.asarray(params_Q)
+    _check_params(params_Q, "mol_sample")
+    return _sample(key, params_Q, num_classes)
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _sample(key, params_P, num_classes: int):
-    logits_K, means_K, log_scales_K = split_params(params_P)
+def _sample(key, params_Q, num_classes: int):
+    logits_K, means_K, log_scales_K = split_params(params_Q)
     component_key, logistic_key = jax.random.split(key)
     k = jax.random.categorical(component_key, logits_K, axis=-1)[..., None]
     mean = jnp.take_along_axis(means_K, k, axis=-1)[..., 0]

@@ -4,7 +4,7 @@ Legend: B batch, S source time, T target time, E model width, V vocabulary.
 
   logits_BTV = model(source_BS, target_in_BT, source_lengths=lengths_B)   parallel (training)
   tokens_BT = greedy_decode(model, source_BS, T, start_token=0)          one compiled loop
-  tokens_BT = greedy_decode(model, source_BS, T, start_token=0, prefix=prefix_BK)
+  tokens_BT = greedy_decode(model, source_BS, T, start_token=0, prefix=prefix_BT)
                                                  a forced target prefix, read by one prefill
 
 Recurrently (after `model.eval()`): state = model.init_state(memory_BSE, max_length,
@@ -13,7 +13,7 @@ state, logits_BTV = model.prefill(state, tokens_BT) for T of them at once (equal
 
 Decoding encodes the source once; each decoder layer then reduces the memory once to what its
 cross-attention needs per step (softmax: the projected keys/values; linear: one (S, z) summary;
-linformer: K projected rows), and the decoder's self-attention runs as an RNN.
+linformer: J projected rows), and the decoder's self-attention runs as an RNN.
 """
 
 from __future__ import annotations
@@ -107,17 +107,17 @@ class EncoderDecoder(nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_lengths, prefix_BK):
+def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_lengths, prefix_BT):
     model = nnx.merge(graphdef, params)
     memory_BSE = model.encode(source_BS, source_lengths=source_lengths)
-    K = prefix_BK.shape[1]
-    # The decoder reads start, the K prefix tokens, then num_steps - 1 decoded ones.
-    state = model.init_state(memory_BSE, K + num_steps, source_lengths=source_lengths)
+    k = prefix_BT.shape[1]
+    # The decoder reads start, the k prefix tokens, then num_steps - 1 decoded ones.
+    state = model.init_state(memory_BSE, k + num_steps, source_lengths=source_lengths)
     start_B1 = jnp.full(source_BS.shape[:1] + (1,), start_token, source_BS.dtype)
-    inputs_BK1 = jnp.concatenate([start_B1, prefix_BK], axis=1)
-    if K:
+    inputs_BT = jnp.concatenate([start_B1, prefix_BT], axis=1)  # k + 1 tokens
+    if k:
         # All but the last known token in one parallel pass; the loop reads the last one.
-        state, _ = model.prefill(state, inputs_BK1[:, :K])
+        state, _ = model.prefill(state, inputs_BT[:, :k])
 
     def body(carry, _):
         state, token_B = carry
@@ -125,7 +125,7 @@ def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_l
         token_B = jnp.argmax(logits_BV, axis=-1).astype(source_BS.dtype)
         return (state, token_B), token_B
 
-    _, tokens_TB = jax.lax.scan(body, (state, inputs_BK1[:, K]), length=num_steps)
+    _, tokens_TB = jax.lax.scan(body, (state, inputs_BT[:, k]), length=num_steps)
     return tokens_TB.T
 
 
@@ -134,9 +134,9 @@ def greedy_decode(
 ):
     """Decode `num_steps` tokens greedily after `start_token`: [B, num_steps] tokens.
 
-    `prefix` [B, K] forces the first K target tokens after `start_token` (e.g. a known start of
+    `prefix` [B, k] forces the first k target tokens after `start_token` (e.g. a known start of
     the answer): they are read in one parallel `prefill`, and the `num_steps` tokens returned
-    are the ones decoded after them (the prefix itself is not repeated). Each K compiles once.
+    are the ones decoded after them (the prefix itself is not repeated). Each k compiles once.
 
     Encoding, the memory reduction, the prefill and every decoding step run in one compiled
     function; the decoder's self-attention must have a recurrent form (softmax, linear) and the
@@ -151,20 +151,20 @@ def greedy_decode(
         raise ValueError(f"greedy_decode: num_steps must be >= 1, got {num_steps}.")
     batch = source_BS.shape[0]
     if prefix is None:
-        prefix_BK = jnp.zeros((batch, 0), source_BS.dtype)
+        prefix_BT = jnp.zeros((batch, 0), source_BS.dtype)
     else:
-        prefix_BK = jnp.asarray(prefix)
+        prefix_BT = jnp.asarray(prefix)
         if (
-            prefix_BK.ndim != 2
-            or prefix_BK.shape[0] != batch
-            or not jnp.issubdtype(prefix_BK.dtype, jnp.integer)
+            prefix_BT.ndim != 2
+            or prefix_BT.shape[0] != batch
+            or not jnp.issubdtype(prefix_BT.dtype, jnp.integer)
         ):
             raise ValueError(
                 f"greedy_decode: prefix must be integer tokens of shape "
-                f"[batch={batch}, K], got {prefix_BK.dtype} "
-                f"{tuple(prefix_BK.shape)}."
+                f"[batch={batch}, K], got {prefix_BT.dtype} "
+                f"{tuple(prefix_BT.shape)}."
             )
-        prefix_BK = prefix_BK.astype(source_BS.dtype)
+        prefix_BT = prefix_BT.astype(source_BS.dtype)
     graphdef, params = nnx.split(model)
     return _greedy_decode(
         graphdef,
@@ -173,5 +173,5 @@ def greedy_decode(
         num_steps,
         int(start_token),
         None if source_lengths is None else jnp.asarray(source_lengths),
-        prefix_BK,
+        prefix_BT,
     )

@@ -10,7 +10,7 @@ the output is not finite, and the training loop refuses the step.
 Finding the first bad step per query costs up to ~1.4x the chunked form's own forward on CPU,
 so `mark_unless_all_finite` does it only when some value is not finite (one reduction decides).
 
-Legend: B batch, T queries, S keys, H heads, M value features.
+Legend: B batch, T query time, S key time, H heads, M value features.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Causal linear attention in four forms that compute the same thing, from any starting state.
 
-Legend: B batch, T time, H heads, D key/query features, F feature-map features, M value
-features, N chunks, C chunk length, P devices on the sequence axis.
+Legend: B batch, T query time, S key time (the same positions: causal self-attention), H heads,
+D key/query features, F feature-map features, M value features, C chunk length, N number of
+chunks, G segments of chunks (the chunked form's `lax.scan` on CPU), P devices on the sequence
+axis; `x` in a suffix: any leading shape.
 
   out_t = phi(q_t) . S_t / (phi(q_t) . z_t + eps),  S_t = S_0 + sum_{s<=t} phi(k_s) v_s^T,
                                                      z_t = z_0 + sum_{s<=t} phi(k_s)
@@ -21,7 +23,7 @@ parallel and carried on from where it ended (`return_state=True` gives (S_T, z_T
 - "scan": the RNN, `lax.scan` of the (S, z) update; O(F*M) state, T sequential steps.
 
 With `sequence_axis`, the time axis is split over the devices of a mesh axis (LASP-2, Sun et al.
-2025): each device reduces its block to its (S, z) totals, one all-gather shares these D x M
+2025): each device reduces its block to its (S, z) totals, one all-gather shares these F x M
 states, and each device finishes its own block from the exclusive prefix of the devices before
 it. The traffic is P states per device whatever the sequence length.
 """
@@ -126,12 +128,12 @@ def _chunked_segment(carry, xs, eps, acc):
     s_BHNFM = _exclusive_cumsum(kv_BHNFM, axis=2) + s0_BHFM[:, :, None]
     z_BHNF = _exclusive_cumsum(ksum_BHNF, axis=2) + z0_BHF[:, :, None]
 
-    # Within a chunk: the masked quadratic form on C x C.
-    sim_BHNCC = _precision.einsum_in(acc, "bhncf,bhndf->bhncd", q_BHNCF, k_BHNCF)
+    # Within a chunk: the masked quadratic form on C x C (t, s: query and key position in it).
+    sim_BHNCC = _precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q_BHNCF, k_BHNCF)
     sim_BHNCC = jnp.where(jnp.tril(jnp.ones((C, C), bool)), sim_BHNCC, 0)
 
     q_acc = q_BHNCF.astype(acc)
-    num_BHNCM = jnp.einsum("bhncd,bhndm->bhncm", sim_BHNCC, v_BHNCM.astype(acc)) + jnp.einsum(
+    num_BHNCM = jnp.einsum("bhnts,bhnsm->bhntm", sim_BHNCC, v_BHNCM.astype(acc)) + jnp.einsum(
         "bhncf,bhnfm->bhncm", q_acc, s_BHNFM
     )
     den_BHNC = jnp.sum(sim_BHNCC, axis=-1) + jnp.einsum("bhncf,bhnf->bhnc", q_acc, z_BHNF)

@@ -4,6 +4,8 @@ Linear attention replaces exp(q.k) by phi(q).phi(k) with phi >= 0. A feature map
 x[..., D] to phi(x)[..., F]. Queries and keys may be mapped differently where a per-query
 constant cancels between numerator and denominator (the FAVOR+ stabiliser).
 
+Legend: D key/query features, F feature-map features; `...` any leading shape.
+
 Feature maps are named in ops and layers by a string from the registry (`"elu"`, `"relu"`,
 `"favor"`), by a `FeatureMap` instance, or by any callable `x -> phi(x)`.
 """

@@ -1,9 +1,10 @@
-"""Linformer attention (Wang et al., 2020): keys and values projected along time to K rows.
+"""Linformer attention (Wang et al., 2020): keys and values projected along time to J rows.
 
-Legend: B batch, T query time, S key time, L maximum key length, K projected rows, H heads,
+Legend: B batch, T query time, S key time, L maximum key length, J projected rows, H heads,
 D query/key features, M value features.
 
-softmax(q (E^T k)^T * scale) (F^T v) with learned E, F of shape [L, K]: O(T K) instead of O(T S).
+softmax(q (E^T k)^T * scale) (F^T v) with the paper's learned projections E, F (`e_LJ`, `f_LJ`
+here; not the model width E or feature-map features F) of shape [L, J]: O(T J) instead of O(T S).
 Inputs shorter than L use the first S rows of E and F, which is the same as zero-padding them
 to L. Padded keys (key_lengths) are zeroed before the projection, so their content cannot reach
 any output; they still occupy no row of their own, as every projected row mixes all positions.
@@ -18,17 +19,17 @@ from linear_transformers.ops import _checks, _precision
 from linear_transformers.ops.softmax import softmax_attention
 
 
-def linformer_project(k_BSHD, v_BSHM, e_LK, f_LK, *, key_lengths=None):
-    """The K projected keys [B, K, H, D] and values [B, K, H, M] (accumulated in float32)."""
+def linformer_project(k_BSHD, v_BSHM, e_LJ, f_LJ, *, key_lengths=None):
+    """The J projected keys [B, J, H, D] and values [B, J, H, M] (accumulated in float32)."""
     S = k_BSHD.shape[1]
-    for name, p in (("e", e_LK), ("f", f_LK)):
+    for name, p in (("e", e_LJ), ("f", f_LJ)):
         if p.ndim != 2:
             raise ValueError(
                 f"linformer: projection {name} must be [max_length, rows], got shape {tuple(p.shape)}."
             )
-    if S > e_LK.shape[0] or S > f_LK.shape[0]:
+    if S > e_LJ.shape[0] or S > f_LJ.shape[0]:
         raise ValueError(
-            f"linformer: {S} keys exceed the maximum length {e_LK.shape[0]} its "
+            f"linformer: {S} keys exceed the maximum length {e_LJ.shape[0]} its "
             f"projections were built for; build the layer with max_length >= {S} "
             f"or shorten the input."
         )
@@ -40,15 +41,15 @@ def linformer_project(k_BSHD, v_BSHM, e_LK, f_LK, *, key_lengths=None):
         k_BSHD = jnp.where(valid_BS11, k_BSHD, 0)
         v_BSHM = jnp.where(valid_BS11, v_BSHM, 0)
     acc = _checks.accumulation_dtype(k_BSHD.dtype)
-    k_BKHD = _precision.einsum_in(acc, "bshd,sk->bkhd", k_BSHD, e_LK[:S].astype(k_BSHD.dtype))
-    v_BKHM = _precision.einsum_in(acc, "bshm,sk->bkhm", v_BSHM, f_LK[:S].astype(v_BSHM.dtype))
-    return k_BKHD, v_BKHM
+    k_BJHD = _precision.einsum_in(acc, "bshd,sj->bjhd", k_BSHD, e_LJ[:S].astype(k_BSHD.dtype))
+    v_BJHM = _precision.einsum_in(acc, "bshm,sj->bjhm", v_BSHM, f_LJ[:S].astype(v_BSHM.dtype))
+    return k_BJHD, v_BJHM
 
 
-def linformer_attention(q_BTHD, k_BSHD, v_BSHM, e_LK, f_LK, *, key_lengths=None, scale=None):
+def linformer_attention(q_BTHD, k_BSHD, v_BSHM, e_LJ, f_LJ, *, key_lengths=None, scale=None):
     """Linformer attention of [B, T, H, D] queries over S <= L keys -> [B, T, H, M] (v's dtype)."""
     _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linformer_attention")
-    k_BKHD, v_BKHM = linformer_project(k_BSHD, v_BSHM, e_LK, f_LK, key_lengths=key_lengths)
-    acc = k_BKHD.dtype
-    out_BTHM = softmax_attention(q_BTHD.astype(acc), k_BKHD, v_BKHM, scale=scale)
+    k_BJHD, v_BJHM = linformer_project(k_BSHD, v_BSHM, e_LJ, f_LJ, key_lengths=key_lengths)
+    acc = k_BJHD.dtype
+    out_BTHM = softmax_attention(q_BTHD.astype(acc), k_BJHD, v_BJHM, scale=scale)
     return out_BTHM.astype(v_BSHM.dtype)
