@@ -23,14 +23,24 @@ built with `sequence_axis="name"` runs its parallel form with the time axis spli
 `name` (the ops wrap themselves in `jax.shard_map` under `jax.set_mesh(mesh)`; model code stays
 in the global view).
 
-New kinds subclass `AttentionCore` and register with `@register_attention("name")`; their
-keyword-only constructor arguments are the options a config may set.
+Options: each kind declares them as one frozen dataclass, its `options_class` (`SoftmaxOptions`,
+`LinearOptions` for both linear kinds, `ReformerOptions`, `LinformerOptions`): the fields are the
+options a config may set, with their defaults, and `__post_init__` rejects unusable values.
+`check_attention_options(kind, mapping)` builds it, so the options are validated once, where
+they are given; the core receives the instance as `options=`.
+
+New kinds subclass `AttentionCore`, set `options_class` to a frozen dataclass of their options
+(a kind that sets none inherits `NoOptions` and takes no options), and register with
+`@register_attention("name")`. The registry builds a core as `cls(causal=, num_heads=,
+head_dim=, value_dim=, rngs=, sequence_axis=, param_dtype=, options=)`; a core passes them all
+on to `AttentionCore.__init__`, which checks `sequence_axis` and keeps `options`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,16 +52,47 @@ _KINDS: dict[str, type["AttentionCore"]] = {}
 
 
 def register_attention(name: str):
-    """Class decorator registering an `AttentionCore` subclass under `name`."""
+    """Class decorator registering an `AttentionCore` subclass under `name`.
+
+    The class declares its options as `options_class`, a frozen dataclass (inherited `NoOptions`:
+    none), and its constructor takes them as one instance, `options=` (see `AttentionCore`).
+    Anything else is a TypeError here rather than a surprise when the kind is first built.
+    """
 
     def wrap(cls):
         if name in _KINDS:
             raise ValueError(f"attention kind {name!r} is already registered.")
+        _check_core_class(name, cls)
         _KINDS[name] = cls
         cls.kind = name
         return cls
 
     return wrap
+
+
+def _check_core_class(name: str, cls) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, AttentionCore)):
+        raise TypeError(f"attention kind {name!r}: {cls!r} is not a subclass of AttentionCore.")
+    options_class = cls.options_class
+    if not (
+        isinstance(options_class, type)
+        and dataclasses.is_dataclass(options_class)
+        and options_class.__dataclass_params__.frozen
+    ):
+        raise TypeError(
+            f"attention kind {name!r}: {cls.__name__}.options_class must be a frozen dataclass "
+            f"(@dataclasses.dataclass(frozen=True)) whose fields are the kind's options, got "
+            f"{options_class!r}; a kind without options leaves it unset (NoOptions)."
+        )
+    params = inspect.signature(cls.__init__).parameters
+    if "options" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise TypeError(
+            f"attention kind {name!r}: {cls.__name__}.__init__ takes no `options`. A core "
+            f"receives its options as one {options_class.__name__} instance, options=, beside "
+            f"causal, num_heads, head_dim, value_dim, rngs, sequence_axis and param_dtype, and "
+            f"passes them on to AttentionCore.__init__; declare the options as fields of "
+            f"options_class rather than as constructor arguments."
+        )
 
 
 def registered_attention_kinds() -> list[str]:
@@ -60,11 +101,8 @@ def registered_attention_kinds() -> list[str]:
 
 
 def attention_options(kind: str) -> list[str]:
-    """The options (keyword-only constructor arguments) that attention `kind` accepts."""
-    cls = attention_class(kind)
-    params = inspect.signature(cls.__init__).parameters.values()
-    common = {"causal", "num_heads", "head_dim", "value_dim", "rngs", "sequence_axis", "param_dtype"}
-    return sorted(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in common)
+    """The options attention `kind` accepts, sorted: the fields of its `options_class`."""
+    return sorted(f.name for f in dataclasses.fields(attention_class(kind).options_class) if f.init)
 
 
 def attention_class(kind: str) -> type["AttentionCore"]:
@@ -76,14 +114,39 @@ def attention_class(kind: str) -> type["AttentionCore"]:
     return _KINDS[kind]
 
 
-def check_attention_options(kind: str, options: Mapping[str, Any]) -> None:
-    """Raise a ValueError naming any option that attention `kind` does not accept."""
+def check_attention_options(kind: str, options: Mapping[str, Any] | Any) -> Any:
+    """The options of attention `kind` as its `options_class` instance, validated.
+
+    `options` is a mapping {option: value} (missing options take their defaults), or already an
+    instance of the kind's `options_class` (returned as it is: it was validated when built). An
+    option the kind does not accept, or a required one left out, is a ValueError listing the
+    kind's options; an unusable value is the options class's ValueError.
+    """
+    options_class = attention_class(kind).options_class
+    if isinstance(options, options_class):
+        return options
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"attention kind {kind!r} takes its options as a mapping or a "
+            f"{options_class.__name__}, got {type(options).__name__}."
+        )
     allowed = attention_options(kind)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(
             f"attention kind {kind!r} does not accept options {unknown}; its options are {allowed}."
         )
+    required = sorted(
+        f.name
+        for f in dataclasses.fields(options_class)
+        if f.init
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in options
+    )
+    if required:
+        raise ValueError(f"attention kind {kind!r} needs options {required}; its options are {allowed}.")
+    return options_class(**options)
 
 
 def sequence_parallel_kinds() -> list[str]:
@@ -123,22 +186,23 @@ def make_attention_core(
     param_dtype=jnp.float32,
     **options,
 ) -> "AttentionCore":
-    """Build the registered core `kind`, rejecting options it does not accept.
+    """Build the registered core `kind` from its options given as keywords.
 
-    `sequence_axis` (a mesh axis name) is handed to the core only when set, so kinds written
-    before it existed still build; a kind without a sequence-parallel form rejects it.
-    `param_dtype` goes to the kinds with parameters of their own (their constructor takes it);
-    the others store nothing it could apply to.
+    The options are validated once, by building the kind's `options_class` from them (an
+    unknown option is a ValueError listing the kind's options); the core receives that instance.
+    `sequence_axis` (a mesh axis name) is refused by kinds without a sequence-parallel form;
+    `param_dtype` is the storage dtype of the parameters of kinds that have their own.
     """
-    check_attention_options(kind, options)
-    check_sequence_axis(kind, sequence_axis)
     cls = attention_class(kind)
-    if sequence_axis is not None:
-        options["sequence_axis"] = sequence_axis
-    if "param_dtype" in inspect.signature(cls.__init__).parameters:
-        options["param_dtype"] = param_dtype
     return cls(
-        causal=causal, num_heads=num_heads, head_dim=head_dim, value_dim=value_dim, rngs=rngs, **options
+        causal=causal,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        value_dim=value_dim,
+        rngs=rngs,
+        sequence_axis=sequence_axis,
+        param_dtype=param_dtype,
+        options=check_attention_options(kind, options),
     )
 
 
@@ -171,10 +235,24 @@ def _prefill_axis(axis: str | None, length: int) -> str | None:
     return axis if length % mesh.shape[axis] == 0 else None
 
 
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a kind that takes none: `AttentionCore.options_class` by default."""
+
+
 class AttentionCore(nnx.Module):
     """Attention after the projections: [B, T, H, D] queries to [B, T, H, M] outputs.
 
+    A core is built as `cls(causal=, num_heads=, head_dim=, value_dim=, rngs=, sequence_axis=,
+    param_dtype=, options=)`, where `options` is an instance of the kind's `options_class`
+    (None: its defaults); `make_attention_core` and `MultiHeadAttention` build that instance
+    from a mapping. The core keeps it as `self.options`; `param_dtype` is the storage dtype of
+    the parameters of kinds that have their own (they read it in their constructor).
+
     Class attributes a kind may override:
+      options_class: a frozen dataclass whose fields are the kind's options, with their
+        defaults, and whose `__post_init__` raises a ValueError on an unusable value
+        (default `NoOptions`: no options).
       has_recurrent_form: `init_state`/`step`/`prefill` reproduce the causal parallel form token
         by token (or block by block).
       has_sequence_parallel_form: the parallel form can split time over a mesh axis
@@ -185,6 +263,7 @@ class AttentionCore(nnx.Module):
     """
 
     kind = "abstract"
+    options_class: type = NoOptions
     has_recurrent_form = False
     has_sequence_parallel_form = False
     shares_query_key = False
@@ -199,8 +278,20 @@ class AttentionCore(nnx.Module):
         value_dim: int,
         rngs: nnx.Rngs,
         sequence_axis: str | None = None,
+        param_dtype=jnp.float32,
+        options=None,
     ):
+        options_class = type(self).options_class
+        if options is None:
+            options = options_class()
+        elif not isinstance(options, options_class):
+            raise ValueError(
+                f"attention kind {self.kind!r} takes its options as one {options_class.__name__}, "
+                f"got {options!r}; build cores from a mapping with make_attention_core."
+            )
         _check_sequence_axis(type(self), sequence_axis)
+        del param_dtype  # Kinds with parameters of their own read it in their constructor.
+        self.options = options
         self.causal = causal
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -295,64 +386,61 @@ class SoftmaxMemory(NamedTuple):
     key_lengths: jax.Array | None
 
 
+@dataclasses.dataclass(frozen=True)
+class SoftmaxOptions:
+    """Options of `"softmax"` attention.
+
+    Attributes:
+      softmax_temp: logit scale, default 1/sqrt(head_dim).
+      attention_dropout: dropout on the attention probabilities while training, in [0, 1).
+      implementation: passed to `ops.softmax_attention` (None, "xla", "cudnn", "reference").
+      sow_weights: record the probabilities [B, H, T, S] as `nnx.Intermediate`
+        "attention_weights" (read them with `nnx.capture`); uses the explicit-weights path.
+    """
+
+    softmax_temp: float | None = None
+    attention_dropout: float = 0.0
+    implementation: str | None = None
+    sow_weights: bool = False
+
+    def __post_init__(self):
+        if self.implementation not in ops.softmax.IMPLEMENTATIONS:
+            raise ValueError(
+                f"softmax attention: unknown implementation {self.implementation!r}; "
+                f"expected one of {ops.softmax.IMPLEMENTATIONS}."
+            )
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout}.")
+
+
 @register_attention("softmax")
 class SoftmaxAttention(AttentionCore):
     """softmax(q k^T * softmax_temp) v; recurrent form with a preallocated KV cache.
 
-    Options:
-      softmax_temp: logit scale, default 1/sqrt(head_dim).
-      attention_dropout: dropout on the attention probabilities while training.
-      implementation: passed to `ops.softmax_attention` (None, "xla", "cudnn", "reference").
-      sow_weights: record the probabilities [B, H, T, S] as `nnx.Intermediate`
-        "attention_weights" (read them with `nnx.capture`); uses the explicit-weights path.
+    Options: `SoftmaxOptions`.
 
     With `sequence_axis` each device keeps its queries and all-gathers the keys and values
     (`ops.softmax_attention`); the explicit-weights path (sow_weights, attention dropout while
     training) has no sequence-parallel form and is refused.
     """
 
+    options_class = SoftmaxOptions
     has_recurrent_form = True
     has_sequence_parallel_form = True
 
-    def __init__(
-        self,
-        *,
-        causal,
-        num_heads,
-        head_dim,
-        value_dim,
-        rngs,
-        sequence_axis=None,
-        softmax_temp=None,
-        attention_dropout=0.0,
-        implementation=None,
-        sow_weights=False,
-    ):
-        super().__init__(
-            causal=causal,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            rngs=rngs,
-            sequence_axis=sequence_axis,
-        )
-        if sow_weights and sequence_axis is not None:
+    def __init__(self, *, rngs: nnx.Rngs, **kwargs):
+        super().__init__(rngs=rngs, **kwargs)
+        options = self.options
+        if options.sow_weights and self.sequence_axis is not None:
             raise ValueError(
                 f"softmax attention: sow_weights records the whole [B, H, T, S] "
-                f"matrix, which sequence_axis={sequence_axis!r} never forms; use "
+                f"matrix, which sequence_axis={self.sequence_axis!r} never forms; use "
                 f"one or the other."
             )
-        if implementation not in ops.softmax.IMPLEMENTATIONS:
-            raise ValueError(
-                f"softmax attention: unknown implementation {implementation!r}; "
-                f"expected one of {ops.softmax.IMPLEMENTATIONS}."
-            )
-        if not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}.")
-        self.softmax_temp = softmax_temp
-        self.implementation = implementation
-        self.sow_weights = sow_weights
-        self.attention_dropout = nnx.Dropout(attention_dropout, rngs=rngs)
+        self.softmax_temp = options.softmax_temp
+        self.implementation = options.implementation
+        self.sow_weights = options.sow_weights
+        self.attention_dropout = nnx.Dropout(options.attention_dropout, rngs=rngs)
 
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
         dropout_active = self.attention_dropout.rate > 0 and not self.attention_dropout.deterministic
@@ -439,6 +527,50 @@ class FeatureProjection(nnx.Variable):
     """A fixed random matrix of a feature map (FAVOR+): state, not a trained parameter."""
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearOptions:
+    """Options of `"linear"` and `"causal-linear"` attention.
+
+    Attributes:
+      feature_map: "elu" (default), "relu", "favor" (FAVOR+, a random matrix drawn from the
+        layer's `params` RNG stream and kept fixed until `redraw_features`), another name from
+        `ops.registered_feature_maps()`, or a callable.
+      num_features: F for "favor" (default head_dim); other feature maps do not take it.
+      impl: causal implementation, one of `ops.IMPLS` (default "chunked").
+      chunk_size: chunk length for impl="chunked" (None: `ops.default_chunk_size`).
+      eps: added to the normaliser.
+    """
+
+    feature_map: str | Callable = "elu"
+    num_features: int | None = None
+    impl: str = "chunked"
+    chunk_size: int | None = None
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.impl not in ops.IMPLS:
+            raise ValueError(f"linear attention: unknown impl {self.impl!r}; expected one of {ops.IMPLS}.")
+        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
+            raise ValueError(
+                f"linear attention: chunk_size must be None or an integer >= 1, got {self.chunk_size!r}."
+            )
+        if self.feature_map == "favor":
+            if self.num_features is not None and (
+                not isinstance(self.num_features, int) or self.num_features < 1
+            ):
+                raise ValueError(
+                    f"linear attention: num_features must be None or an integer >= 1, got "
+                    f"{self.num_features!r}."
+                )
+        else:
+            if self.num_features is not None:
+                raise ValueError(
+                    f"num_features is the size of FAVOR+ random features; feature "
+                    f"map {self.feature_map!r} does not take it."
+                )
+            ops.make_feature_map(self.feature_map)  # An unknown name fails here, where it is given.
+
+
 @register_attention("linear")
 class LinearAttention(AttentionCore):
     """Linear attention phi(q) (sum phi(k) v^T) / (phi(q) . sum phi(k) + eps).
@@ -446,13 +578,7 @@ class LinearAttention(AttentionCore):
     Non-causal, or causal when the layer is causal (a decoder's self-attention); its recurrent
     state is `ops.LinearState` (S, z), constant in size whatever the length.
 
-    Options:
-      feature_map: "elu" (default), "relu", "favor" (FAVOR+, a random matrix drawn from the
-        layer's `params` RNG stream and kept fixed until `redraw_features`), or a callable.
-      num_features: F for "favor" (default head_dim).
-      impl: causal implementation, one of `ops.IMPLS` (default "chunked").
-      chunk_size: chunk length for impl="chunked" (None: `ops.default_chunk_size`).
-      eps: added to the normaliser.
+    Options: `LinearOptions`.
 
     Arbitrary [T, S] masks cannot be honoured without the T x S matrix; key_lengths is the
     supported padding mask. In causal form right-padded keys never reach a valid position; they
@@ -463,53 +589,21 @@ class LinearAttention(AttentionCore):
     combines them by an exclusive prefix over devices (LASP-2), the non-causal one by a sum.
     """
 
+    options_class = LinearOptions
     has_recurrent_form = True
     has_sequence_parallel_form = True
 
-    def __init__(
-        self,
-        *,
-        causal,
-        num_heads,
-        head_dim,
-        value_dim,
-        rngs,
-        sequence_axis=None,
-        feature_map="elu",
-        num_features=None,
-        impl="chunked",
-        chunk_size=None,
-        eps=1e-6,
-    ):
-        super().__init__(
-            causal=causal,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            rngs=rngs,
-            sequence_axis=sequence_axis,
-        )
-        if impl not in ops.IMPLS:
-            raise ValueError(f"linear attention: unknown impl {impl!r}; expected one of {ops.IMPLS}.")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(
-                f"linear attention: chunk_size must be None or an integer >= 1, got {chunk_size!r}."
-            )
-        self.impl = impl
-        self.chunk_size = chunk_size
-        self.eps = eps
-        self.feature_map_spec = feature_map
-        if feature_map == "favor":
+    def __init__(self, *, rngs: nnx.Rngs, **kwargs):
+        super().__init__(rngs=rngs, **kwargs)
+        options = self.options
+        self.impl = options.impl
+        self.chunk_size = options.chunk_size
+        self.eps = options.eps
+        self.feature_map_spec = options.feature_map
+        if options.feature_map == "favor":
             self.feature_projection = FeatureProjection(
-                ops.favor_projection(rngs.params(), num_features or head_dim, head_dim)
+                ops.favor_projection(rngs.params(), options.num_features or self.head_dim, self.head_dim)
             )
-        else:
-            if num_features is not None:
-                raise ValueError(
-                    f"num_features is the size of FAVOR+ random features; feature "
-                    f"map {feature_map!r} does not take it."
-                )
-            ops.make_feature_map(feature_map)  # Fail at construction on an unknown name.
 
     def redraw_features(self, key):
         """Draw a new FAVOR+ random matrix (no-op error for deterministic feature maps)."""
@@ -617,46 +711,43 @@ class LinearAttention(AttentionCore):
 
 @register_attention("causal-linear")
 class CausalLinearAttention(LinearAttention):
-    """`"linear"` that insists on the causal form (the authors' name for it)."""
+    """`"linear"` that insists on the causal form (the authors' name for it); the same options,
+    `LinearOptions`."""
 
-    def __init__(
-        self,
-        *,
-        causal,
-        num_heads,
-        head_dim,
-        value_dim,
-        rngs,
-        sequence_axis=None,
-        feature_map="elu",
-        num_features=None,
-        impl="chunked",
-        chunk_size=None,
-        eps=1e-6,
-    ):
+    def __init__(self, *, causal: bool, rngs: nnx.Rngs, **kwargs):
         if not causal:
             raise ValueError(
                 "attention kind 'causal-linear' is causal by definition but was "
                 "built for non-causal attention (an encoder or cross-attention); "
                 "use kind='linear' there."
             )
-        super().__init__(
-            causal=causal,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            rngs=rngs,
-            sequence_axis=sequence_axis,
-            feature_map=feature_map,
-            num_features=num_features,
-            impl=impl,
-            chunk_size=chunk_size,
-            eps=eps,
-        )
+        super().__init__(causal=causal, rngs=rngs, **kwargs)
 
 
 class HashRotations(nnx.Variable):
     """The fixed random rotations of LSH attention: state, not a trained parameter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReformerOptions:
+    """Options of `"reformer"` attention (checked by `ops.check_lsh_options`).
+
+    Attributes:
+      num_buckets: U, 1 or even (default 8).
+      num_rounds: R hashing rounds (default 4; the paper compares 1, 4 and 8).
+      chunk_size: C, each query sees its chunk and the previous one in sorted order (default 32).
+      softmax_temp: logit scale, default 1/sqrt(head_dim).
+    """
+
+    num_buckets: int = 8
+    num_rounds: int = 4
+    chunk_size: int = 32
+    softmax_temp: float | None = None
+
+    def __post_init__(self):
+        ops.check_lsh_options(
+            num_rounds=self.num_rounds, num_buckets=self.num_buckets, chunk_size=self.chunk_size
+        )
 
 
 @register_attention("reformer")
@@ -667,50 +758,29 @@ class ReformerAttention(AttentionCore):
     self-attention only and `MultiHeadAttention` builds no key projection for it. Causal or not;
     key_lengths padding is honoured; arbitrary masks are not.
 
-    Options:
-      num_buckets: U, 1 or even (default 8).
-      num_rounds: R hashing rounds (default 4; the paper compares 1, 4 and 8).
-      chunk_size: C, each query sees its chunk and the previous one in sorted order (default 32).
-      softmax_temp: logit scale, default 1/sqrt(head_dim).
+    Options: `ReformerOptions`.
 
     The rotations are drawn once from the `params` RNG stream and kept (so evaluation is
     deterministic); `redraw_hashes(key)` draws new ones.
     """
 
+    options_class = ReformerOptions
     shares_query_key = True
     no_recurrent_form_reason = (
         "which keys share a chunk depends on the hash-sorted order of the "
         "whole sequence, so no per-token state reproduces the parallel form"
     )
 
-    def __init__(
-        self,
-        *,
-        causal,
-        num_heads,
-        head_dim,
-        value_dim,
-        rngs,
-        sequence_axis=None,
-        num_buckets=8,
-        num_rounds=4,
-        chunk_size=32,
-        softmax_temp=None,
-    ):
+    def __init__(self, *, rngs: nnx.Rngs, **kwargs):
         # No sequence-parallel form (the hash-sorted chunks span the whole sequence): the base
         # class rejects a sequence_axis with the list of kinds that have one.
-        super().__init__(
-            causal=causal,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            rngs=rngs,
-            sequence_axis=sequence_axis,
+        super().__init__(rngs=rngs, **kwargs)
+        options = self.options
+        self.chunk_size = options.chunk_size
+        self.softmax_temp = options.softmax_temp
+        self.rotations = HashRotations(
+            ops.lsh_rotations(rngs.params(), options.num_rounds, self.head_dim, options.num_buckets)
         )
-        ops.check_lsh_options(num_rounds=num_rounds, num_buckets=num_buckets, chunk_size=chunk_size)
-        self.chunk_size = chunk_size
-        self.softmax_temp = softmax_temp
-        self.rotations = HashRotations(ops.lsh_rotations(rngs.params(), num_rounds, head_dim, num_buckets))
 
     def redraw_hashes(self, key):
         """Draw new random rotations (same rounds and buckets)."""
@@ -745,73 +815,79 @@ class LinformerMemory(NamedTuple):
     v_BKHM: jax.Array
 
 
+def _linformer_size_error(name: str, value) -> ValueError:
+    return ValueError(
+        f"linformer attention: {name} must be an integer >= 1, got {value!r}"
+        + (" (it is required: the most keys the layer accepts)" if name == "max_length" else "")
+        + "."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LinformerOptions:
+    """Options of `"linformer"` attention.
+
+    Attributes:
+      max_length: L, the most keys the layer accepts; shorter inputs are padded. Required to
+        build the layer; None here means not given yet (a trainer may fill it in from its
+        data), so a config without it is valid until a layer is built from it.
+      projected_length: K rows (default 64).
+      share_kv: one projection for keys and values (the paper's "shared" variant).
+      softmax_temp: logit scale, default 1/sqrt(head_dim).
+    """
+
+    max_length: int | None = None
+    projected_length: int = 64
+    share_kv: bool = False
+    softmax_temp: float | None = None
+
+    def __post_init__(self):
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
+            raise _linformer_size_error("max_length", self.max_length)
+        if not isinstance(self.projected_length, int) or self.projected_length < 1:
+            raise _linformer_size_error("projected_length", self.projected_length)
+
+
 @register_attention("linformer")
 class LinformerAttention(AttentionCore):
     """Linformer: keys and values projected along time to `projected_length` rows (see
     `ops.linformer`). Non-causal only (an encoder, or cross-attention).
 
-    Options:
-      max_length: L, the most keys the layer accepts (required); shorter inputs are padded.
-      projected_length: K rows (default 64).
-      share_kv: one projection for keys and values (the paper's "shared" variant).
-      softmax_temp: logit scale, default 1/sqrt(head_dim).
+    Options: `LinformerOptions` (`max_length` required).
 
     As cross-attention it has a memory form: the memory is reduced once to its K projected
     keys and values (`init_memory`), queried per decoding step (`attend_memory`).
     """
 
+    options_class = LinformerOptions
     no_recurrent_form_reason = "it is non-causal: every projected row mixes every position"
 
-    def __init__(
-        self,
-        *,
-        causal,
-        num_heads,
-        head_dim,
-        value_dim,
-        rngs,
-        sequence_axis=None,
-        max_length=None,
-        projected_length=64,
-        share_kv=False,
-        softmax_temp=None,
-        param_dtype=jnp.float32,
-    ):
+    def __init__(self, *, rngs: nnx.Rngs, param_dtype=jnp.float32, **kwargs):
         # No sequence-parallel form (not implemented): the base class rejects a sequence_axis.
-        super().__init__(
-            causal=causal,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            rngs=rngs,
-            sequence_axis=sequence_axis,
-        )
-        if causal:
+        super().__init__(rngs=rngs, param_dtype=param_dtype, **kwargs)
+        options = self.options
+        if self.causal:
             raise ValueError(
                 "attention kind 'linformer' has no causal form (each projected row "
                 "mixes every position, future ones included); use it in an encoder "
                 "or for cross-attention, and 'linear' or 'softmax' for causal "
                 "self-attention."
             )
-        for name, value in (("max_length", max_length), ("projected_length", projected_length)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"linformer attention: {name} must be an integer >= 1, got "
-                    f"{value!r}"
-                    + (" (it is required: the most keys the layer accepts)" if name == "max_length" else "")
-                    + "."
-                )
+        if options.max_length is None:
+            raise _linformer_size_error("max_length", None)
         # fan-in L: a projected row keeps the scale of one key.
         init = nnx.initializers.lecun_normal()
-        shape = (max_length, projected_length)
+        shape = (options.max_length, options.projected_length)
         self.key_projection = nnx.Param(init(rngs.params(), shape, param_dtype))
-        self.value_projection = None if share_kv else nnx.Param(init(rngs.params(), shape, param_dtype))
-        self.softmax_temp = softmax_temp
+        self.value_projection = (
+            None if options.share_kv else nnx.Param(init(rngs.params(), shape, param_dtype))
+        )
+        self.softmax_temp = options.softmax_temp
 
     def _projections(self):
         # The ops cast them to the keys' dtype and accumulate in float32.
-        e_LK = self.key_projection[...]
-        return e_LK, (e_LK if self.value_projection is None else self.value_projection[...])
+        e_LJ = self.key_projection[...]
+        return e_LJ, (e_LJ if self.value_projection is None else self.value_projection[...])
 
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
         if mask is not None:

@@ -17,12 +17,40 @@ The same parameters serve three uses:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.attention import make_attention_core
+from linear_transformers.attention import attention_class, check_attention_options
+
+
+def core_options(
+    kind: str,
+    attention_options: Mapping[str, Any] | Any | None = None,
+    *,
+    attention_dropout: float = 0.0,
+    softmax_temp: float | None = None,
+):
+    """The options object of the core of `kind` that `MultiHeadAttention` builds from the same
+    arguments: `attention_options` (a mapping, or an instance of the kind's options class) with
+    `attention_dropout` and `softmax_temp` added where set (non-zero, not None), built into the
+    kind's options class (`attention.check_attention_options`), so validated once.
+
+    An instance without additions is returned as it is; a configuration that builds many layers
+    (`TransformerConfig`) calls this once and hands each layer the instance.
+    """
+    extra = {"attention_dropout": attention_dropout} if attention_dropout else {}
+    if softmax_temp is not None:
+        extra["softmax_temp"] = softmax_temp
+    options = {} if attention_options is None else attention_options
+    if extra:
+        if not isinstance(options, Mapping):  # An options instance (else the error): its values.
+            options = check_attention_options(kind, options)
+            options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.init}
+        options = {**options, **extra}
+    return check_attention_options(kind, options)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -38,9 +66,12 @@ class MultiHeadAttention(nnx.Module):
       causal: whether query t sees only keys s <= t (self-attention in a decoder).
       kv_features: width of the keys'/values' input (context); default in_features.
       out_features: width of the output; default in_features.
-      attention_dropout, softmax_temp: passed to the core when set; a kind that has no attention
-        matrix or temperature rejects them rather than ignore them.
-      attention_options: further options of the kind (e.g. {"feature_map": "favor"}).
+      attention_dropout, softmax_temp: options of the core when set; a kind that has no
+        attention matrix or temperature rejects them rather than ignore them.
+      attention_options: further options of the kind, a mapping (e.g. {"feature_map": "favor"})
+        or an instance of its options class (`attention.LinearOptions(feature_map="favor")`,
+        `attention_class(kind).options_class`). Built into that class once, here: an option the
+        kind does not take, or an unusable value, is a ValueError listing what it accepts.
       sequence_axis: mesh axis to split time over in the parallel form (sequence parallelism;
         kinds with `has_sequence_parallel_form` only), or None.
       dtype: computation dtype of the projections (None: from inputs and parameters); the
@@ -61,7 +92,7 @@ class MultiHeadAttention(nnx.Module):
         out_features: int | None = None,
         attention_dropout: float = 0.0,
         softmax_temp: float | None = None,
-        attention_options: Mapping[str, Any] | None = None,
+        attention_options: Mapping[str, Any] | Any | None = None,
         use_bias: bool = True,
         dtype=None,
         param_dtype=jnp.float32,
@@ -84,13 +115,7 @@ class MultiHeadAttention(nnx.Module):
         self.causal = causal
         self.dtype = dtype
 
-        options = dict(attention_options or {})
-        if attention_dropout:
-            options["attention_dropout"] = attention_dropout
-        if softmax_temp is not None:
-            options["softmax_temp"] = softmax_temp
-        self.core = make_attention_core(
-            kind,
+        self.core = attention_class(kind)(
             causal=causal,
             num_heads=num_heads,
             head_dim=query_dim,
@@ -98,7 +123,9 @@ class MultiHeadAttention(nnx.Module):
             rngs=rngs,
             sequence_axis=sequence_axis,
             param_dtype=param_dtype,
-            **options,
+            options=core_options(
+                kind, attention_options, attention_dropout=attention_dropout, softmax_temp=softmax_temp
+            ),
         )
 
         def linear(i, o):

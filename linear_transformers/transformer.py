@@ -27,13 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.attention import (
-    attention_class,
-    check_attention_options,
-    check_inference_mode,
-    check_sequence_axis,
-)
-from linear_transformers.multi_head_attention import MultiHeadAttention
+from linear_transformers.attention import attention_class, check_inference_mode, check_sequence_axis
+from linear_transformers.multi_head_attention import MultiHeadAttention, core_options
 
 # "gelu" is the exact erf form, as torch.nn.functional.gelu and the authors' layers compute it;
 # "gelu_tanh" is the tanh approximation (jax.nn.gelu's default).
@@ -65,16 +60,6 @@ def float_dtype(value, name: str, *, allow_none: bool = False):
 # self-attention options): the non-causal relative of a causal-only kind, and full softmax for
 # reformer, whose shared query/key needs self-attention (as in the Reformer's encoder-decoder).
 _DEFAULT_CROSS_KIND = {"causal-linear": ("linear", True), "reformer": ("softmax", False)}
-
-
-def _core_options(kind, options, attention_dropout, softmax_temp) -> dict[str, Any]:
-    """The options MultiHeadAttention hands the core of `kind` (see its docstring)."""
-    options = dict(options or {})
-    if attention_dropout:
-        options["attention_dropout"] = attention_dropout
-    if softmax_temp is not None:
-        options["softmax_temp"] = softmax_temp
-    return options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,14 +147,21 @@ class TransformerConfig:
                 f"TransformerConfig.cross_attention {self.cross_kind!r} shares queries "
                 "and keys, so it cannot attend to a memory; choose another kind."
             )
-        for kind, options in (
-            (self.attention, self.attention_options),
-            (self.cross_kind, self.cross_options),
-        ):
-            attention_class(kind)
-            check_attention_options(
-                kind, _core_options(kind, options, self.attention_dropout, self.softmax_temp)
-            )
+        # Each kind's options class, built (so validated) once, here, with attention_dropout and
+        # softmax_temp included: every layer is handed these instances (self-, cross-attention).
+        object.__setattr__(
+            self,
+            "_core_options",
+            tuple(
+                core_options(
+                    kind, options, attention_dropout=self.attention_dropout, softmax_temp=self.softmax_temp
+                )
+                for kind, options in (
+                    (self.attention, self.attention_options),
+                    (self.cross_kind, self.cross_options),
+                )
+            ),
+        )
         try:
             for kind in dict.fromkeys((self.attention, self.cross_kind)):
                 check_sequence_axis(kind, self.sequence_axis)
@@ -232,9 +224,7 @@ def _attention(config: TransformerConfig, *, cross: bool, causal: bool, rngs) ->
         value_dim=config.head_value_dim,
         kind=kind,
         causal=causal,
-        attention_dropout=config.attention_dropout,
-        softmax_temp=config.softmax_temp,
-        attention_options=config.cross_options if cross else config.attention_options,
+        attention_options=config._core_options[1 if cross else 0],  # with attention_dropout, softmax_temp
         sequence_axis=config.sequence_axis,
         dtype=config.dtype,
         param_dtype=config.param_dtype,

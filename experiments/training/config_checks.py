@@ -92,13 +92,18 @@ def check_types(
 
 
 def check_attention(config: ml_collections.ConfigDict, key: str = "attention") -> None:
-    """config[key] is a registered kind and config[key + "_options"] are options it takes."""
+    """config[key] is a registered kind and config[key + "_options"] are options it takes, with
+    usable values: the kind's options class is built from them (the rules the layers apply), so
+    a bad option fails here, naming the key, rather than when the model is built."""
     if config[key] not in registered_attention_kinds():
         raise ValueError(
             f"config.{key} {config[key]!r} is not a registered attention kind; "
             f"registered: {registered_attention_kinds()}."
         )
-    check_attention_options(config[key], dict(config[key + "_options"]))
+    try:
+        check_attention_options(config[key], dict(config[key + "_options"]))
+    except ValueError as e:
+        raise ValueError(f"config.{key}_options: {e}") from None
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
