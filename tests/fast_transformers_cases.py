@@ -78,8 +78,7 @@ def encoder_case(builder_kwargs: dict, *, causal: bool, batch=3, length=7, seed=
         "output/parallel": out.numpy(),
     }
     if causal:
-        recurrent_kwargs = dict(builder_kwargs)
-        recurrent = RecurrentEncoderBuilder.from_kwargs(**recurrent_kwargs).get().eval()
+        recurrent = RecurrentEncoderBuilder.from_kwargs(**builder_kwargs).get().eval()
         recurrent.load_state_dict(model.state_dict())
         state, steps = None, []
         with torch.no_grad():
@@ -116,13 +115,7 @@ def decoder_case(builder_kwargs: dict, *, batch=3, length=6, memory_length=5, se
             x_length_mask=LengthMask(lengths, max_len=length),
             memory_length_mask=memory_mask,
         )
-    recurrent_kwargs = dict(builder_kwargs)
-    for role in ("self_attention_type", "cross_attention_type"):
-        # Their recurrent registry names causal linear self-attention "causal-linear" or
-        # "linear", and cross-attention "linear".
-        if recurrent_kwargs.get(role) == "causal-linear" and role == "cross_attention_type":
-            recurrent_kwargs[role] = "linear"
-    recurrent = RecurrentDecoderBuilder.from_kwargs(**recurrent_kwargs).get().eval()
+    recurrent = RecurrentDecoderBuilder.from_kwargs(**builder_kwargs).get().eval()
     recurrent.load_state_dict(model.state_dict())
     state, steps = None, []
     with torch.no_grad():

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from linear_transformers.image_generator import ImageGenerator
+from linear_transformers.lm import sinusoidal_encoding
 from linear_transformers.transformer import Decoder, Encoder, TransformerConfig
 
 _CONVERTIBLE_KINDS = ("softmax", "linear", "causal-linear")
@@ -130,8 +131,8 @@ class _Loader:
         self.take(f"{key}.bias", norm.bias)
 
     def attention(self, key: str, attention):
-        for ours, theirs in (("query", "query"), ("key", "key"), ("value", "value"), ("out", "out")):
-            self.linear(f"{key}.{theirs}_projection", getattr(attention, ours))
+        for name in ("query", "key", "value", "out"):
+            self.linear(f"{key}.{name}_projection", getattr(attention, name))
 
     def finish(self, ignore: tuple[str, ...] = ()):
         unused = sorted(k for k in self.unused if k not in ignore)
@@ -348,9 +349,7 @@ def image_generator_from_fast_transformers(
 def _check_position_table(table_TE: np.ndarray):
     """Their `pe` buffer must be the interleaved sine/cosine table our model computes."""
     T, E = table_TE.shape
-    angles = np.arange(T)[:, None] * np.exp(np.arange(0, E, 2) * (-np.log(10000.0) / E))
-    expected = np.empty((T, E))
-    expected[:, 0::2], expected[:, 1::2] = np.sin(angles), np.cos(angles)
+    expected = np.asarray(sinusoidal_encoding(np.arange(T), E, layout="interleaved"))
     # Their float32 table rounds angles up to ~T: an ulp of 783 is 6e-5.
     error = float(np.max(np.abs(table_TE - expected)))
     if not error < 1e-3:
