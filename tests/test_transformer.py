@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from linear_transformers import CausalLM, Decoder, Encoder, TransformerConfig, generation
+from linear_transformers.transformer import ACTIVATIONS
 
 E, H, B, T, S, V = 16, 2, 2, 7, 5, 11
 FAVOR = {"feature_map": "favor", "num_features": 16}
@@ -329,3 +330,30 @@ def test_from_kwargs_full_is_softmax():
     )
     assert config.attention == "softmax"
     assert config.model_dim == 16
+
+
+def test_layer_norm_epsilon_is_the_one_every_norm_uses():
+    # A small input: its variance (~1e-6) is of epsilon's order, so epsilon decides the output.
+    x = 1e-3 * jax.random.normal(jax.random.key(0), (1, 3, 8))
+
+    def normed(eps):
+        config = TransformerConfig(
+            num_layers=1, num_heads=2, model_dim=8, dropout=0.0, layer_norm_epsilon=eps
+        )
+        norm = Encoder(config, rngs=nnx.Rngs(0)).final_norm
+        return norm(x)
+
+    centered = x - x.mean(-1, keepdims=True)
+    for eps in (1e-6, 1e-2):
+        expected = centered / jnp.sqrt((centered**2).mean(-1, keepdims=True) + eps)
+        np.testing.assert_allclose(normed(eps), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"layer_norm_epsilon must be > 0, got 0"):
+        TransformerConfig(layer_norm_epsilon=0)
+
+
+def test_gelu_is_exact_and_gelu_tanh_the_approximation():
+    x = jnp.linspace(-3, 3, 13)
+    exact = 0.5 * x * (1 + jax.scipy.special.erf(x / jnp.sqrt(2.0)))
+    np.testing.assert_allclose(ACTIVATIONS["gelu"](x), exact, atol=1e-6)
+    np.testing.assert_allclose(ACTIVATIONS["gelu_tanh"](x), jax.nn.gelu(x, approximate=True), atol=1e-7)
+    assert float(jnp.max(jnp.abs(ACTIVATIONS["gelu"](x) - ACTIVATIONS["gelu_tanh"](x)))) > 1e-4
