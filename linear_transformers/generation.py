@@ -4,8 +4,8 @@
 performance guide's recommended pattern), so a whole sequence runs as one `lax.scan`.
 
   state, ys_BT = scan_steps(module, state, xs_BT)        `step` over time, one compiled loop
-  tokens_BT = generate(model, prompt_BP, N, key=key)    prompt read by one `prefill`, then N
-                                                        tokens sampled step by step
+  tokens_BT = generate(model, prompt_BT, num_steps, key=key)   prompt read by one `prefill`,
+                                                        then num_steps tokens sampled step by step
 """
 
 from __future__ import annotations
@@ -49,47 +49,47 @@ def scan_steps(module: nnx.Module, state, xs_BT):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _generate(graphdef, params, prompt_BP, key, num_steps, temperature):
+def _generate(graphdef, params, prompt_BT, key, num_steps, temperature):
     model = nnx.merge(graphdef, params)
-    B, P = prompt_BP.shape
-    state = model.init_state(B, P + num_steps)
+    B, T = prompt_BT.shape
+    state = model.init_state(B, T + num_steps)
     # All but the last prompt token in one parallel pass; the sampling loop reads the last one.
-    if P > 1:
+    if T > 1:
         if hasattr(model, "prefill"):
-            state, _ = model.prefill(state, prompt_BP[:, :-1])
+            state, _ = model.prefill(state, prompt_BT[:, :-1])
         else:  # A module with only `step`: read the prompt token by token.
-            state, _ = jax.lax.scan(model.step, state, prompt_BP[:, :-1].T)
+            state, _ = jax.lax.scan(model.step, state, prompt_BT[:, :-1].T)
 
     def sample_step(carry, key_t):
         state, token_B = carry
         state, logits_BV = model.step(state, token_B)
         greedy = jnp.argmax(logits_BV, axis=-1)
         sampled = jax.random.categorical(key_t, logits_BV / jnp.maximum(temperature, 1e-6))
-        next_B = jnp.where(temperature > 0, sampled, greedy).astype(prompt_BP.dtype)
+        next_B = jnp.where(temperature > 0, sampled, greedy).astype(prompt_BT.dtype)
         return (state, next_B), next_B
 
     keys = jax.random.split(key, num_steps)
-    _, new_TB = jax.lax.scan(sample_step, (state, prompt_BP[:, -1]), keys)
-    return jnp.concatenate([prompt_BP, new_TB.T], axis=1)
+    _, new_TB = jax.lax.scan(sample_step, (state, prompt_BT[:, -1]), keys)
+    return jnp.concatenate([prompt_BT, new_TB.T], axis=1)
 
 
-def generate(model: nnx.Module, prompt_BP, num_steps: int, *, key, temperature: float = 1.0):
-    """Sample `num_steps` tokens after `prompt_BP` (at least one token) in one compiled loop.
+def generate(model: nnx.Module, prompt_BT, num_steps: int, *, key, temperature: float = 1.0):
+    """Sample `num_steps` tokens after `prompt_BT` (at least one token) in one compiled loop.
 
     `model` needs `init_state(batch, max_length)` and `step(state, token_B) -> (state, logits_BV)`
     (e.g. `CausalLM`), and must be in eval mode. The prompt, all but its last token, is read by
     one `prefill(state, tokens_BT)` where the model has one (token by token otherwise); the
     sampling loop then steps from its last token. temperature=0 decodes greedily.
-    Returns [B, P + num_steps] tokens.
+    Returns [B, T + num_steps] tokens.
     """
-    prompt_BP = jnp.asarray(prompt_BP)
-    if prompt_BP.ndim != 2 or prompt_BP.shape[1] < 1:
+    prompt_BT = jnp.asarray(prompt_BT)
+    if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
         raise ValueError(
-            f"generate: prompt must be [batch, length >= 1] tokens, got shape {tuple(prompt_BP.shape)}."
+            f"generate: prompt must be [batch, length >= 1] tokens, got shape {tuple(prompt_BT.shape)}."
         )
     if num_steps < 0:
         raise ValueError(f"generate: num_steps must be >= 0, got {num_steps}.")
     if temperature < 0:
         raise ValueError(f"generate: temperature must be >= 0, got {temperature}.")
     graphdef, params = nnx.split(model)
-    return _generate(graphdef, params, prompt_BP, key, num_steps, jnp.float32(temperature))
+    return _generate(graphdef, params, prompt_BT, key, num_steps, jnp.float32(temperature))
