@@ -13,7 +13,7 @@ from configs import base, variants
 def get_config(arg: str = ""):
     c = base.get_config()
     c.dataset = "cifar10"
-    c.num_layers = 16
+    c.model.num_layers = 16
     c.learning_rate = 2e-4
     c.batch_size = 10
     c.num_steps = 500000

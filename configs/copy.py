@@ -40,38 +40,38 @@ encoder and lsh4 all < 2e-5 / 100%.
 import ml_collections
 
 from configs import variants
-from experiments.training import schemas
+from experiments.tasks import copy as copy_task
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-    """The paper's setting (`experiments.training.schemas.copy_task`), then the variants in `arg`."""
-    return variants.apply(schemas.copy_task(), arg, VARIANTS)
+    """The paper's setting (`experiments.tasks.copy.schema`), then the variants in `arg`."""
+    return variants.apply(copy_task.schema(), arg, VARIANTS)
 
 
 def encoder_decoder(c):
     """The replication: 4 + 4 layers, 8 heads, width 512, constant learning rate 1e-3."""
-    c.model = "encoder_decoder"
-    c.model_dim = 512
-    c.feed_forward_dim = 2048
+    c.architecture = "encoder_decoder"
+    c.model.model_dim = 512
+    c.model.feed_forward_dim = 2048
     c.schedule = "constant"
 
 
 def linformer(c):
     """Linformer encoder (its max_length defaults to the longest source)."""
-    c.encoder_attention = "linformer"
-    c.encoder_attention_options = ml_collections.ConfigDict({"projected_length": max(4, c.max_length // 8)})
+    c.encoder.attention = "linformer"
+    c.encoder.attention_options = ml_collections.ConfigDict({"projected_length": max(4, c.max_length // 8)})
 
 
 def performer(c):
     """Linear attention with FAVOR+ positive orthogonal random features (Performer)."""
-    c.attention = "linear"
-    c.attention_options = ml_collections.ConfigDict({"feature_map": "favor"})
+    c.model.attention = "linear"
+    c.model.attention_options = ml_collections.ConfigDict({"feature_map": "favor"})
 
 
 def _lsh(rounds):
     def apply(c):
-        c.attention = "reformer"
-        c.attention_options = ml_collections.ConfigDict(
+        c.model.attention = "reformer"
+        c.model.attention_options = ml_collections.ConfigDict(
             {"num_rounds": rounds, "num_buckets": 8, "chunk_size": max(4, c.max_length // 8)}
         )
 
@@ -82,10 +82,10 @@ def _lsh(rounds):
 def cpu(c):
     """Minutes on a laptop CPU: sequences of 64, 2 layers, 4 heads, width 128, 3000 steps."""
     c.max_length = 64
-    c.num_layers = 2
-    c.num_heads = 4
-    c.model_dim = 128
-    c.feed_forward_dim = 256
+    c.model.num_layers = 2
+    c.model.num_heads = 4
+    c.model.model_dim = 128
+    c.model.feed_forward_dim = 256
     c.batch_size = 32
     c.num_steps = 3000
     c.learning_rate = 3e-3  # 1e-3 learns too slowly for 3000 steps at this size
@@ -99,10 +99,10 @@ def smoke(c):
     """Seconds: short sequences, a tiny model; for tests."""
     c.max_length = 16
     c.num_symbols = 4
-    c.num_layers = 2
-    c.num_heads = 2
-    c.model_dim = 64
-    c.feed_forward_dim = 128
+    c.model.num_layers = 2
+    c.model.num_heads = 2
+    c.model.model_dim = 64
+    c.model.feed_forward_dim = 128
     c.batch_size = 32
     c.num_steps = 10
     c.learning_rate = 3e-3
@@ -132,11 +132,11 @@ def long(c):
     resumes from the checkpoint (step 20: evaluates only).
     """
     c.max_length = 32768
-    c.attention = "linear"
-    c.num_layers = 2
-    c.num_heads = 4
-    c.model_dim = 64
-    c.feed_forward_dim = 128
+    c.model.attention = "linear"
+    c.model.num_layers = 2
+    c.model.num_heads = 4
+    c.model.model_dim = 64
+    c.model.feed_forward_dim = 128
     c.batch_size = 1
     c.num_steps = 20
     c.learning_rate = 3e-3

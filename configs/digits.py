@@ -15,11 +15,11 @@ from configs import base, variants
 def get_config(arg: str = ""):
     c = base.get_config()
     c.dataset = "digits"
-    c.num_layers = 4
-    c.num_heads = 4
-    c.model_dim = 64
-    c.feed_forward_dim = 256
-    c.dropout = 0.1  # without it test bits/dim rises after step 2000 (1,500 training images)
+    c.model.num_layers = 4
+    c.model.num_heads = 4
+    c.model.model_dim = 64
+    c.model.feed_forward_dim = 256
+    c.model.dropout = 0.1  # without it test bits/dim rises after step 2000 (1,500 training images)
     c.num_mixtures = 4
     c.learning_rate = 2e-3
     c.schedule = "cosine"

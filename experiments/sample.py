@@ -17,7 +17,7 @@ without a cache). Writes a PNG grid and prints images/s.
 from absl import app, flags
 
 from experiments.cli import one_line_errors
-from experiments.training.sampling import sample_from_fast_transformers, sample_from_workdir
+from experiments.tasks.image_sampling import sample_from_fast_transformers, sample_from_workdir
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (config.json, checkpoints/).")
 _CHECKPOINT = flags.DEFINE_string(

@@ -125,6 +125,16 @@ class TransformerConfig:
         for name in ("num_layers", "num_heads", "model_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("query_dim", "value_dim", "feed_forward_dim"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(
+                    f"TransformerConfig.{name} must be None (derived) or >= 1, got {getattr(self, name)}."
+                )
+        if self.softmax_temp is not None and not self.softmax_temp > 0:
+            raise ValueError(
+                f"TransformerConfig.softmax_temp must be None (1/sqrt(query_dim)) or > 0, "
+                f"got {self.softmax_temp}."
+            )
         if self.query_dim is None and self.model_dim % self.num_heads:
             raise ValueError(
                 f"TransformerConfig: model_dim={self.model_dim} is not divisible by "

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from configs import digits
-from experiments.training import loop
+from experiments import tasks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = "configs/digits.py:smoke,num_steps=2,eval_every=0,sample_every=0"
@@ -29,7 +29,7 @@ def trained(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("trained")
     config = digits.get_config("smoke,num_steps=4,checkpoint_every=2,eval_every=0,sample_every=0")
     config.data_dir = str(tmp_path_factory.mktemp("tfds"))
-    loop.train_and_evaluate(config, workdir)
+    tasks.train_and_evaluate(config, workdir)
     return workdir
 
 

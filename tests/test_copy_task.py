@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from configs import copy as copy_config
+from experiments import tasks
 from experiments.benchmarking import copy_bench
 from experiments.data import copy_task as ct
-from experiments.training import copy_loop, tasks
+from experiments.tasks import copy as copy_task_lib
 from experiments.training.metrics import read_metrics
 from experiments.training.optimizer import make_schedule
+from experiments.training.trainer import NonFiniteLossError, Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -61,7 +63,7 @@ def test_encoder_decoder_layout():
 
 def test_batches_are_a_function_of_seed_and_step():
     def make(seed):
-        return ct.CopyBatches(batch_size=4, max_length=16, num_symbols=3, model="decoder", seed=seed)
+        return ct.CopyBatches(batch_size=4, max_length=16, num_symbols=3, architecture="decoder", seed=seed)
 
     np.testing.assert_array_equal(make(0).batch(5).inputs_BT, make(0).batch(5).inputs_BT)
     assert not np.array_equal(make(0).batch(5).inputs_BT, make(0).batch(6).inputs_BT)
@@ -73,15 +75,15 @@ def test_bad_task_arguments_are_named():
         ct.length_range(4)
     with pytest.raises(ValueError, match="num_symbols must be >= 1"):
         ct.random_examples(np.random.default_rng(0), 2, 16, 0)
-    with pytest.raises(ValueError, match="model must be one of"):
-        ct.CopyBatches(batch_size=2, max_length=16, num_symbols=2, model="gpt", seed=0)
+    with pytest.raises(ValueError, match="architecture must be one of"):
+        ct.CopyBatches(batch_size=2, max_length=16, num_symbols=2, architecture="gpt", seed=0)
 
 
 def test_accuracy_counts():
     targets = jnp.array([[1, 2, 3, 0], [4, 4, 0, 0]])
     mask = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
     predicted = jnp.array([[1, 2, 3, 9], [4, 1, 0, 0]])  # unmasked position wrong: not counted
-    counts = copy_loop.accuracy_counts(predicted, targets, mask)
+    counts = copy_task_lib.accuracy_counts(predicted, targets, mask)
     assert {k: int(v) for k, v in counts.items()} == {"correct": 4, "symbols": 5, "exact": 1, "sequences": 2}
 
 
@@ -102,11 +104,17 @@ def test_step_schedule_drops_at_decay_steps():
 @pytest.mark.parametrize(
     "arg,match",
     [
-        ("smoke,encoder_attention=linear", "applies to model='encoder_decoder' only"),
+        ("smoke,encoder.attention=linear", "apply to architecture='encoder_decoder' only"),
+        ("smoke,cross_attention=softmax", "apply to architecture='encoder_decoder' only"),
+        (
+            "encoder_decoder,smoke,encoder.num_layers=0",
+            "config.encoder: TransformerConfig.num_layers must be >= 1",
+        ),
         ("smoke,attention=linformer", "'linformer' has no causal form"),
         ("smoke,attention=sparse", "not a registered attention kind"),
         ("smoke,max_length=4", "too short"),
-        ("smoke,model=gpt", "model must be one of"),
+        ("smoke,architecture=gpt", "architecture must be one of"),
+        ("smoke,softmax_temp=-1.0", "config.model: TransformerConfig.softmax_temp must be None"),
         (
             "smoke,keep_checkpoints=0",
             r"config.keep_checkpoints must be >= 1, got 0 \(0 would leave "
@@ -116,14 +124,14 @@ def test_step_schedule_drops_at_decay_steps():
 )
 def test_bad_configs_fail_before_training(tmp_path, arg, match):
     with pytest.raises(ValueError, match=match):
-        copy_loop.train_and_evaluate(copy_config.get_config(arg), tmp_path)
+        tasks.train_and_evaluate(copy_config.get_config(arg), tmp_path)
 
 
 def test_unknown_keys_and_tasks_are_named(tmp_path):
     c = copy_config.get_config("smoke")
     c.num_mixtures = 3
     with pytest.raises(ValueError, match=r"not understood: \['num_mixtures'\]"):
-        copy_loop.train_and_evaluate(c, tmp_path)
+        tasks.train_and_evaluate(c, tmp_path)
     c = copy_config.get_config("smoke")
     c.task = "translation"
     with pytest.raises(ValueError, match="config.task 'translation' is not one of"):
@@ -137,12 +145,17 @@ def test_unknown_keys_and_tasks_are_named(tmp_path):
 )
 def test_every_variant_builds_a_model_whose_loss_is_finite(arg):
     config = copy_config.get_config(("smoke," if "smoke" not in arg else "") + arg + ",model_dim=32")
-    copy_loop.check_copy_config(config)
-    model = copy_loop.build_model(config)
+    task = copy_task_lib.Copy(config)
+    task.check()
+    model = task.build_model()
     batch = ct.CopyBatches(
-        batch_size=4, max_length=config.max_length, num_symbols=config.num_symbols, model=config.model, seed=0
+        batch_size=4,
+        max_length=config.max_length,
+        num_symbols=config.num_symbols,
+        architecture=config.architecture,
+        seed=0,
     ).batch(0)
-    loss, counts = copy_loop.loss_and_counts(model, batch)
+    loss, counts = task.loss(model, batch)
     assert np.isfinite(float(loss)) and int(counts["sequences"]) == 4
 
 
@@ -221,14 +234,16 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
     config = copy_config.get_config(
         "smoke,num_steps=30,learning_rate=1e30,grad_clip=0.0,checkpoint_every=1,eval_every=0,log_every=1"
     )
-    with pytest.raises(copy_loop.NonFiniteLossError, match="non-finite loss .* at step") as error:
-        copy_loop.train_and_evaluate(config, tmp_path)
+    with pytest.raises(NonFiniteLossError, match="non-finite loss .* at step") as error:
+        tasks.train_and_evaluate(config, tmp_path)
     bad_step = int(str(error.value).split("at step ")[1].split()[0])
     latest = int(str(error.value).split("latest checkpoint (")[1].split(")")[0])
     assert latest == bad_step
+    from experiments.training import mesh as mesh_lib
     from experiments.training.checkpoints import Checkpointer
 
-    restored = Checkpointer(tmp_path / "checkpoints").restore(copy_loop._CopyTrainer(config).state)
+    trainer = Trainer(config, copy_task_lib.Copy(config), mesh_lib.make_mesh(config))
+    restored = Checkpointer(tmp_path / "checkpoints").restore(trainer.state)
     assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(restored))
 
 
@@ -240,11 +255,11 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
     [
         (
             "smoke,mesh.sequence=2,attention=reformer",
-            r"config.attention='reformer' has no sequence-parallel form",
+            r"config.model.attention='reformer' has no sequence-parallel form",
         ),
         (
             "encoder_decoder,smoke,linformer,mesh.sequence=2",
-            r"config.encoder_attention='linformer' has no sequence-parallel form",
+            r"config.encoder.attention='linformer' has no sequence-parallel form",
         ),
         ("smoke,mesh.sequence=0", r"config.mesh.sequence must be a positive int"),
         ("smoke,mesh.data=0", r"config.mesh.data must be a positive int, or -1"),
@@ -252,7 +267,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
 )
 def test_bad_mesh_configs_fail_before_training(tmp_path, arg, match):
     with pytest.raises(ValueError, match=match):
-        copy_loop.train_and_evaluate(copy_config.get_config(arg), tmp_path)
+        tasks.train_and_evaluate(copy_config.get_config(arg), tmp_path)
 
 
 def test_mesh_larger_than_the_devices_is_named(tmp_path):
@@ -262,13 +277,13 @@ def test_mesh_larger_than_the_devices_is_named(tmp_path):
         match=rf"config.mesh.sequence={8 * n} does not divide the {n} "
         r"devices",
     ):
-        copy_loop.train_and_evaluate(copy_config.get_config(f"smoke,mesh.sequence={8 * n}"), tmp_path)
+        tasks.train_and_evaluate(copy_config.get_config(f"smoke,mesh.sequence={8 * n}"), tmp_path)
     with pytest.raises(
         ValueError,
         match=rf"data={2 * n} x sequence=1 = {2 * n} devices, but "
         rf"there are {n}",
     ):
-        copy_loop.train_and_evaluate(copy_config.get_config(f"smoke,mesh.data={2 * n}"), tmp_path)
+        tasks.train_and_evaluate(copy_config.get_config(f"smoke,mesh.data={2 * n}"), tmp_path)
 
 
 @pytest.mark.parametrize("model", ["decoder", "encoder_decoder"])
@@ -278,18 +293,19 @@ def test_padding_time_for_the_sequence_axis_changes_no_loss(model):
     config = copy_config.get_config(
         ("encoder_decoder," if model != "decoder" else "") + "smoke,max_length=32,model_dim=32,num_layers=1"
     )
-    model = copy_loop.build_model(config)
+    task = copy_task_lib.Copy(config)
+    model = task.build_model()
     model.eval()
     from flax import nnx
 
-    loss_and_counts = nnx.jit(copy_loop.loss_and_counts)  # one compile beats op-by-op
+    loss_and_counts = nnx.jit(copy_task_lib.loss_and_counts)  # one compile beats op-by-op
     batch = ct.CopyBatches(
-        batch_size=4, max_length=32, num_symbols=config.num_symbols, model=config.model, seed=3
+        batch_size=4, max_length=32, num_symbols=config.num_symbols, architecture=config.architecture, seed=3
     ).batch(0)
-    padded = copy_loop.pad_time(batch, 8)
+    padded = task.pad_for_mesh(batch, 8)
     assert all(np.asarray(x).ndim == 1 or np.asarray(x).shape[1] % 8 == 0 for x in padded)
-    assert copy_loop.pad_time(padded, 8) is not padded  # a new batch, ...
-    for x, y in zip(copy_loop.pad_time(padded, 8), padded):  # ... unchanged when it divides
+    assert task.pad_for_mesh(padded, 8) is not padded  # a new batch, ...
+    for x, y in zip(task.pad_for_mesh(padded, 8), padded):  # ... unchanged when it divides
         np.testing.assert_array_equal(x, y)
     loss, counts = loss_and_counts(model, batch)
     padded_loss, padded_counts = loss_and_counts(model, padded)
@@ -297,14 +313,18 @@ def test_padding_time_for_the_sequence_axis_changes_no_loss(model):
     assert {k: int(v) for k, v in padded_counts.items()} == {k: int(v) for k, v in counts.items()}
 
 
-def test_long_variant_is_a_sequence_parallel_32k_config_with_fast_batches():
+def test_long_variant_is_a_sequence_parallel_32k_config_with_fast_batches(tmp_path):
     import time
 
     config = copy_config.get_config("long")
     assert config.max_length >= 32768 and config.mesh.sequence == 8
-    assert copy_loop.attention_kinds(config) == {"attention": "linear"}
+    assert copy_task_lib.Copy(config).attention_kinds() == {"model.attention": "linear"}
     batches = ct.CopyBatches(
-        batch_size=2, max_length=config.max_length, num_symbols=config.num_symbols, model=config.model, seed=0
+        batch_size=2,
+        max_length=config.max_length,
+        num_symbols=config.num_symbols,
+        architecture=config.architecture,
+        seed=0,
     )
     start = time.perf_counter()
     batch = batches.batch(0)
@@ -316,22 +336,22 @@ def test_long_variant_is_a_sequence_parallel_32k_config_with_fast_batches():
         np.testing.assert_array_equal(tokens[n + 2 : 2 * n + 2], tokens[1 : n + 1])
     if jax.device_count() < 8:
         with pytest.raises(ValueError, match="config.mesh.sequence=8 does not divide"):
-            copy_loop.check_copy_config(config)
+            tasks.train_and_evaluate(config, tmp_path)
 
 
 def test_a_run_that_fails_before_training_leaves_config_json_as_it_was(tmp_path):
-    copy_loop.train_and_evaluate(copy_config.get_config("smoke,num_steps=2,eval_every=0"), tmp_path)
+    tasks.train_and_evaluate(copy_config.get_config("smoke,num_steps=2,eval_every=0"), tmp_path)
     saved = (tmp_path / "config.json").read_text()
     with pytest.raises(ValueError, match="not a registered attention kind"):
-        copy_loop.train_and_evaluate(copy_config.get_config("smoke,attention=sparse"), tmp_path)
+        tasks.train_and_evaluate(copy_config.get_config("smoke,attention=sparse"), tmp_path)
     # Valid, but its model does not fit the checkpoint in the workdir: the keys that differ
     # from the run that wrote it are named.
     with pytest.raises(
         ValueError,
         match=r"cannot restore checkpoint step 2 .* this config "
-        r"differs in eval_every: 0 -> 10; model_dim: 64 -> 48; "
+        r"differs in eval_every: 0 -> 10; model.model_dim: 64 -> 48; "
         r"num_steps: 2 -> 4\. "
         r"Resume with that run's config",
     ):
-        copy_loop.train_and_evaluate(copy_config.get_config("smoke,num_steps=4,model_dim=48"), tmp_path)
+        tasks.train_and_evaluate(copy_config.get_config("smoke,num_steps=4,model_dim=48"), tmp_path)
     assert (tmp_path / "config.json").read_text() == saved

@@ -331,7 +331,7 @@ def _mnist_sized_state(path):
 def test_sampling_an_authors_checkpoint_completes_test_images(tmp_path):
     from test_data import _write_mnist
 
-    from experiments.training.sampling import sample_from_fast_transformers
+    from experiments.tasks.image_sampling import sample_from_fast_transformers
 
     test_images = _write_mnist(tmp_path / "raw", splits=("test",))["test"][0]
     checkpoint = _mnist_sized_state(tmp_path / "generator.npz")

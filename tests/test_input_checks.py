@@ -207,11 +207,12 @@ def test_image_generator_refuses_sub_pixels_outside_its_classes():
 
 def test_the_image_trainer_refuses_data_outside_the_classes(monkeypatch):
     from configs import digits
-    from experiments.training import loop
+    from experiments.data import pipeline
+    from experiments.tasks.image_generation import load_split
 
     images = np.zeros((4, 8, 8, 1), np.uint16)
     images[2, 3, 3, 0] = 300
-    monkeypatch.setattr(loop.pipeline, "load_images", lambda *args, **kwargs: images)
+    monkeypatch.setattr(pipeline, "load_images", lambda *args, **kwargs: images)
     config = digits.get_config("smoke")
     with pytest.raises(
         ValueError,
@@ -219,9 +220,9 @@ def test_the_image_trainer_refuses_data_outside_the_classes(monkeypatch):
             "split 'train' of 'digits' has sub-pixel values in [0, 300]; the model takes [0, 17)"
         ),
     ):
-        loop.load_split(config, "train")
+        load_split(config, "train")
     images[2, 3, 3, 0] = 16
-    assert loop.load_split(config, "train").shape == (4, 64)
+    assert load_split(config, "train").shape == (4, 64)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

@@ -217,7 +217,7 @@ def digits_runs(tmp_path_factory):
     """The digits smoke model trained 40 steps in float32 and in bfloat16, and in bfloat16 again
     stopped at step 20 and resumed to 40: {name: (workdir, result)}."""
     from configs import digits
-    from experiments.training import loop
+    from experiments import tasks
 
     data_dir = str(tmp_path_factory.mktemp("tfds"))
     runs = {}
@@ -230,7 +230,7 @@ def digits_runs(tmp_path_factory):
         )
         config.data_dir = data_dir
         workdir = runs[name][0] if name in runs else tmp_path_factory.mktemp(name)
-        runs[name] = (workdir, loop.train_and_evaluate(config, workdir))
+        runs[name] = (workdir, tasks.train_and_evaluate(config, workdir))
 
     run("float32", "float32", 40)
     run("bfloat16", "bfloat16", 40)

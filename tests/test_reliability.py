@@ -18,14 +18,18 @@ import numpy as np
 import pytest
 
 from configs import digits
-from experiments.training import interrupts, loop
+from experiments import tasks
+from experiments.tasks.image_generation import ImageGeneration
+from experiments.training import interrupts, trainer
+from experiments.training import mesh as mesh_lib
 from experiments.training.checkpoints import Checkpointer, CheckpointError, DamagedCheckpointError
 from experiments.training.config_checks import ConfigTypeError
 from experiments.training.metrics import read_metrics
 from experiments.training.workdir_lock import WorkdirInUseError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_WAIT_LINE = 'if not bool(metrics["finite"]):'  # where the loop waits on the step in flight
+# Where the trainer waits on a step in flight (it reads step s's finite flag while s + 1 runs).
+_WAIT_FUNCTION, _WAIT_LINE = "verify", 'if not bool(metrics["finite"]):'
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,7 @@ def straight(data_dir, tmp_path_factory):
     options change neither, so every test compares with this one run."""
     workdir = tmp_path_factory.mktemp("straight")
     losses = []
-    loop.train_and_evaluate(
+    tasks.train_and_evaluate(
         _smoke(data_dir), workdir, step_callback=lambda s, m: losses.append(float(m["loss"]))
     )
     return losses, read_metrics(workdir)
@@ -74,19 +78,20 @@ def straight(data_dir, tmp_path_factory):
 
 class _SignalWhileWaiting(threading.Thread):
     """Sends `signals` to this process once the main thread, past step `after`, is blocked on
-    the metrics of the step in flight (its `_train` frame sits on _WAIT_LINE)."""
+    the metrics of the step in flight (its _WAIT_FUNCTION frame in the trainer sits on
+    _WAIT_LINE)."""
 
-    def __init__(self, signals, after, counter, trainer_module=loop):
+    def __init__(self, signals, after, counter):
         super().__init__(daemon=True)
         self.signals, self.after, self.counter = signals, after, counter
-        self.filename = trainer_module.__file__
+        self.filename = trainer.__file__
         self.sent_at_step = None
         self.stop = False
 
     def _waiting(self) -> bool:
         frame = sys._current_frames().get(threading.main_thread().ident)
         while frame is not None:
-            if frame.f_code.co_name == "_train" and frame.f_code.co_filename == self.filename:
+            if frame.f_code.co_name == _WAIT_FUNCTION and frame.f_code.co_filename == self.filename:
                 import linecache
 
                 return _WAIT_LINE in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
@@ -119,7 +124,7 @@ def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, straight, 
     expected = interrupts.Interrupted if len(signals) == 1 else KeyboardInterrupt
     try:
         with pytest.raises(expected):
-            loop.train_and_evaluate(
+            tasks.train_and_evaluate(
                 config, tmp_path / "run", step_callback=lambda s, m: losses.append(float(m["loss"]))
             )
     finally:
@@ -131,12 +136,12 @@ def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, straight, 
     checkpointer = Checkpointer(tmp_path / "run" / "checkpoints")
     saved = checkpointer.latest_step()
     assert saved is not None and saved >= 3
-    trainer = loop._Trainer(config, loop.pipeline.dataset_info("digits"), loop.data_mesh())
-    assert int(checkpointer.restore(trainer.state)["step"]) == saved
+    run = trainer.Trainer(config, ImageGeneration(config), mesh_lib.make_mesh(config))
+    assert int(checkpointer.restore(run.state)["step"]) == saved
     checkpointer.close()
 
     resumed = []
-    loop.train_and_evaluate(
+    tasks.train_and_evaluate(
         config, tmp_path / "run", step_callback=lambda s, m: resumed.append(float(m["loss"]))
     )
     assert losses[:saved] + resumed == straight[0]  # bit-identical: no step applied twice or lost
@@ -144,21 +149,20 @@ def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, straight, 
 
 def test_the_copy_trainer_resumes_exactly_after_sigterm_mid_step(tmp_path):
     from configs import copy as copy_config
-    from experiments.training import copy_loop
 
     config = copy_config.get_config(
         "smoke,num_steps=12,log_every=1,checkpoint_every=0,eval_every=0,dropout=0.1"
     )
     straight = []
-    straight_result = copy_loop.train_and_evaluate(
+    straight_result = tasks.train_and_evaluate(
         config, tmp_path / "straight", step_callback=lambda s, m: straight.append(float(m["loss"]))
     )
     losses = []
-    sender = _SignalWhileWaiting((signal.SIGTERM,), 3, losses, trainer_module=copy_loop)
+    sender = _SignalWhileWaiting((signal.SIGTERM,), 3, losses)
     sender.start()
     try:
         with pytest.raises(interrupts.Interrupted, match="SIGTERM received: stopped after step"):
-            copy_loop.train_and_evaluate(
+            tasks.train_and_evaluate(
                 config, tmp_path / "run", step_callback=lambda s, m: losses.append(float(m["loss"]))
             )
     finally:
@@ -166,7 +170,7 @@ def test_the_copy_trainer_resumes_exactly_after_sigterm_mid_step(tmp_path):
     assert sender.sent_at_step is not None
     saved = Checkpointer(tmp_path / "run" / "checkpoints").latest_step()
     resumed = []
-    result = copy_loop.train_and_evaluate(
+    result = tasks.train_and_evaluate(
         config, tmp_path / "run", step_callback=lambda s, m: resumed.append(float(m["loss"]))
     )
     assert losses[:saved] + resumed == straight
@@ -182,14 +186,14 @@ def test_metrics_past_the_resumed_checkpoint_are_dropped(data_dir, straight, tmp
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        loop.train_and_evaluate(config, tmp_path, step_callback=stop_at_9)
+        tasks.train_and_evaluate(config, tmp_path, step_callback=stop_at_9)
     # What a SIGKILL right after step 9's log line leaves: no checkpoint 9, a cut-off line.
     import shutil
 
     shutil.rmtree(tmp_path / "checkpoints" / "9")
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 10, "loss": 1.')
-    loop.train_and_evaluate(config, tmp_path)
+    tasks.train_and_evaluate(config, tmp_path)
     drop = ("steps_per_sec",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(tmp_path)] == [
         {k: v for k, v in r.items() if k not in drop} for r in straight[1]
@@ -218,13 +222,13 @@ def test_a_locked_workdir_names_its_holder_and_a_dead_holder_does_not_block(data
             match=rf"in use by another training run \(pid "
             rf"{holder.pid} on .*, started",
         ):
-            loop.train_and_evaluate(_smoke(data_dir), tmp_path)
+            tasks.train_and_evaluate(_smoke(data_dir), tmp_path)
         assert not (tmp_path / "config.json").exists() and not (tmp_path / "metrics.jsonl").exists()
     finally:
         holder.kill()  # SIGKILL: no cleanup runs, the lock file stays with the dead pid in it
         holder.wait()
     assert str(holder.pid) in (tmp_path / "run.lock").read_text()
-    assert loop.train_and_evaluate(_smoke(data_dir), tmp_path)["step"] == 12
+    assert tasks.train_and_evaluate(_smoke(data_dir), tmp_path)["step"] == 12
     assert str(os.getpid()) in (tmp_path / "run.lock").read_text()
 
 
@@ -253,12 +257,12 @@ def test_flipped_bytes_fall_back_to_the_newest_intact_checkpoint(data_dir, strai
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        loop.train_and_evaluate(config, tmp_path / "run", step_callback=stop_at_6)
+        tasks.train_and_evaluate(config, tmp_path / "run", step_callback=stop_at_6)
     _flip_a_byte(_data_file(tmp_path / "run" / "checkpoints" / "6"))
 
     resumed = []
     with caplog.at_level("WARNING"):
-        loop.train_and_evaluate(
+        tasks.train_and_evaluate(
             config, tmp_path / "run", step_callback=lambda s, m: resumed.append(float(m["loss"]))
         )
     log = caplog.text
@@ -309,7 +313,7 @@ def test_a_truncated_checkpoint_is_one_clear_error_without_event_loop_noise(tmp_
 
 def test_every_checkpoint_damaged_is_one_error_listing_them(data_dir, tmp_path):
     config = _smoke(data_dir, "checkpoint_every=6")
-    loop.train_and_evaluate(config, tmp_path)
+    tasks.train_and_evaluate(config, tmp_path)
     for step in (6, 12):
         _flip_a_byte(_data_file(tmp_path / "checkpoints" / str(step)))
     (tmp_path / "config.json").write_text('{"from": "the run that wrote them"}')
@@ -318,7 +322,7 @@ def test_every_checkpoint_damaged_is_one_error_listing_them(data_dir, tmp_path):
         match=r"no intact checkpoint in .*checkpoint step 12 .* "
         r"damaged.*checkpoint step 6 .* damaged.*moved to",
     ):
-        loop.train_and_evaluate(config, tmp_path)
+        tasks.train_and_evaluate(config, tmp_path)
     assert (tmp_path / "config.json").read_text() == '{"from": "the run that wrote them"}'
 
 
@@ -328,7 +332,7 @@ def test_keep_checkpoints_zero_is_refused_before_any_work(data_dir, tmp_path):
         match=r"keep_checkpoints must be >= 1.*no checkpoint to "
         r"resume from",
     ):
-        loop.train_and_evaluate(_smoke(data_dir, "keep_checkpoints=0"), tmp_path)
+        tasks.train_and_evaluate(_smoke(data_dir, "keep_checkpoints=0"), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -347,21 +351,21 @@ def test_config_values_of_the_wrong_type_are_rejected_by_name(data_dir, tmp_path
     config = _smoke(data_dir)
     config[key] = value
     with pytest.raises(ConfigTypeError, match=message):
-        loop.train_and_evaluate(config, tmp_path)
+        tasks.train_and_evaluate(config, tmp_path)
     config = _smoke(data_dir)
     config.mesh.sequence = True
     with pytest.raises(ValueError, match=r"config.mesh.sequence must be an int, got True"):
-        loop.train_and_evaluate(config, tmp_path)
+        tasks.train_and_evaluate(config, tmp_path)
 
 
 def test_a_workdir_that_is_a_file_or_holds_a_file_for_checkpoints_fails_before_training(data_dir, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match=r"workdir .*file is a file, not a directory"):
-        loop.train_and_evaluate(_smoke(data_dir), tmp_path / "file")
+        tasks.train_and_evaluate(_smoke(data_dir), tmp_path / "file")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoints").write_text("")
     with pytest.raises(NotADirectoryError, match=r"checkpoint directory .* is a file"):
-        loop.train_and_evaluate(_smoke(data_dir), tmp_path / "run")
+        tasks.train_and_evaluate(_smoke(data_dir), tmp_path / "run")
     assert not (tmp_path / "run" / "config.json").exists()
 
 
@@ -370,7 +374,7 @@ def test_a_checkpoint_directory_nothing_can_be_written_to_fails_before_training(
     # /proc/self is a directory no one, root included, can create files in.
     (tmp_path / "checkpoints").symlink_to("/proc/self")
     with pytest.raises(PermissionError, match=r"checkpoint directory .* cannot be written \("):
-        loop.train_and_evaluate(_smoke(data_dir), tmp_path)
+        tasks.train_and_evaluate(_smoke(data_dir), tmp_path)
     assert not (tmp_path / "config.json").exists()
 
 
@@ -384,10 +388,10 @@ def test_an_exception_mid_run_resumes_exactly_from_the_last_checkpoint(data_dir,
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        loop.train_and_evaluate(config, tmp_path, step_callback=fail_at_7)
+        tasks.train_and_evaluate(config, tmp_path, step_callback=fail_at_7)
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 4
     resumed = []  # the lock was released: the next run starts
-    loop.train_and_evaluate(config, tmp_path, step_callback=lambda s, m: resumed.append(float(m["loss"])))
+    tasks.train_and_evaluate(config, tmp_path, step_callback=lambda s, m: resumed.append(float(m["loss"])))
     assert losses[:4] + resumed == straight[0]
 
 
@@ -397,6 +401,6 @@ def test_an_unwritable_checkpoint_directory_fails_before_training(data_dir, tmp_
     (tmp_path / "checkpoints").chmod(0o500)
     try:
         with pytest.raises(PermissionError, match=r"checkpoint directory .* cannot be written"):
-            loop.train_and_evaluate(_smoke(data_dir), tmp_path)
+            tasks.train_and_evaluate(_smoke(data_dir), tmp_path)
     finally:
         (tmp_path / "checkpoints").chmod(0o700)

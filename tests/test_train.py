@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from configs import digits
-from experiments.training import loop
+from experiments import tasks
+from experiments.tasks.image_generation import ImageGeneration
+from experiments.tasks.image_sampling import sample_from_workdir
+from experiments.training import mesh as mesh_lib
 from experiments.training.metrics import read_metrics
-from experiments.training.sampling import sample_from_workdir
+from experiments.training.trainer import NonFiniteLossError, Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -38,7 +41,7 @@ def test_smoke_run_trains_evaluates_samples_and_checkpoints(data_dir, tmp_path):
         data_dir,
         "num_steps=40,log_every=10,eval_every=40,sample_every=40,checkpoint_every=20,learning_rate=0.003",
     )
-    result = loop.train_and_evaluate(config, tmp_path)
+    result = tasks.train_and_evaluate(config, tmp_path)
     assert result["step"] == 40
     losses = _losses(tmp_path)
     assert len(losses) == 4 and all(np.isfinite(losses))
@@ -55,18 +58,17 @@ def test_non_finite_loss_stops_with_intact_checkpoint(data_dir, tmp_path):
         "num_steps=30,learning_rate=1e30,grad_clip=0.0,checkpoint_every=1,"
         "eval_every=0,sample_every=0,log_every=1",
     )
-    with pytest.raises(loop.NonFiniteLossError, match="non-finite loss .* at step") as error:
-        loop.train_and_evaluate(config, tmp_path)
+    with pytest.raises(NonFiniteLossError, match="non-finite loss .* at step") as error:
+        tasks.train_and_evaluate(config, tmp_path)
     bad_step = int(str(error.value).split("at step ")[1].split()[0])
     latest = int(str(error.value).split("latest checkpoint (")[1].split(")")[0])
     assert latest == bad_step  # the last finished (finite) step was saved; nothing after it
     # The last good checkpoint restores and holds finite parameters.
     import jax
 
-    from experiments.data import pipeline
     from experiments.training.checkpoints import Checkpointer
 
-    trainer = loop._Trainer(config, pipeline.dataset_info("digits"), loop.data_mesh())
+    trainer = Trainer(config, ImageGeneration(config), mesh_lib.make_mesh(config))
     restored = Checkpointer(tmp_path / "checkpoints").restore(trainer.state)
     assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(restored))
 
@@ -80,12 +82,12 @@ def test_non_finite_loss_stops_with_intact_checkpoint(data_dir, tmp_path):
         ("schedule=linear", "schedule must be one of"),
         ("model_dim=18", "model_dim must be a multiple of 4"),
         ("train_split=validation", "is not one of"),
-        ("dtype=float16", r"config.dtype must be one of \('float32', 'bfloat16'\).*got 'float16'"),
+        ("dtype=float16", r"config.model.dtype must be one of \('float32', 'bfloat16'\).*got 'float16'"),
     ],
 )
 def test_bad_config_values_rejected(data_dir, tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
-        loop.train_and_evaluate(_smoke(data_dir, override), tmp_path)
+        tasks.train_and_evaluate(_smoke(data_dir, override), tmp_path)
 
 
 def test_split_slices_train_on_part_of_a_split(data_dir, tmp_path):
@@ -93,16 +95,17 @@ def test_split_slices_train_on_part_of_a_split(data_dir, tmp_path):
         data_dir,
         "train_split=test[:200],eval_split=test[200:],num_steps=2,max_eval_examples=0,sample_every=0",
     )
-    train, test = loop._load_data(config)
-    assert train.shape == (200, 64) and test.shape == (97, 64)
-    assert np.isfinite(loop.train_and_evaluate(config, tmp_path)["test_bits_per_dim"])
+    task = ImageGeneration(config)
+    task.load_data()
+    assert task.train_BL.shape == (200, 64) and task.test_BL.shape == (97, 64)
+    assert np.isfinite(tasks.train_and_evaluate(config, tmp_path)["test_bits_per_dim"])
 
 
 def test_unknown_config_key_rejected(data_dir, tmp_path):
     config = _smoke(data_dir)
     config.learning_rat = 0.1
     with pytest.raises(ValueError, match=r"not understood: \['learning_rat'\]"):
-        loop.train_and_evaluate(config, tmp_path)
+        tasks.train_and_evaluate(config, tmp_path)
     with pytest.raises(ValueError, match="unknown key 'learnin_rate'"):
         digits.get_config("learnin_rate=3")
     with pytest.raises(ValueError, match="unknown config variant 'smok'"):
@@ -110,7 +113,7 @@ def test_unknown_config_key_rejected(data_dir, tmp_path):
 
 
 def test_sampling_from_a_workdir_recurrent_equals_recompute(data_dir, tmp_path):
-    loop.train_and_evaluate(_smoke(data_dir), tmp_path)
+    tasks.train_and_evaluate(_smoke(data_dir), tmp_path)
     rec = sample_from_workdir(tmp_path, num_images=3, method="recurrent", seed=1)
     full = sample_from_workdir(tmp_path, num_images=3, method="recompute", seed=1)
     np.testing.assert_array_equal(rec["images"], full["images"])
@@ -125,13 +128,13 @@ def test_sampling_from_a_workdir_recurrent_equals_recompute(data_dir, tmp_path):
 
 def test_four_devices_give_the_same_losses_as_one(data_dir, tmp_path):
     one = tmp_path / "one"
-    loop.train_and_evaluate(_smoke(data_dir, "num_steps=4,log_every=1,sample_every=0"), one)
+    tasks.train_and_evaluate(_smoke(data_dir, "num_steps=4,log_every=1,sample_every=0"), one)
     script = (
-        "import sys, jax; from configs import digits; from experiments.training import loop\n"
+        "import sys, jax; from configs import digits; from experiments import tasks\n"
         "assert jax.device_count() == 4, jax.devices()\n"
         "c = digits.get_config('smoke,num_steps=4,log_every=1,sample_every=0')\n"
         f"c.data_dir = {data_dir!r}\n"
-        f"loop.train_and_evaluate(c, {str(tmp_path / 'four')!r})\n"
+        f"tasks.train_and_evaluate(c, {str(tmp_path / 'four')!r})\n"
     )
     env = dict(
         os.environ,
@@ -154,7 +157,7 @@ def test_four_devices_give_the_same_losses_as_one(data_dir, tmp_path):
         ("mesh.sequence=0", r"config.mesh.sequence must be a positive int"),
         (
             "mesh.sequence=2,attention=reformer",
-            r"config.attention='reformer' has no "
+            r"config.model.attention='reformer' has no "
             r"sequence-parallel form; use one of \[.*'linear'",
         ),
         ("mesh.sequence=3", r"config.mesh.sequence=3 must divide the sequence length 64"),
@@ -162,7 +165,7 @@ def test_four_devices_give_the_same_losses_as_one(data_dir, tmp_path):
 )
 def test_bad_mesh_values_rejected(data_dir, tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
-        loop.train_and_evaluate(_smoke(data_dir, override), tmp_path)
+        tasks.train_and_evaluate(_smoke(data_dir, override), tmp_path)
 
 
 def test_mesh_that_does_not_fit_the_devices_rejected(data_dir, tmp_path):
@@ -174,17 +177,17 @@ def test_mesh_that_does_not_fit_the_devices_rejected(data_dir, tmp_path):
         match=rf"config.mesh data={n + 1} x sequence=1 = {n + 1} "
         rf"devices, but there are {n}",
     ):
-        loop.train_and_evaluate(_smoke(data_dir, f"mesh.data={n + 1}"), tmp_path)
+        tasks.train_and_evaluate(_smoke(data_dir, f"mesh.data={n + 1}"), tmp_path)
     with pytest.raises(
         ValueError,
         match=rf"config.mesh.sequence={2 * n} does not divide the {n} "
         rf"devices",
     ):
-        loop.train_and_evaluate(_smoke(data_dir, f"mesh.sequence={2 * n}"), tmp_path)
+        tasks.train_and_evaluate(_smoke(data_dir, f"mesh.sequence={2 * n}"), tmp_path)
     config = _smoke(data_dir)
     config.mesh.tensor = 2
     with pytest.raises(ValueError, match=r"config.mesh keys not understood: \['tensor'\]"):
-        loop.train_and_evaluate(config, tmp_path)
+        tasks.train_and_evaluate(config, tmp_path)
     with pytest.raises(ValueError, match="unknown key 'mesh.seq'"):
         digits.get_config("mesh.seq=2")
 
@@ -208,22 +211,20 @@ def test_mesh_shape_resolves_the_rest_of_the_devices():
 def test_mesh_sequence_one_builds_the_model_without_sequence_parallelism(data_dir):
     from flax import nnx
 
-    from experiments.data import pipeline
-
     config = _smoke(data_dir, "mesh.sequence=1")
-    info = pipeline.dataset_info("digits")
-    trainer = loop._Trainer(config, info, loop.data_mesh())
-    assert loop.transformer_config(config).sequence_axis is None
-    assert trainer.graphdef == nnx.split(loop.build_model(config, info), nnx.Param, nnx.RngState, ...)[0]
-    assert trainer.sample_graphdef is trainer.eval_graphdef
+    task = ImageGeneration(config)
+    trainer = Trainer(config, task, mesh_lib.make_mesh(config))
+    assert trainer.graphdef == nnx.split(task.build_model(), nnx.Param, nnx.RngState, ...)[0]
+    assert trainer.plain_graphdef is trainer.eval_graphdef
     assert dict(trainer.mesh.shape) == {"data": len(trainer.mesh.devices.flat), "sequence": 1}
-    assert loop.transformer_config(config, sequence_axis="sequence").sequence_axis == "sequence"
+    split = nnx.split(task.build_model(sequence_axis="sequence"), nnx.Param, nnx.RngState, ...)[0]
+    assert split != trainer.graphdef  # the axis is in the graph, not in the parameters
 
 
 def test_a_run_that_fails_before_training_leaves_config_json_as_it_was(data_dir, tmp_path):
     (tmp_path / "config.json").write_text('{"from": "an earlier run"}')
     with pytest.raises(ValueError, match="config.mesh.sequence=3 must divide"):
-        loop.train_and_evaluate(_smoke(data_dir, "mesh.sequence=3"), tmp_path)
+        tasks.train_and_evaluate(_smoke(data_dir, "mesh.sequence=3"), tmp_path)
     with pytest.raises(ValueError, match="batch_size=9999 exceeds"):
-        loop.train_and_evaluate(_smoke(data_dir, "batch_size=9999"), tmp_path)
+        tasks.train_and_evaluate(_smoke(data_dir, "batch_size=9999"), tmp_path)
     assert (tmp_path / "config.json").read_text() == '{"from": "an earlier run"}'

@@ -11,8 +11,8 @@ import dataclasses
 import pathlib
 
 from configs import copy as copy_config
+from experiments import tasks
 from experiments.benchmarking import measure, report
-from experiments.training import copy_loop
 from experiments.training.metrics import read_metrics
 
 # name -> configs/copy.py variants applied after the size variants.
@@ -94,7 +94,7 @@ def run_and_report(options: CopyComparisonOptions, log=print) -> list[dict]:
         config = run_config(name, options)
         workdir = out / name.replace("/", "_")
         log(f"== {name}: {workdir}")
-        copy_loop.train_and_evaluate(config, workdir)
+        tasks.train_and_evaluate(config, workdir)
         records = read_metrics(workdir)
         rows.append(summarize(name, records))
         curves[name] = [(r["step"], r["wall_time"], r["loss"]) for r in records if "loss" in r]

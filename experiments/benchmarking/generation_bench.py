@@ -28,7 +28,7 @@ from flax import nnx
 
 from experiments.benchmarking import measure, peers
 from experiments.data import pipeline
-from experiments.training.loop import build_model
+from experiments.tasks.image_generation import build_model
 from linear_transformers import sample_images, sample_images_full_recompute
 
 ARCHS = ("mnist", "cifar10")

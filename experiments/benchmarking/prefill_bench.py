@@ -222,10 +222,10 @@ def image_model(opts: PrefillBenchOptions, kind: str):
             opts.image_arch, kind, max_length=opts.image_length, seed=opts.seed
         )
     from experiments.data import pipeline
-    from experiments.training.loop import build_model
+    from experiments.tasks.image_generation import build_model
 
     config = importlib.import_module(f"configs.{opts.image_arch}").get_config(f"attention={kind}")
-    config.seed, config.num_layers = opts.seed, opts.image_layers
+    config.seed, config.model.num_layers = opts.seed, opts.image_layers
     info = pipeline.dataset_info(opts.image_arch)
     if opts.image_length is not None:
         info = dataclasses.replace(info, image_shape=(opts.image_length, 1, 1))

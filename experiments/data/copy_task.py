@@ -91,20 +91,23 @@ def encoder_decoder_layout(examples: CopyExamples) -> Seq2SeqBatch:
 
 
 class CopyBatches:
-    """Batch of step s = f(seed, s), in the layout of `model` ("decoder" or "encoder_decoder")."""
+    """Batch of step s = f(seed, s), in the layout of `architecture` ("decoder" or
+    "encoder_decoder")."""
 
-    MODELS = ("decoder", "encoder_decoder")
+    ARCHITECTURES = ("decoder", "encoder_decoder")
 
-    def __init__(self, *, batch_size: int, max_length: int, num_symbols: int, model: str, seed: int):
-        if model not in self.MODELS:
-            raise ValueError(f"copy task: model must be one of {self.MODELS}, got {model!r}.")
+    def __init__(self, *, batch_size: int, max_length: int, num_symbols: int, architecture: str, seed: int):
+        if architecture not in self.ARCHITECTURES:
+            raise ValueError(
+                f"copy task: architecture must be one of {self.ARCHITECTURES}, got {architecture!r}."
+            )
         length_range(max_length)
         self.batch_size, self.max_length, self.num_symbols = batch_size, max_length, num_symbols
-        self.model, self.seed = model, seed
+        self.architecture, self.seed = architecture, seed
 
     def batch(self, step: int):
         rng = np.random.default_rng([self.seed, step])
         examples = random_examples(rng, self.batch_size, self.max_length, self.num_symbols)
-        if self.model == "decoder":
+        if self.architecture == "decoder":
             return decoder_only_layout(examples, self.max_length)
         return encoder_decoder_layout(examples)

@@ -1,8 +1,8 @@
-"""The trainers and what they share, in small pieces.
+"""The trainer and what it is made of, in small pieces.
 
-`experiments.train` is the command line; `config.task` picks the trainer: `loop.py` (image
-generators) or `copy_loop.py` (the copy task). Shared: `optimizer.py`, `checkpoints.py`
-(verified Orbax checkpoints), `run_dir.py` and `workdir_lock.py` (the workdir), `interrupts.py`
-(signals), `metrics.py`, `mesh.py` (device mesh), `config_checks.py`; `sampling.py` generates
-from a workdir or from the authors' models.
+`trainer.py` is the one training loop and the `Task` interface (tasks live in
+experiments/tasks/); `schemas.py` the config groups every task shares and `config_checks.py`
+their checks; `optimizer.py`, `checkpoints.py` (verified Orbax checkpoints), `run_dir.py` and
+`workdir_lock.py` (the workdir), `interrupts.py` (signals), `metrics.py`, `mesh.py` (device
+mesh); `greedy_recompute.py` decodes models without a recurrent form.
 """

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ml_collections
 
 from experiments.training import mesh as mesh_lib
-from experiments.training import schemas
 from experiments.training.optimizer import OPTIMIZERS, SCHEDULES
 from linear_transformers.attention import (
     attention_class,
@@ -13,20 +12,20 @@ from linear_transformers.attention import (
     registered_attention_kinds,
     sequence_parallel_kinds,
 )
+from linear_transformers.transformer import TransformerConfig
 
 _POSITIVE = (
-    "num_layers",
-    "num_heads",
-    "model_dim",
-    "feed_forward_dim",
-    "num_mixtures",
     "batch_size",
     "eval_batch_size",
     "num_samples",
+    "num_mixtures",
     "num_symbols",
     "max_length",
     "eval_batches",
     "keep_checkpoints",
+    "vocab_size",
+    "seq_len",
+    "prompt_len",
 )
 _NON_NEGATIVE = (
     "num_steps",
@@ -39,24 +38,37 @@ _NON_NEGATIVE = (
     "max_eval_examples",
     "weight_decay",
     "grad_clip",
-    "dropout",
-    "attention_dropout",
-    "softmax_temp",
     "decay_steps",
     "decay_factor",
 )
 
 
-def check_keys(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict, where: str) -> None:
-    """Every key of `defaults` and no other, else a ValueError naming the difference."""
+def check_keys(
+    config: ml_collections.ConfigDict,
+    defaults: ml_collections.ConfigDict,
+    where: str,
+    prefix: str = "config.",
+) -> None:
+    """Every key of `defaults` and no other, in every group of keys (a group whose default is
+    empty, like `attention_options`, is free-form: its kind checks it), else a ValueError
+    naming the difference; then the value types (`check_types`)."""
     unknown = sorted(set(config) - set(defaults))
     missing = sorted(set(defaults) - set(config))
     if unknown or missing:
         raise ValueError(
-            f"config keys not understood: {unknown}; missing: {missing}. The "
+            f"{prefix[:-1]} keys not understood: {unknown}; missing: {missing}. The "
             f"trainer's keys are listed in {where}."
         )
-    check_types(config, defaults)
+    for key, default in defaults.items():
+        value = config[key]
+        if (
+            isinstance(default, ml_collections.ConfigDict)
+            and default
+            and isinstance(value, ml_collections.ConfigDict)
+        ):
+            check_keys(value, default, where, f"{prefix}{key}.")
+    if prefix == "config.":
+        check_types(config, defaults)
 
 
 class ConfigTypeError(TypeError, ValueError):
@@ -91,26 +103,47 @@ def check_types(
             )
 
 
-def check_attention(config: ml_collections.ConfigDict, key: str = "attention") -> None:
-    """config[key] is a registered kind and config[key + "_options"] are options it takes, with
+def check_attention(
+    group: ml_collections.ConfigDict, key: str = "attention", prefix: str = "config."
+) -> None:
+    """group[key] is a registered kind and group[key + "_options"] are options it takes, with
     usable values: the kind's options class is built from them (the rules the layers apply), so
     a bad option fails here, naming the key, rather than when the model is built."""
-    if config[key] not in registered_attention_kinds():
+    if group[key] not in registered_attention_kinds():
         raise ValueError(
-            f"config.{key} {config[key]!r} is not a registered attention kind; "
+            f"{prefix}{key} {group[key]!r} is not a registered attention kind; "
             f"registered: {registered_attention_kinds()}."
         )
     try:
-        check_attention_options(config[key], dict(config[key + "_options"]))
+        check_attention_options(group[key], dict(group[key + "_options"] or {}))
     except ValueError as e:
-        raise ValueError(f"config.{key}_options: {e}") from None
+        raise ValueError(f"{prefix}{key}_options: {e}") from None
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
+def model_config(
+    group: ml_collections.ConfigDict, prefix: str = "config.model.", **fields
+) -> TransformerConfig:
+    """`TransformerConfig(**group, **fields)` (`fields`: what the trainer sets, e.g.
+    sequence_axis), its errors prefixed with where the values came from."""
+    check_attention(group, "attention", prefix)
+    if group.get("cross_attention") is not None:
+        check_attention(group, "cross_attention", prefix)
+    if group.get("dtype") not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"{prefix}dtype must be one of {COMPUTE_DTYPES} (the computation dtype; "
+            f"parameters are stored in float32), got {group.get('dtype')!r}."
+        )
+    try:
+        return TransformerConfig(**{**group.to_dict(), **fields})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{prefix[:-1]}: {e}") from None
+
+
 def check_values(config: ml_collections.ConfigDict) -> None:
-    """The checks every trainer shares: sizes, rates, optimizer, schedule, attention."""
+    """The checks every task shares: sizes, rates, optimizer, schedule, model, mesh."""
     for key in _POSITIVE:
         if key in config and not config[key] >= 1:
             why = " (0 would leave no checkpoint to resume from)" if key == "keep_checkpoints" else ""
@@ -124,12 +157,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.optimizer must be one of {OPTIMIZERS}, got {config.optimizer!r}.")
     if config.schedule not in SCHEDULES:
         raise ValueError(f"config.schedule must be one of {SCHEDULES}, got {config.schedule!r}.")
-    if config.dtype not in COMPUTE_DTYPES:
-        raise ValueError(
-            f"config.dtype must be one of {COMPUTE_DTYPES} (the computation dtype; "
-            f"parameters are stored in float32), got {config.dtype!r}."
-        )
-    check_attention(config)
+    model_config(config.model)
     mesh_lib.check_mesh_values(config.mesh)
 
 
@@ -168,14 +196,3 @@ def check_mesh(
                 f"data-parallel replicas it is split over (config.mesh.data={data}"
                 f", sequence={sequence})."
             )
-
-
-def check_config(config: ml_collections.ConfigDict) -> None:
-    """Raise ValueError naming every unknown key or unusable value of an image config."""
-    check_keys(config, schemas.image_generation(), "experiments/training/schemas.py (image_generation)")
-    check_values(config)
-    if config.model_dim % 4:
-        raise ValueError(
-            f"config.model_dim must be a multiple of 4 (half embedding, half "
-            f"sine/cosine position encoding), got {config.model_dim}."
-        )

@@ -143,7 +143,15 @@ def _step_of(line: str) -> int | None:
 def save_state_in_hand(run: RunDirectory, state) -> None:
     """Checkpoint `state` on an abrupt stop (a KeyboardInterrupt raised mid-step). The state
     carries its own step, so whatever it holds is labelled right; if the stop came while the
-    step's inputs were being handed over, its buffers are gone and nothing is written."""
+    step's inputs were being handed over, its buffers are gone and nothing is written; None
+    (a state whose last step was not finite) is not written either."""
+    if state is None:
+        logging.warning(
+            "stopped without a new checkpoint (the last step was not finite); the latest is step %s in %s.",
+            run.latest_step(),
+            run.checkpointer.directory,
+        )
+        return
     try:
         step = run.save(state)
     except Exception as e:  # deleted (donated) buffers: jax raises RuntimeError, or others

@@ -1,43 +1,91 @@
-"""Every key each trainer reads, with its default: the trainers' own schemas.
+"""The pieces every task's config is made of, with their defaults.
 
-A config for a trainer holds exactly these keys (the trainer rejects any other, so a typo in a
-config or an override fails loudly instead of being ignored) with values of the defaults' types.
-The experiment configs in `configs/` start from these and change what differs.
+A task's schema (`experiments/tasks/*.py`, `schema()`) is its own keys plus these groups; a
+config holds exactly the schema's keys (the trainer rejects any other, so a typo in a config or
+an override fails loudly instead of being ignored) with values of the defaults' types.
+
+`config.model` holds exactly `TransformerConfig`'s fields: the model's stack is
+`TransformerConfig(**config.model)`. A field whose default is None ("derive it", e.g.
+`softmax_temp` = 1/sqrt(query_dim)) is an ml_collections placeholder of the field's type, so
+`--config.model.softmax_temp=0.5` sets it and leaving it alone keeps the library's default.
 """
 
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import types
+import typing
+
+import jax.numpy as jnp
 import ml_collections
+from ml_collections import config_dict
+
+from linear_transformers.transformer import TransformerConfig
+
+# Model fields set by the trainer, never by a config (it derives them from config.mesh).
+TRAINER_SET_FIELDS = ("sequence_axis",)
 
 
-def image_generation() -> ml_collections.ConfigDict:
-    """The image-generation trainer's keys (`experiments.training.loop`)."""
+def _field_type(hint) -> type:
+    """The ConfigDict type of a TransformerConfig field: `int | None` -> int, a mapping ->
+    ConfigDict, dtypes (`Any`) -> str (configs name them: "float32", "bfloat16")."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    kind = typing.get_origin(hint) or hint
+    if kind in (int, float, bool, str):
+        return kind
+    if isinstance(kind, type) and issubclass(kind, collections.abc.Mapping):
+        return ml_collections.ConfigDict
+    return str
+
+
+def _config_value(value):
+    if isinstance(value, dict):
+        return ml_collections.ConfigDict(value)
+    if isinstance(value, (type, jnp.dtype)) or hasattr(value, "dtype"):
+        return jnp.dtype(value).name
+    return value
+
+
+def model_fields() -> dict[str, type]:
+    """{field: ConfigDict type} of every TransformerConfig field a config may set."""
+    hints = typing.get_type_hints(TransformerConfig)
+    return {
+        f.name: _field_type(hints[f.name])
+        for f in dataclasses.fields(TransformerConfig)
+        if f.name not in TRAINER_SET_FIELDS
+    }
+
+
+def model(**overrides) -> ml_collections.ConfigDict:
+    """TransformerConfig's fields with its defaults, then `overrides`; None defaults become
+    typed placeholders (settable from the command line)."""
+    defaults = TransformerConfig()
+    fields = model_fields()
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"not TransformerConfig fields: {unknown}; fields: {sorted(fields)}.")
     c = ml_collections.ConfigDict()
-    c.task = "image_generation"  # which trainer runs the config (configs/copy.py: "copy")
-    c.seed = 0
+    for name, kind in fields.items():
+        value = overrides.get(name, getattr(defaults, name))
+        c[name] = config_dict.placeholder(kind) if value is None else _config_value(value)
+    return c
 
-    # Data: a name from experiments.data, where prepared data lives, where raw files are.
-    c.dataset = "digits"
-    c.data_dir = "~/tensorflow_datasets"
-    c.manual_dir = ""  # raw files (IDX .gz, cifar-10-batches-py); "" = <data_dir>/downloads/manual
-    c.download = False  # fetch raw files with the TFDS download manager when missing
-    c.train_split = "train"  # "train", "test", or a slice such as "test[:9000]"
-    c.eval_split = "test"
-    c.max_train_examples = 0  # 0 = all; >0 keeps the first N (quick runs)
-    c.max_eval_examples = 0  # 0 = the whole test split
 
-    # Model: the paper's image generator (embedding ++ positions, causal transformer, mixture).
-    c.attention = "linear"  # any registered kind: linear, causal-linear, softmax
-    c.attention_options = ml_collections.ConfigDict()
-    c.num_layers = 8
-    c.num_heads = 8
-    c.model_dim = 256
-    c.feed_forward_dim = 1024
-    c.dropout = 0.1
-    c.attention_dropout = 0.0
-    c.softmax_temp = 0.0  # 0 = 1/sqrt(head dim); softmax only
-    c.num_mixtures = 10
-    c.dtype = "float32"  # computation: float32 | bfloat16 (parameters stay float32)
+def model_overrides() -> ml_collections.ConfigDict:
+    """TransformerConfig's fields, all unset: a second stack's differences from config.model
+    (the copy task's encoder). `attention_options` is a group (empty: no options)."""
+    c = ml_collections.ConfigDict()
+    for name, kind in model_fields().items():
+        c[name] = (
+            ml_collections.ConfigDict() if name == "attention_options" else config_dict.placeholder(kind)
+        )
+    return c
 
-    # Optimisation.
+
+def optimisation(c: ml_collections.ConfigDict) -> None:
+    """The optimizer's keys (experiments/training/optimizer.py)."""
     c.optimizer = "radam"  # radam | adamw
     c.learning_rate = 1e-4
     c.schedule = "constant"  # constant | cosine (to 0 at num_steps) | step
@@ -49,76 +97,56 @@ def image_generation() -> ml_collections.ConfigDict:
     c.batch_size = 16
     c.num_steps = 1000
 
-    # Bookkeeping (0 = never, except at the end of the run).
+
+def bookkeeping(c: ml_collections.ConfigDict) -> None:
+    """When the trainer logs, evaluates and checkpoints (0 = never, except at the end)."""
     c.log_every = 50
     c.eval_every = 500
-    c.eval_batch_size = 64
     c.checkpoint_every = 500
     c.keep_checkpoints = 2
-    c.sample_every = 500
-    c.num_samples = 16
     c.progress_bar = True
 
-    # Devices: a ("data", "sequence") mesh whose sizes multiply to the device count.
-    # sequence > 1 splits every image's sub-pixel axis over that many devices (sequence
-    # parallelism: attention kinds linear, causal-linear, softmax; it must divide H*W*C);
-    # data = batch split (data parallel), -1 = the devices left over. E.g. on 8 devices
-    # --config.mesh.sequence=4 gives data=2 x sequence=4.
+
+def devices(c: ml_collections.ConfigDict) -> None:
+    """The device mesh (experiments/training/mesh.py)."""
+    # A ("data", "sequence") mesh whose sizes multiply to the device count. sequence > 1 splits
+    # every example's time axis over that many devices (sequence parallelism: every attention
+    # kind of the model must have a sequence-parallel form); data = batch split (data
+    # parallel), -1 = the devices left over. E.g. on 8 devices --config.mesh.sequence=4 gives
+    # data=2 x sequence=4.
     c.mesh = ml_collections.ConfigDict({"data": -1, "sequence": 1})
     c.distributed = False  # jax.distributed.initialize() for multi-host runs
-    return c
 
 
-def copy_task() -> ml_collections.ConfigDict:
-    """The copy-task trainer's keys (`experiments.training.copy_loop`), at the paper's setting."""
-    c = ml_collections.ConfigDict()
-    c.task = "copy"
-    c.seed = 0
+# The flat layout of configs written before config.model existed: {old key: new dotted key}.
+_FLAT_KEYS = {
+    **{name: f"model.{name}" for name in ("attention", "attention_options", "num_layers", "num_heads")},
+    **{name: f"model.{name}" for name in ("model_dim", "feed_forward_dim", "dropout", "attention_dropout")},
+    "softmax_temp": "model.softmax_temp",
+    "dtype": "model.dtype",
+    "cross_attention": "model.cross_attention",
+    "encoder_attention": "encoder.attention",
+    "encoder_attention_options": "encoder.attention_options",
+}
 
-    # Data: n symbols, n uniform in [max_length // 4, (max_length - 1) // 2).
-    c.max_length = 128
-    c.num_symbols = 10
 
-    # Model: "decoder" (the paper's) or "encoder_decoder" (the replication's).
-    c.model = "decoder"
-    c.attention = "linear"  # decoder self-attention; encoder too unless encoder_attention
-    c.attention_options = ml_collections.ConfigDict()
-    c.encoder_attention = ""  # encoder_decoder only; "" = attention
-    c.encoder_attention_options = ml_collections.ConfigDict()
-    c.cross_attention = ""  # encoder_decoder only; "" = the default for `attention`
-    c.num_layers = 4
-    c.num_heads = 8
-    c.model_dim = 256
-    c.feed_forward_dim = 1024
-    c.dropout = 0.0
-    c.attention_dropout = 0.0
-    c.softmax_temp = 0.0  # 0 = 1/sqrt(head dim)
-    c.dtype = "float32"  # computation: float32 | bfloat16 (parameters stay float32)
-
-    # Optimisation.
-    c.optimizer = "radam"
-    c.learning_rate = 1e-3
-    c.schedule = "step"
-    c.decay_steps = 3000
-    c.decay_factor = 0.1
-    c.warmup_steps = 0
-    c.weight_decay = 0.0
-    c.grad_clip = 1.0
-    c.batch_size = 64
-    c.num_steps = 10_000
-
-    # Bookkeeping (0 = never, except at the end of the run).
-    c.log_every = 100
-    c.eval_every = 1000
-    c.eval_batches = 4  # held-out batches of batch_size for the accuracies
-    c.checkpoint_every = 1000
-    c.keep_checkpoints = 2
-    c.progress_bar = True  # a line per log_every steps
-
-    # Devices: a ("data", "sequence") mesh whose sizes multiply to the device count.
-    # sequence > 1 splits time over that many devices (sequence parallelism; every attention
-    # kind of the model must be linear, causal-linear or softmax; time is zero-padded to a
-    # multiple, which changes no loss); data = batch split (data parallel, batch_size must
-    # divide by it), -1 = the devices left over. E.g. --config.mesh.sequence=8.
-    c.mesh = ml_collections.ConfigDict({"data": -1, "sequence": 1})
-    return c
+def upgrade_saved_config(saved: dict) -> dict:
+    """A workdir's config.json in the current layout: one written with the flat layout (model
+    keys at the top level, `softmax_temp = 0.0` and `""` for "unset", the copy task's
+    architecture in `model`) is moved into `model` / `encoder` / `architecture`; a current one
+    is returned as it is."""
+    if isinstance(saved.get("model"), dict):
+        return saved
+    upgraded = {}
+    for key, value in saved.items():
+        if key == "model":  # the copy task's "decoder" | "encoder_decoder"
+            upgraded["architecture"] = value
+            continue
+        if key not in _FLAT_KEYS:
+            upgraded[key] = value
+            continue
+        if (key == "softmax_temp" and value == 0.0) or value == "":
+            value = None
+        group, name = _FLAT_KEYS[key].split(".")
+        upgraded.setdefault(group, {})[name] = value
+    return upgraded

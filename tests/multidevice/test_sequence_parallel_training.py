@@ -16,7 +16,7 @@ import pytest
 
 from configs import copy as copy_config
 from configs import digits
-from experiments.training import copy_loop, loop
+from experiments import tasks
 from experiments.training.metrics import read_metrics
 
 NUM_DEVICES = 8
@@ -51,7 +51,7 @@ def copy_runs(tmp_path_factory):
         "mesh.data=2,mesh.sequence=4",
     ):
         workdir = tmp_path_factory.mktemp("copy")
-        runs[mesh] = workdir, copy_loop.train_and_evaluate(_copy(mesh), workdir)
+        runs[mesh] = workdir, tasks.train_and_evaluate(_copy(mesh), workdir)
     return runs
 
 
@@ -73,9 +73,9 @@ def test_interrupted_sequence_parallel_run_resumes_exactly(copy_runs, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        copy_loop.train_and_evaluate(config, tmp_path, step_callback=interrupt)
+        tasks.train_and_evaluate(config, tmp_path, step_callback=interrupt)
     assert (tmp_path / "checkpoints" / "2").is_dir()
-    resumed = copy_loop.train_and_evaluate(config, tmp_path)
+    resumed = tasks.train_and_evaluate(config, tmp_path)
     # Same mesh, same compiled steps, state restored onto the same (replicated) shardings.
     # The interrupted run logged step 1 (step 2 was interrupted before its log), the resumed
     # one steps 3 and 4.
@@ -92,8 +92,8 @@ def test_sequence_parallel_encoder_decoder_with_greedy_decoding(tmp_path):
     arg = (
         "encoder_decoder," + COPY + ",num_steps=2,model_dim=32,feed_forward_dim=64,max_length=64,dropout=0.0"
     )
-    ref = copy_loop.train_and_evaluate(copy_config.get_config(arg), tmp_path / "ref")
-    split = copy_loop.train_and_evaluate(
+    ref = tasks.train_and_evaluate(copy_config.get_config(arg), tmp_path / "ref")
+    split = tasks.train_and_evaluate(
         copy_config.get_config(arg + ",mesh.data=2,mesh.sequence=4"), tmp_path / "split"
     )
     np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "ref"), rtol=1e-4)
@@ -109,8 +109,8 @@ def test_image_trainer_sequence_parallel_matches(tmp_path):
         c.data_dir = str(tmp_path / "tfds")
         return c
 
-    ref = loop.train_and_evaluate(config("mesh.sequence=1"), tmp_path / "ref")
-    split = loop.train_and_evaluate(config("mesh.data=2,mesh.sequence=4"), tmp_path / "split")
+    ref = tasks.train_and_evaluate(config("mesh.sequence=1"), tmp_path / "ref")
+    split = tasks.train_and_evaluate(config("mesh.data=2,mesh.sequence=4"), tmp_path / "split")
     np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "ref"), rtol=1e-4)
     assert split["test_bits_per_dim"] == pytest.approx(ref["test_bits_per_dim"], rel=1e-4)
     assert (tmp_path / "split" / "samples" / "step_0000003.png").stat().st_size > 0

@@ -13,9 +13,11 @@ import ml_collections
 import numpy as np
 
 from experiments.data import pipeline
-from experiments.training import images
+from experiments.tasks.image_generation import ImageGeneration
+from experiments.training import images, schemas
+from experiments.training import mesh as mesh_lib
 from experiments.training.checkpoints import Checkpointer, CheckpointError, DamagedCheckpointError
-from experiments.training.loop import _Trainer, data_mesh
+from experiments.training.trainer import Trainer
 from linear_transformers import interop
 from linear_transformers.image_generator import sample_images, sample_images_full_recompute
 
@@ -36,13 +38,14 @@ def load_config(workdir) -> ml_collections.ConfigDict:
             f"{path} not found: --workdir must be a directory written by python -m experiments.train."
         )
     try:
-        return ml_collections.ConfigDict(json.loads(path.read_text()))
+        saved = json.loads(path.read_text())
     except ValueError as e:
         raise ValueError(
             f"{path} is not a valid config ({e}); it is written by "
             f"python -m experiments.train when training starts: restore it, or "
             f"re-run training with the run's config to rewrite it."
         ) from None
+    return ml_collections.ConfigDict(schemas.upgrade_saved_config(saved))
 
 
 def sample_from_workdir(
@@ -64,8 +67,7 @@ def sample_from_workdir(
     length = math.prod(info.image_shape)
     if not 0 <= prefix_pixels < length:
         raise ValueError(f"prefix_pixels must be in [0, {length}), got {prefix_pixels}.")
-    mesh = data_mesh(jax.devices()[:1])
-    trainer = _Trainer(config, info, mesh)
+    trainer = Trainer(config, ImageGeneration(config), mesh_lib.mesh_from_shape((1, 1), jax.devices()[:1]))
     checkpointer = Checkpointer(pathlib.Path(workdir).expanduser() / "checkpoints")
     try:
         step = checkpointer.latest_step() if step is None else step

@@ -1,0 +1,320 @@
+"""The copy task (paper section 4.1): `Copy`.
+
+Two architectures: the paper's decoder-only transformer (`CausalLM` over [0, s, 0, s]) and the
+replication's encoder-decoder (`EncoderDecoder`, source s, target s). Both train with
+cross-entropy on the copied symbols only and report, on a fixed held-out set of batches:
+
+  token_accuracy      teacher-forced argmax equals the target, over copied symbols
+  sequence_accuracy   every copied symbol right; for a model whose causal outputs depend on
+                      earlier positions only, this is also the rate of exact copies under
+                      greedy decoding (by induction over the positions)
+  greedy_*            the same two accuracies under greedy decoding: for encoder-decoder
+                      models whose decoder has a recurrent form, of `greedy_decode` (one
+                      compiled loop, memory encoded once); for decoders without one (LSH, whose
+                      buckets depend on later positions, so teacher forcing is not greedy
+                      decoding), of `greedy_recompute` (the parallel model re-run on the
+                      generated prefix for every token)
+
+With mesh.sequence > 1 time is padded up to a multiple of it (`pad_time`): padding sits after
+every real token with loss weight 0, the decoder is causal and the encoder masks keys past
+`source_lengths`, so the loss and accuracies are those of the unpadded batch.
+
+Legend: B batch, T time, V vocabulary, W widest sequence.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from experiments.data import copy_task
+from experiments.training import greedy_recompute, schemas
+from experiments.training import mesh as mesh_lib
+from experiments.training.config_checks import model_config
+from experiments.training.trainer import Task, Trainer
+from linear_transformers.attention import attention_class
+from linear_transformers.lm import CausalLM
+from linear_transformers.seq2seq import EncoderDecoder, greedy_decode
+from linear_transformers.transformer import TransformerConfig
+
+EVAL_SEED_OFFSET = 1_000_003  # held-out batches come from another stream than training's
+
+
+def schema() -> ml_collections.ConfigDict:
+    """Every key of a copy-task config, with its default: the paper's setting."""
+    c = ml_collections.ConfigDict()
+    c.task = "copy"
+    c.seed = 0
+
+    # Data: n symbols, n uniform in [max_length // 4, (max_length - 1) // 2).
+    c.max_length = 128
+    c.num_symbols = 10
+
+    # Model: "decoder" (the paper's) or "encoder_decoder" (the replication's). config.model is
+    # the decoder (TransformerConfig(**config.model)); config.encoder holds where the encoder
+    # differs from it (unset = the same; encoder_decoder only).
+    c.architecture = "decoder"
+    c.model = schemas.model(
+        attention="linear",
+        num_layers=4,
+        num_heads=8,
+        model_dim=256,
+        feed_forward_dim=1024,
+        dropout=0.0,
+        dtype="float32",  # computation: float32 | bfloat16 (parameters stay float32)
+    )
+    c.encoder = schemas.model_overrides()
+
+    schemas.optimisation(c)
+    c.learning_rate = 1e-3
+    c.schedule = "step"
+    c.decay_steps = 3000
+    c.weight_decay = 0.0
+    c.batch_size = 64
+    c.num_steps = 10_000
+
+    schemas.bookkeeping(c)
+    c.log_every = 100
+    c.eval_every = 1000
+    c.checkpoint_every = 1000
+    c.eval_batches = 4  # held-out batches of batch_size for the accuracies
+    schemas.devices(c)
+    return c
+
+
+def pad_time(batch, multiple: int):
+    """`batch` (either layout) with its time axis zero-padded to a multiple of `multiple`.
+
+    Exact for the loss and accuracies: the padding comes after every real token and has loss
+    weight 0, a causal decoder never looks ahead at it, and the encoder masks source keys past
+    `source_lengths`. The per-example lengths are unchanged.
+    """
+
+    def pad(x):
+        if x.ndim < 2 or x.shape[1] % multiple == 0:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (0, -x.shape[1] % multiple)
+        return np.pad(x, widths)
+
+    return type(batch)(*(pad(np.asarray(x)) for x in batch))
+
+
+def _forward(model, batch):
+    """(logits [B, T, V], targets [B, T], mask [B, T]) for either layout."""
+    if isinstance(batch, copy_task.LanguageModelBatch):
+        return model(batch.inputs_BT), batch.targets_BT, batch.mask_BT
+    logits = model(batch.source_BW, batch.target_in_BW, source_lengths=batch.source_lengths_B)
+    return logits, batch.target_out_BW, batch.mask_BW
+
+
+def loss_and_counts(model, batch):
+    """Masked mean cross-entropy, and sums for the accuracies."""
+    logits_BTV, targets_BT, mask_BT = _forward(model, batch)
+    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
+    loss = jnp.sum(ce_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
+    return loss, accuracy_counts(jnp.argmax(logits_BTV, -1), targets_BT, mask_BT)
+
+
+def accuracy_counts(predicted_BT, targets_BT, mask_BT) -> dict:
+    """Sums over a batch: correct copied symbols, copied symbols, exact sequences, sequences."""
+    correct_BT = (predicted_BT == targets_BT) & (mask_BT > 0)
+    exact_B = jnp.all(correct_BT | (mask_BT == 0), axis=-1)
+    return {
+        "correct": jnp.sum(correct_BT),
+        "symbols": jnp.sum(mask_BT > 0),
+        "exact": jnp.sum(exact_B),
+        "sequences": jnp.asarray(exact_B.shape[0]),
+    }
+
+
+def _greedy_by_recompute(model, batch):
+    """(greedy predictions, targets, mask) of a batch, the parallel model re-run on the
+    generated prefix for every token (greedy_recompute)."""
+    if isinstance(batch, copy_task.LanguageModelBatch):
+        predicted_BT = greedy_recompute.decoder_only(model, batch.inputs_BT, batch.mask_BT > 0)
+        return predicted_BT, batch.targets_BT, batch.mask_BT
+    predicted_BT = greedy_recompute.encoder_decoder(
+        model, batch.source_BW, batch.source_lengths_B, batch.target_in_BW, batch.mask_BW > 0
+    )
+    return predicted_BT, batch.target_out_BW, batch.mask_BW
+
+
+def _is_set(value) -> bool:
+    """Whether an override field holds a value (unset: None, or an empty group of options)."""
+    return value is not None and not (isinstance(value, ml_collections.ConfigDict) and len(value) == 0)
+
+
+class Copy(Task):
+    """Copy n random symbols after a separator, decoder-only or encoder-decoder."""
+
+    name = "copy"
+    schema = staticmethod(schema)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._batches = copy_task.CopyBatches(
+            batch_size=config.batch_size,
+            max_length=config.max_length,
+            num_symbols=config.num_symbols,
+            architecture=config.architecture,
+            seed=config.seed,
+        )
+
+    def check(self) -> None:
+        c = self.config
+        if c.model.model_dim % 2:
+            raise ValueError(
+                f"config.model.model_dim must be even (sine/cosine positions), got {c.model.model_dim}."
+            )
+        if c.architecture == "decoder":
+            set_fields = [f"encoder.{k}" for k, v in c.encoder.items() if _is_set(v)]
+            set_fields += [
+                f"model.{k}" for k in ("cross_attention", "cross_attention_options") if c.model[k] is not None
+            ]
+            if set_fields:
+                raise ValueError(
+                    f"config {set_fields} apply to "
+                    f"architecture='encoder_decoder' only; this config has architecture='decoder'."
+                )
+        elif c.encoder.attention is None and c.encoder.attention_options:
+            raise ValueError(
+                "config.encoder.attention_options are options of config.encoder.attention, "
+                "which is unset (the encoder uses config.model's kind and options); set it too."
+            )
+        self.model_configs()  # every value, before any work
+
+    def attention_kinds(self) -> dict[str, str]:
+        kinds = {"model.attention": self.config.model.attention}
+        if self.config.architecture == "encoder_decoder":
+            encoder, decoder = self.model_configs()
+            kinds["encoder.attention"] = encoder.attention
+            kinds["model.cross_attention"] = decoder.cross_kind
+        return kinds
+
+    def source_width(self) -> int:
+        """Most symbols an example holds: the encoder's (and decoder's) sequence length."""
+        return copy_task.length_range(self.config.max_length)[1] - 1
+
+    def _options(self, kind, options) -> dict:
+        options = dict(options or {})
+        if kind == "linformer" and "max_length" not in options:
+            options["max_length"] = self.source_width()  # the longest source it will see
+        return options
+
+    def model_configs(
+        self, sequence_axis: str | None = None
+    ) -> tuple[TransformerConfig | None, TransformerConfig]:
+        """(encoder or None, decoder) TransformerConfigs; `sequence_axis` as in TransformerConfig."""
+        c = self.config
+        model = c.model
+        fields = {
+            "sequence_axis": sequence_axis,
+            "attention_options": self._options(model.attention, model.attention_options),
+        }
+        if model.cross_attention is not None:
+            fields["cross_attention_options"] = self._options(
+                model.cross_attention, model.cross_attention_options
+            )
+        decoder = model_config(model, **fields)
+        if c.architecture == "decoder":
+            return None, decoder
+        overrides = {
+            k: v for k, v in c.encoder.to_dict().items() if v is not None and k != "attention_options"
+        }
+        if c.encoder.attention is not None:
+            overrides["attention_options"] = c.encoder.attention_options.to_dict()
+        group = ml_collections.ConfigDict({**model.to_dict(), **overrides})
+        encoder = model_config(
+            group,
+            "config.encoder.",
+            sequence_axis=sequence_axis,
+            attention_options=self._options(group.attention, group.attention_options),
+        )
+        return encoder, decoder
+
+    def build_model(self, *, sequence_axis=None) -> nnx.Module:
+        rngs = nnx.Rngs(params=self.config.seed, dropout=self.config.seed + 1)
+        vocab = self.config.num_symbols + 1
+        encoder, decoder = self.model_configs(sequence_axis)
+        if encoder is None:
+            return CausalLM(decoder, vocab, rngs=rngs)
+        return EncoderDecoder(encoder, decoder, vocab, rngs=rngs)
+
+    def batch(self, step: int):
+        return self._batches.batch(step)
+
+    def pad_for_mesh(self, batch, sequence: int):
+        return pad_time(batch, sequence)
+
+    def loss(self, model, batch):
+        return loss_and_counts(model, batch)
+
+    def train_scalars(self, loss, sums) -> dict:
+        return {"train_token_accuracy": sums["correct"] / sums["symbols"]}
+
+    def progress(self, scalars) -> dict:
+        return {"loss": f"{scalars['loss']:.4f}", "token_acc": f"{scalars['train_token_accuracy']:.3f}"}
+
+    def eval_sums(self, model, batch) -> dict:
+        loss, counts = loss_and_counts(model, batch)
+        return {"loss_sum": loss * counts["symbols"], **counts}
+
+    def greedy(self) -> str | None:
+        """How evaluation decodes greedily: with the recurrent decoder ("recurrent"), by
+        re-running the parallel model per token where there is no recurrent form (LSH:
+        "recompute"), or not at all (a recurrent decoder-only model: teacher forcing is
+        greedy decoding)."""
+        if not attention_class(self.config.model.attention).has_recurrent_form:
+            return "recompute"
+        return "recurrent" if self.config.architecture == "encoder_decoder" else None
+
+    def evaluate(self, trainer: Trainer) -> dict:
+        """Loss and accuracies over config.eval_batches held-out batches."""
+        c = self.config
+        batches = copy_task.CopyBatches(
+            batch_size=c.batch_size,
+            max_length=c.max_length,
+            num_symbols=c.num_symbols,
+            architecture=c.architecture,
+            seed=c.seed + EVAL_SEED_OFFSET,
+        )
+        greedy_kind = self.greedy()
+        totals, greedy = {}, {}
+        model = trainer.eval_model() if greedy_kind else None
+        mesh = trainer.mesh
+        data_only = mesh_lib.mesh_from_shape((mesh.size, 1), mesh.devices.flat)
+        for i in range(c.eval_batches):
+            batch = batches.batch(i)
+            for k, v in trainer.eval_sums(batch).items():
+                totals[k] = totals.get(k, 0.0) + v
+            if greedy_kind == "recompute":
+                predicted_BT, targets_BT, mask_BT = _greedy_by_recompute(model, batch)
+            elif greedy_kind == "recurrent":
+                # Unpadded, split on "data" only if the batch divides over every device.
+                source = (batch.source_BW, batch.source_lengths_B)
+                if c.batch_size % mesh.size == 0:
+                    source = mesh_lib.shard_batch(data_only, source)
+                predicted_BT = greedy_decode(
+                    model,
+                    source[0],
+                    batch.source_BW.shape[1],
+                    start_token=copy_task.SEPARATOR,
+                    source_lengths=source[1],
+                )
+                targets_BT, mask_BT = batch.target_out_BW, batch.mask_BW
+            if greedy_kind:
+                for k, v in accuracy_counts(predicted_BT, targets_BT, mask_BT).items():
+                    greedy[k] = greedy.get(k, 0.0) + float(v)
+        result = {
+            "eval_loss": totals["loss_sum"] / totals["symbols"],
+            "token_accuracy": totals["correct"] / totals["symbols"],
+            "sequence_accuracy": totals["exact"] / totals["sequences"],
+        }
+        if greedy:
+            result["greedy_token_accuracy"] = greedy["correct"] / greedy["symbols"]
+            result["greedy_sequence_accuracy"] = greedy["exact"] / greedy["sequences"]
+        return result
