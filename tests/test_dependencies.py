@@ -73,3 +73,48 @@ def test_the_library_imports_no_experiment_and_the_trainers_no_config_file():
     # The trainers take a config object; config files import the trainers' schemas, not back.
     assert "configs" not in _imports("experiments/training", first_party=True)
     assert "configs" not in _imports("experiments/data", first_party=True)
+    assert "configs" not in _imports("experiments/tasks", first_party=True)
+
+
+def _modules_importing(folder: str, module: str) -> set[str]:
+    """Files under `folder` that import `module` (absolute imports, any form)."""
+    found = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            if module in names:
+                found.add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_one_training_path_from_the_entry_points_to_the_library():
+    # Only the trainer builds an optimizer or takes gradients (config_checks reads the names of
+    # the optimizers); every entry point that trains goes through experiments.tasks, which
+    # hands the config's task to that trainer.
+    assert _modules_importing("experiments", "experiments.training.optimizer") == {
+        "experiments/training/trainer.py",
+        "experiments/training/config_checks.py",
+    }
+    # (Benchmarks time gradients of ops; they train nothing.)
+    gradients = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "experiments").rglob("*.py")
+        if "benchmarking" not in path.parts
+        and re.search(r"\b(value_and_grad|nnx\.Optimizer)\b", path.read_text())
+    }
+    assert gradients == {"experiments/training/trainer.py"}
+    definitions = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "experiments").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "train_and_evaluate"
+    }
+    assert definitions == {"experiments/training/trainer.py", "experiments/tasks/__init__.py"}
+    assert _modules_importing("experiments", "experiments.tasks") >= {
+        "experiments/train.py",
+        "experiments/benchmarking/copy_bench.py",
+    }

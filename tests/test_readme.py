@@ -53,3 +53,48 @@ def test_readme_fast_transformers_example_runs(tmp_path):
     assert images.shape == (16, 784)
     np.testing.assert_array_equal(images[:, 0], 0)
     assert images.min() >= 0 and images.max() < 256 and len(np.unique(images)) > 1
+
+
+def _documented_training_commands():
+    """Every `python -m experiments.train|demo ...` command in the README and the configs'
+    docstrings, continuation lines joined."""
+    root = README.parent
+    texts = [README.read_text()] + [p.read_text() for p in sorted((root / "configs").glob("*.py"))]
+    commands = []
+    for text in texts:
+        joined = re.sub(r"\\\\?\n\s*", " ", text)  # "\" or "\\" line continuations
+        commands += re.findall(r"python -m experiments\.(?:train|demo)\b[^\n#`]*", joined)
+    return sorted(set(c.strip() for c in commands))
+
+
+def test_every_documented_training_command_gives_a_config_the_trainer_accepts():
+    import shlex
+
+    from absl import flags
+    from ml_collections import config_flags
+
+    from experiments import tasks
+    from experiments.training import trainer
+
+    commands = _documented_training_commands()
+    assert len(commands) >= 10, commands
+    for command in commands:
+        words = shlex.split(command)
+        default = "configs/demo.py" if words[2] == "experiments.demo" else "configs/digits.py"
+        config_args = []
+        for i, word in enumerate(words):
+            if word == "--config":
+                config_args.append(f"--config={words[i + 1]}")
+            elif word.startswith("--config"):
+                config_args.append(word)
+        if not any(arg.startswith("--config=") for arg in config_args):
+            config_args.insert(0, f"--config={default}")
+        argv = ["prog", *config_args]
+        flag_values = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", flag_values=flag_values, sys_argv=argv)
+        flag_values(argv)
+        config = flag_values.config
+        try:
+            trainer.check_config(config, tasks.task_class(config))
+        except Exception as e:
+            raise AssertionError(f"{command!r}: {e}") from e

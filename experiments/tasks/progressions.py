@@ -118,9 +118,7 @@ class Progressions(Task):
         """Held-out loss, greedy continuation accuracy after prompt_len tokens (recurrent
         form), and the largest |parallel - recurrent| logit difference."""
         c = self.config
-        test_BT = progressions(
-            np.random.default_rng([c.seed, 1]), c.eval_batch_size, c.seq_len, c.vocab_size
-        )
+        test_BT = progressions(np.random.default_rng([c.seed, 1]), c.eval_batch_size, c.seq_len, c.vocab_size)
         eval_loss = trainer.eval_sums(next_token_pairs(test_BT))["loss_sum"] / len(test_BT)
         model = trainer.eval_model()
         generated_BT = generate(

@@ -60,7 +60,9 @@ def model_fields() -> dict[str, type]:
 
 def model(**overrides) -> ml_collections.ConfigDict:
     """TransformerConfig's fields with its defaults, then `overrides`; None defaults become
-    typed placeholders (settable from the command line)."""
+    typed placeholders (settable from the command line). `dtype` defaults to "float32" (a
+    trainer computes in float32 or bfloat16, named)."""
+    overrides = {"dtype": "float32", **overrides}
     defaults = TransformerConfig()
     fields = model_fields()
     unknown = sorted(set(overrides) - set(fields))
