@@ -111,7 +111,7 @@ class ImageGenerator(nnx.Module):
         self.position_dim = position_dim
         vocab = num_classes + 1 if start_token else num_classes
         self.embed = embedding(config, vocab, embed_dim, rngs)
-        self.decoder = Encoder(config, causal=True, rngs=rngs)
+        self.transformer = Encoder(config, causal=True, rngs=rngs)
         # float32 at least: mixture means a bin apart (2 / 255) would round together in bf16.
         self.head = dense(config, config.model_dim, num_params(num_mixtures), rngs, dtype=config.output_dtype)
 
@@ -165,7 +165,7 @@ class ImageGenerator(nnx.Module):
         token T must be >= 2."""
         inputs_BT = self.shifted_inputs(x_BT)
         x_BTE = self._inputs(inputs_BT, jnp.arange(inputs_BT.shape[1]))
-        return self.head(self.decoder(x_BTE))
+        return self.head(self.transformer(x_BTE))
 
     def log_prob(self, x_BT):
         """Total log-likelihood in nats of the scored sub-pixels x[:, first_scored:] of each
@@ -183,7 +183,7 @@ class ImageGenerator(nnx.Module):
 
     def init_state(self, batch: int, dtype=None) -> LMState:
         """Empty recurrent state at position 0; softmax kinds allocate a max_length KV cache."""
-        return LMState(self.decoder.init_state(batch, self.max_length, dtype), jnp.zeros((), jnp.int32))
+        return LMState(self.transformer.init_state(batch, self.max_length, dtype), jnp.zeros((), jnp.int32))
 
     def step(self, state: LMState, token_B):
         """Read the input token of this position t (state.position); return its params_BQ, the
@@ -193,7 +193,7 @@ class ImageGenerator(nnx.Module):
         Steps past max_length are not checked (the position is traced); softmax caches overflow.
         """
         x_BE = self._inputs(jnp.asarray(token_B, jnp.int32), state.position)
-        layers, y_BE = self.decoder.step(state.layers, x_BE)
+        layers, y_BE = self.transformer.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
 
     def prefill(self, state: LMState, tokens_BT):
@@ -208,7 +208,7 @@ class ImageGenerator(nnx.Module):
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         T = tokens_BT.shape[1]
         x_BTE = self._inputs(tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
-        layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)
+        layers, y_BTE = self.transformer.prefill(state.layers, x_BTE)
         return LMState(layers, state.position + T), self.head(y_BTE)
 
 

@@ -86,21 +86,21 @@ class CausalLM(nnx.Module):
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}.")
         self.model_dim = config.model_dim
         self.embed = embedding(config, vocab_size, config.model_dim, rngs)
-        self.decoder = Encoder(config, causal=True, rngs=rngs)
+        self.transformer = Encoder(config, causal=True, rngs=rngs)
         self.head = dense(config, config.model_dim, vocab_size, rngs, dtype=config.output_dtype)
 
     def __call__(self, tokens_BT, *, key_lengths=None):
         x_BTE = token_inputs(self.embed, tokens_BT, jnp.arange(tokens_BT.shape[1]))
-        return self.head(self.decoder(x_BTE, key_lengths=key_lengths))
+        return self.head(self.transformer(x_BTE, key_lengths=key_lengths))
 
     def init_state(self, batch: int, max_length: int | None = None, dtype=None) -> LMState:
         """Empty state; softmax kinds allocate a KV cache of `max_length` steps."""
-        return LMState(self.decoder.init_state(batch, max_length, dtype), jnp.zeros((), jnp.int32))
+        return LMState(self.transformer.init_state(batch, max_length, dtype), jnp.zeros((), jnp.int32))
 
     def step(self, state: LMState, token_B):
         """Consume one token per batch element; return the logits for the next one."""
         x_BE = token_inputs(self.embed, token_B, state.position)
-        layers, y_BE = self.decoder.step(state.layers, x_BE)
+        layers, y_BE = self.transformer.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
 
     def prefill(self, state: LMState, tokens_BT):
@@ -109,5 +109,5 @@ class CausalLM(nnx.Module):
         the position advances by T."""
         T = tokens_BT.shape[1]
         x_BTE = token_inputs(self.embed, tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
-        layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)
+        layers, y_BTE = self.transformer.prefill(state.layers, x_BTE)
         return LMState(layers, state.position + T), self.head(y_BTE)

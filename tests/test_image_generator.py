@@ -59,7 +59,7 @@ _nll = nnx.jit(lambda m, x: m.nll(x))
 _log_prob = nnx.jit(lambda m, x: m.log_prob(x))
 _step = nnx.jit(lambda m, s, tok: m.step(s, tok))
 _prefill = nnx.jit(lambda m, s, toks: m.prefill(s, toks))
-_decode = nnx.jit(lambda m, x_BTE: m.head(m.decoder(x_BTE)))
+_decode = nnx.jit(lambda m, x_BTE: m.head(m.transformer(x_BTE)))
 
 
 def test_shapes_and_dtypes():
@@ -106,7 +106,7 @@ def test_nll_gradient_wrt_inputs_after_t_is_zero():
     x_BTE = model._inputs(inputs, jnp.arange(T))
 
     def log_prob_at(x_BTE, t):
-        params = model.head(model.decoder(x_BTE))
+        params = model.head(model.transformer(x_BTE))
         return mol_log_prob(params, jnp.asarray(x), C)[0, t]
 
     jacobian = jax.jit(jax.vmap(jax.grad(log_prob_at), in_axes=(None, 0)))(x_BTE, jnp.arange(T))

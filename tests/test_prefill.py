@@ -578,7 +578,7 @@ def test_sequence_axis_reaches_every_attention_core():
     with pytest.raises(ValueError, match="attention dropout .* sequence_axis='seq'"):
         model(*_source()[:1], _tokens((3, 6)))
     lm = _lm("causal-linear", sequence_axis="seq")
-    assert all(layer.attention.core.sequence_axis == "seq" for layer in lm.decoder.layers)
+    assert all(layer.attention.core.sequence_axis == "seq" for layer in lm.transformer.layers)
 
 
 def test_sequence_parallel_model_generates_without_a_mesh():

@@ -280,7 +280,7 @@ def test_lm_causal_impls_agree_on_logits_and_parameter_gradients():
     for impl in ("quadratic", "associative_scan", "chunked", "scan"):
         options = {"impl": impl, "chunk_size": 3} if impl == "chunked" else {"impl": impl}
         model = _lm("linear", num_layers=2, attention_options=options)
-        assert all(layer.attention.core.impl == impl for layer in model.decoder.layers)
+        assert all(layer.attention.core.impl == impl for layer in model.transformer.layers)
         results[impl] = nnx.jit(nnx.value_and_grad(_lm_loss))(model, tokens)
     loss_ref, grads_ref = results.pop("quadratic")
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads_ref))

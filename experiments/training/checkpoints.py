@@ -4,6 +4,9 @@ Every save writes `checksums.json` into the step's directory: the SHA-256 of eac
 wrote. Orbax itself does not check the bytes it reads (flipped bits in array data restore as
 wrong numbers), so a restore verifies them first. Hashing is in the standard library
 (hashlib); the cost is one extra read of the checkpoint per save and restore.
+
+A checkpoint written before a module was renamed (`RENAMED_KEYS`) restores into the renamed
+model: its arrays are read under the old names and returned under the new ones.
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ from absl import logging
 MANIFEST = "checksums.json"
 DAMAGED_DIR = "damaged_checkpoints"  # beside the checkpoint directory, outside Orbax's view
 
+# Old -> new names of renamed dict keys (modules) in the saved tree. Why: a checkpoint stores
+# every array under its path in the model (params.<module>..., and the optimizer state's copies
+# of it), so renaming a module attribute would otherwise strand every checkpoint written before
+# the rename. A key is read under its old name only where the target has the new name and the
+# checkpoint the old one at that same position; any other difference is still a mismatch.
+RENAMED_KEYS = {
+    # CausalLM's and ImageGenerator's causal Encoder stack (not a cross-attending Decoder).
+    "decoder": "transformer",
+}
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, damaged, or written by another model."""
@@ -33,7 +46,7 @@ class DamagedCheckpointError(CheckpointError):
 
 
 class CheckpointMismatchError(CheckpointError):
-    """A readable checkpoint whose arrays do not have the shapes the target has."""
+    """A readable checkpoint whose arrays do not have the names (paths) or shapes the target has."""
 
 
 def _silence_failed_restore_aftermath() -> None:
@@ -75,6 +88,47 @@ def _signature(tree) -> list[tuple]:
     return sorted(
         (tuple(leaf.shape), str(leaf.dtype)) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape")
     )
+
+
+def _key_name(key) -> str:
+    """The name of one step of a pytree key path: a dict key, attribute or index, as a string
+    (Orbax saves namedtuples as dicts, tuples as lists and every key as a string)."""
+    for field in ("key", "name", "idx"):
+        if hasattr(key, field):
+            return str(getattr(key, field))
+    return str(key)
+
+
+def _paths_and_leaves(tree) -> list[tuple[tuple[str, ...], object]]:
+    return [
+        (tuple(map(_key_name, path)), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+
+
+def _saved_paths(target, saved) -> list[tuple[str, ...]] | None:
+    """The path in `saved` (a checkpoint's metadata tree) of each leaf of `target`, in the
+    target's leaf order, reading a key of the target under its old name (`RENAMED_KEYS`) where
+    the saved tree has the old name at that position and not the new one; None unless the two
+    trees then hold exactly the same paths."""
+    saved_paths = {path for path, _ in _paths_and_leaves(saved)}
+    saved_prefixes = {path[:i] for path in saved_paths for i in range(len(path) + 1)}
+    old_names = {new: old for old, new in RENAMED_KEYS.items()}
+    mapped = []
+    for path, _ in _paths_and_leaves(target):
+        old_path = ()
+        for key in path:
+            old = old_names.get(key)
+            if (
+                old is not None
+                and old_path + (key,) not in saved_prefixes
+                and old_path + (old,) in saved_prefixes
+            ):
+                key = old
+            old_path += (key,)
+        mapped.append(old_path)
+    if len(set(mapped)) != len(mapped) or set(mapped) != saved_paths:
+        return None
+    return mapped
 
 
 def _file_hashes(step_dir: pathlib.Path) -> dict[str, str]:
@@ -174,7 +228,8 @@ class Checkpointer:
     def restore(self, target, step: int | None = None):
         """Verify and restore checkpoint `step` (default: latest) into the structure, shapes
         and shardings of `target`. Raises CheckpointError (DamagedCheckpointError for bytes
-        that changed) with the step and the cause."""
+        that changed) with the step and the cause; CheckpointMismatchError for a checkpoint whose
+        arrays or their names (after `RENAMED_KEYS`) are not the target's."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"there is no checkpoint in {self.directory}.")
@@ -182,22 +237,59 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         _silence_failed_restore_aftermath()  # before: some reports come while restore runs
         try:
-            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            return self._restore_renamed(step, abstract)
         except Exception as e:  # orbax raises many types; the user needs the step and the cause
             cause = _root_cause(e)
             try:
-                fits = _signature(self._manager.item_metadata(step)) == _signature(abstract)
+                saved = self._saved_tree(step)
+                fits = _signature(saved) == _signature(abstract) and _saved_paths(abstract, saved) is not None
             except Exception:  # unreadable metadata: the checkpoint, not the config, is at fault
                 fits = True
             if not fits:
                 raise CheckpointMismatchError(
                     f"cannot restore checkpoint step {step} from {self.directory}: its arrays "
-                    f"do not have the shapes of this model and optimizer; it was written by a "
-                    f"different config."
+                    f"do not have the names and shapes of this model and optimizer; it was "
+                    f"written by a different config."
                 ) from e
             raise DamagedCheckpointError(
                 f"checkpoint step {step} in {self.directory} cannot be read: {cause}"
             ) from e
+
+    def _saved_tree(self, step: int):
+        """Checkpoint `step`'s saved tree of array metadata, as nested dicts and lists."""
+        metadata = self._manager.item_metadata(step)
+        return getattr(metadata, "tree", metadata)
+
+    def _restore_renamed(self, step: int, abstract):
+        """Restore checkpoint `step` into `abstract`; if the checkpoint holds some of its arrays
+        under the old names of `RENAMED_KEYS`, read them there and return them under the new."""
+        try:
+            saved = self._saved_tree(step)
+            old_paths = _saved_paths(abstract, saved)
+        except Exception:  # unreadable metadata: let the restore itself report what is wrong
+            old_paths = None
+        new_paths = [path for path, _ in _paths_and_leaves(abstract)]
+        if old_paths is None or old_paths == new_paths:
+            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        renamed = sorted(
+            {(n, o) for new, old in zip(new_paths, old_paths) for n, o in zip(new, old) if n != o}
+        )
+        logging.info(
+            "checkpoint step %d in %s predates renames %s; restoring it under the new names.",
+            step,
+            self.directory,
+            ", ".join(f"{o!r} -> {n!r}" for n, o in renamed),
+        )
+        by_old_path = {old: leaf for old, (_, leaf) in zip(old_paths, _paths_and_leaves(abstract))}
+        # The restore target in the saved tree's own layout, each array with the target's shape,
+        # dtype and sharding; the result goes back into the target's structure path by path.
+        old_target = jax.tree_util.tree_map_with_path(
+            lambda path, _: by_old_path[tuple(map(_key_name, path))], saved
+        )
+        restored = dict(
+            _paths_and_leaves(self._manager.restore(step, args=ocp.args.StandardRestore(old_target)))
+        )
+        return jax.tree.structure(abstract).unflatten([restored[old] for old in old_paths])
 
     def metadata(self, step: int):
         """The saved tree of checkpoint `step` with each array's shape and dtype (no data read)."""

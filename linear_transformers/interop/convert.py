@@ -339,7 +339,7 @@ def image_generator_from_fast_transformers(
     _check_position_table(table[0])
     loader.unused.discard("pos_embedding.pe")
     loader.take("value_embedding.weight", model.embed.embedding)
-    _load_encoder(loader, model.decoder, "transformer.", config)
+    _load_encoder(loader, model.transformer, "transformer.", config)
     loader.linear("predictor", model.head)
     loader.finish()
     model.eval()
