@@ -12,6 +12,7 @@ from linear_transformers.attention import (
     register_attention,
     registered_attention_kinds,
     sequence_parallel_kinds,
+    unregister_attention,
 )
 from linear_transformers.generation import generate, make_step_fn, scan_steps
 from linear_transformers.image_generator import ImageGenerator, sample_images, sample_images_full_recompute
@@ -29,6 +30,7 @@ __all__ = [
     "HashRotations",
     "register_attention",
     "registered_attention_kinds",
+    "unregister_attention",
     "sequence_parallel_kinds",
     "generate",
     "make_step_fn",

@@ -70,6 +70,14 @@ def register_attention(name: str):
     return wrap
 
 
+def unregister_attention(name: str) -> type:
+    """Remove kind `name` from the registry (e.g. to register a new version of it); returns
+    its class. A ValueError lists the registered kinds if `name` is not one."""
+    if name not in _KINDS:
+        raise ValueError(f"attention kind {name!r} is not registered; registered: {sorted(_KINDS)}.")
+    return _KINDS.pop(name)
+
+
 def _check_core_class(name: str, cls) -> None:
     if not (isinstance(cls, type) and issubclass(cls, AttentionCore)):
         raise TypeError(f"attention kind {name!r}: {cls!r} is not a subclass of AttentionCore.")

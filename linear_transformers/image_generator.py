@@ -115,7 +115,9 @@ class ImageGenerator(nnx.Module):
         # float32 at least: mixture means a bin apart (2 / 255) would round together in bf16.
         self.head = dense(config, config.model_dim, num_params(num_mixtures), rngs, dtype=config.output_dtype)
 
-    def _inputs(self, tokens, positions):
+    def transformer_inputs(self, tokens, positions):
+        """The causal stack's input at `positions`: the tokens' embedding ++ their sinusoidal
+        position encoding."""
         x = embed_tokens(self.embed, tokens)
         encoding = sinusoidal_encoding(positions, self.position_dim, x.dtype, layout=self.position_layout)
         return jnp.concatenate([x, jnp.broadcast_to(encoding, x.shape[:-1] + encoding.shape[-1:])], axis=-1)
@@ -164,7 +166,7 @@ class ImageGenerator(nnx.Module):
         the distribution of x_{i + first_scored} given the sub-pixels before it. Without a start
         token T must be >= 2."""
         inputs_BT = self.shifted_inputs(x_BT)
-        x_BTE = self._inputs(inputs_BT, jnp.arange(inputs_BT.shape[1]))
+        x_BTE = self.transformer_inputs(inputs_BT, jnp.arange(inputs_BT.shape[1]))
         return self.head(self.transformer(x_BTE))
 
     def log_prob(self, x_BT):
@@ -192,7 +194,7 @@ class ImageGenerator(nnx.Module):
 
         Steps past max_length are not checked (the position is traced); softmax caches overflow.
         """
-        x_BE = self._inputs(jnp.asarray(token_B, jnp.int32), state.position)
+        x_BE = self.transformer_inputs(jnp.asarray(token_B, jnp.int32), state.position)
         layers, y_BE = self.transformer.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
 
@@ -207,7 +209,7 @@ class ImageGenerator(nnx.Module):
         """
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         T = tokens_BT.shape[1]
-        x_BTE = self._inputs(tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
+        x_BTE = self.transformer_inputs(tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
         layers, y_BTE = self.transformer.prefill(state.layers, x_BTE)
         return LMState(layers, state.position + T), self.head(y_BTE)
 

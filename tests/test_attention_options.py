@@ -32,6 +32,8 @@ from linear_transformers.attention import (
     attention_options,
     check_attention_options,
     make_attention_core,
+    registered_attention_kinds,
+    unregister_attention,
 )
 
 E, H = 16, 2
@@ -276,9 +278,12 @@ class ScaledSoftmax(AttentionCore):
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    """Registrations inside a test go to a copy of the registry, dropped afterwards."""
-    monkeypatch.setattr(attention, "_KINDS", dict(attention._KINDS))
+def registry():
+    """Kinds registered inside a test are unregistered afterwards."""
+    before = set(registered_attention_kinds())
+    yield
+    for name in set(registered_attention_kinds()) - before:
+        unregister_attention(name)
 
 
 def test_a_user_registered_kind_with_its_own_options_works_end_to_end(registry):
@@ -374,3 +379,14 @@ def test_a_kind_with_a_required_option_names_it(registry):
     ):
         check_attention_options("test-needs", {})
     assert check_attention_options("test-needs", {"width": 3}) == Needs(3)
+
+
+def test_unregistering_a_kind_frees_its_name_and_names_the_registered_ones(registry):
+    register_attention("test-scaled")(ScaledSoftmax)
+    with pytest.raises(ValueError, match="'test-scaled' is already registered"):
+        register_attention("test-scaled")(ScaledSoftmax)
+    assert unregister_attention("test-scaled") is ScaledSoftmax
+    assert "test-scaled" not in registered_attention_kinds()
+    register_attention("test-scaled")(ScaledSoftmax)  # a new version under the same name
+    with pytest.raises(ValueError, match=r"'nope' is not registered; registered: \[.*'linear'"):
+        unregister_attention("nope")

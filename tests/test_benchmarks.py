@@ -44,7 +44,7 @@ def test_peak_bytes_counts_temporaries():
 
 def test_attention_cases_agree_with_each_other():
     # Every causal kind computes the same function; the benchmark must time the right thing.
-    q, k, v, _ = attention_bench._inputs(
+    q, k, v, _ = attention_bench.random_inputs(
         attention_bench.AttentionBenchOptions(heads=2, head_dim=8, value_dim=8), 2, 37
     )
     outs = {
@@ -57,7 +57,7 @@ def test_attention_cases_agree_with_each_other():
 
 def test_lsh_baselines_are_opt_in_and_time_causal_lsh():
     assert not any(k.startswith("lsh-") for k in attention_bench.default_kinds("gpu"))
-    q, k, v, _ = attention_bench._inputs(
+    q, k, v, _ = attention_bench.random_inputs(
         attention_bench.AttentionBenchOptions(heads=2, head_dim=8, value_dim=8), 2, 70
     )
     out = attention_bench.attention_fn("lsh-4", 16)(q, k, v)
@@ -185,7 +185,7 @@ def test_the_peer_computes_what_ours_computes():
     from fast_transformers.masking import LengthMask, TriangularCausalMask
 
     q, k, v = (np.random.default_rng(i).standard_normal((2, 48, 3, 8), np.float32) for i in range(3))
-    theirs = peers._attention_module("causal-linear", 8)(
+    theirs = peers.attention_module("causal-linear", 8)(
         *(torch.from_numpy(x) for x in (q, k, v)),
         TriangularCausalMask(48),
         LengthMask(torch.full((2,), 48)),

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = "configs/digits.py:smoke,num_steps=2,eval_every=0,sample_every=0"
 
 
-def _run(*args, env_extra=None):
+def run_module(*args, env_extra=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
     result = subprocess.run(
         [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
@@ -33,15 +33,15 @@ def trained(tmp_path_factory):
     return workdir
 
 
-def _assert_one_line(rc, last, stderr, message):
+def assert_one_line(rc, last, stderr, message):
     assert rc == 1, stderr[-3000:]
     assert message in last, stderr[-3000:]
     assert "Traceback" not in stderr and "Event loop is closed" not in stderr, stderr[-3000:]
 
 
 def test_a_missing_config_file(tmp_path):
-    rc, last, err = _run("experiments.train", "--config=configs/nope.py:smoke", f"--workdir={tmp_path}")
-    _assert_one_line(
+    rc, last, err = run_module("experiments.train", "--config=configs/nope.py:smoke", f"--workdir={tmp_path}")
+    assert_one_line(
         rc,
         last,
         err,
@@ -51,15 +51,15 @@ def test_a_missing_config_file(tmp_path):
 
 def test_a_workdir_that_is_a_file(tmp_path):
     (tmp_path / "w").write_text("")
-    rc, last, err = _run("experiments.train", f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}")
-    _assert_one_line(rc, last, err, "is a file, not a directory; pass a directory")
+    rc, last, err = run_module("experiments.train", f"--config={SMOKE}", f"--workdir={tmp_path / 'w'}")
+    assert_one_line(rc, last, err, "is a file, not a directory; pass a directory")
 
 
 def test_a_config_value_of_the_wrong_sign(tmp_path):
-    rc, last, err = _run(
+    rc, last, err = run_module(
         "experiments.train", f"--config={SMOKE}", "--config.batch_size=-3", f"--workdir={tmp_path}"
     )
-    _assert_one_line(rc, last, err, "train: error: config.batch_size must be >= 1, got -3.")
+    assert_one_line(rc, last, err, "train: error: config.batch_size must be >= 1, got -3.")
 
 
 def test_a_workdir_in_use_by_another_run(tmp_path):
@@ -79,11 +79,11 @@ def test_a_workdir_in_use_by_another_run(tmp_path):
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        rc, last, err = _run("experiments.train", f"--config={SMOKE}", f"--workdir={tmp_path}")
+        rc, last, err = run_module("experiments.train", f"--config={SMOKE}", f"--workdir={tmp_path}")
     finally:
         holder.kill()
         holder.wait()
-    _assert_one_line(rc, last, err, f"is in use by another training run (pid {holder.pid} on ")
+    assert_one_line(rc, last, err, f"is in use by another training run (pid {holder.pid} on ")
 
 
 def test_damaged_checkpoints_without_checksums(trained, tmp_path):
@@ -98,14 +98,14 @@ def test_damaged_checkpoints_without_checksums(trained, tmp_path):
             for path in step_dir.rglob("d/*"):
                 path.write_bytes(path.read_bytes()[:20])
     config = "configs/digits.py:smoke,num_steps=4,checkpoint_every=2,eval_every=0,sample_every=0"
-    rc, last, err = _run("experiments.train", f"--config={config}", f"--workdir={workdir}")
-    _assert_one_line(rc, last, err, "train: error: no intact checkpoint in ")
+    rc, last, err = run_module("experiments.train", f"--config={config}", f"--workdir={workdir}")
+    assert_one_line(rc, last, err, "train: error: no intact checkpoint in ")
     assert "checkpoint step 4" in last and "checkpoint step 2" in last and "moved to" in last
 
 
 def test_sampling_a_step_that_does_not_exist(trained):
-    rc, last, err = _run("experiments.sample", f"--workdir={trained}", "--step=7")
-    _assert_one_line(rc, last, err, "sample: error: there is no checkpoint step 7 in ")
+    rc, last, err = run_module("experiments.sample", f"--workdir={trained}", "--step=7")
+    assert_one_line(rc, last, err, "sample: error: there is no checkpoint step 7 in ")
     assert "its steps are [2, 4]" in last
 
 
@@ -115,8 +115,8 @@ def test_sampling_a_workdir_with_a_broken_config_json(trained, tmp_path):
     workdir = tmp_path / "w"
     shutil.copytree(trained, workdir)
     (workdir / "config.json").write_text('{"dataset": "digits", ')
-    rc, last, err = _run("experiments.sample", f"--workdir={workdir}")
-    _assert_one_line(rc, last, err, "config.json is not a valid config (")
+    rc, last, err = run_module("experiments.sample", f"--workdir={workdir}")
+    assert_one_line(rc, last, err, "config.json is not a valid config (")
     assert "re-run training with the run's config to rewrite it" in last
-    rc, last, err = _run("experiments.sample", f"--workdir={tmp_path / 'nowhere'}")
-    _assert_one_line(rc, last, err, "is not a directory: --workdir must be a directory written by")
+    rc, last, err = run_module("experiments.sample", f"--workdir={tmp_path / 'nowhere'}")
+    assert_one_line(rc, last, err, "is not a directory: --workdir must be a directory written by")

@@ -32,7 +32,7 @@ def _write_idx(path, array, gz):
         f.write(raw)
 
 
-def _write_mnist(folder, splits=("train", "test"), gz=True, seed=0):
+def write_mnist(folder, splits=("train", "test"), gz=True, seed=0):
     """Writes random IDX files; returns {split: (images [n, 28, 28], labels [n])}."""
     rng = np.random.default_rng(seed)
     os.makedirs(folder, exist_ok=True)
@@ -73,7 +73,7 @@ def _write_cifar(folder, seed=0):
 
 @pytest.mark.parametrize("gz", [True, False])
 def test_mnist_idx_read_back_exactly(tmp_path, gz):
-    raw = _write_mnist(tmp_path / "manual", gz=gz)
+    raw = write_mnist(tmp_path / "manual", gz=gz)
     for split, (images, _) in raw.items():
         loaded = data.load_images("mnist", split, data_dir=tmp_path / "tfds", manual_dir=tmp_path / "manual")
         assert loaded.dtype == np.uint8 and loaded.shape == (MNIST_SIZES[split], 28, 28, 1)
@@ -81,7 +81,7 @@ def test_mnist_idx_read_back_exactly(tmp_path, gz):
 
 
 def test_mnist_labels_kept(tmp_path):
-    raw = _write_mnist(tmp_path / "manual")
+    raw = write_mnist(tmp_path / "manual")
     data.load_images("mnist", "test", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "manual")
     builder = builders.LtMnist(data_dir=tmp_path / "tfds")
     assert builder.info.file_format.value == "array_record"
@@ -92,13 +92,13 @@ def test_mnist_labels_kept(tmp_path):
 
 def test_mnist_test_split_alone_then_train_added(tmp_path):
     manual, tfds_dir = tmp_path / "manual", tmp_path / "tfds"
-    raw = _write_mnist(manual, splits=("test",))
+    raw = write_mnist(manual, splits=("test",))
     test = data.load_images("mnist", "test", data_dir=tfds_dir, manual_dir=manual)
     np.testing.assert_array_equal(test[..., 0], raw["test"][0])
     with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte.gz"):
         data.load_images("mnist", "train", data_dir=tfds_dir, manual_dir=manual)
 
-    raw.update(_write_mnist(manual, splits=("train",), seed=1))  # the train files arrive later
+    raw.update(write_mnist(manual, splits=("train",), seed=1))  # the train files arrive later
     train = data.load_images("mnist", "train", data_dir=tfds_dir, manual_dir=manual)
     np.testing.assert_array_equal(train[..., 0], raw["train"][0])
     test = data.load_images("mnist", "test", data_dir=tfds_dir, manual_dir=manual)
@@ -106,7 +106,7 @@ def test_mnist_test_split_alone_then_train_added(tmp_path):
 
 
 def test_mnist_default_manual_dir(tmp_path):
-    raw = _write_mnist(data.default_manual_dir("mnist", tmp_path), splits=("test",))
+    raw = write_mnist(data.default_manual_dir("mnist", tmp_path), splits=("test",))
     test = data.load_images("mnist", "test", data_dir=tmp_path)
     np.testing.assert_array_equal(test[..., 0], raw["test"][0])
 
@@ -115,8 +115,8 @@ def test_mnist_download_fetches_only_missing_files(tmp_path, monkeypatch):
     """download=True goes through TFDS's download manager, for the files the manual dir lacks."""
     import tensorflow_datasets as tfds
 
-    raw = _write_mnist(tmp_path / "manual", splits=("test",))
-    served = _write_mnist(tmp_path / "server", splits=("train",), seed=2)
+    raw = write_mnist(tmp_path / "manual", splits=("test",))
+    served = write_mnist(tmp_path / "server", splits=("train",), seed=2)
     requested = []
 
     def fake_download(self, urls):
@@ -290,7 +290,7 @@ def test_preparing_leaves_nothing_in_the_system_temp_folder(tmp_path, monkeypatc
     system_tmp = tmp_path / "system_tmp"
     system_tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
-    _write_mnist(tmp_path / "manual", splits=("test",))
+    write_mnist(tmp_path / "manual", splits=("test",))
     data.load_images("mnist", "test", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "manual")
     data.load_images("mnist", "test", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "manual")
     assert list(system_tmp.iterdir()) == []

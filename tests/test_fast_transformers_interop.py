@@ -313,7 +313,7 @@ def test_model_probabilities_sum_to_one_under_the_authors_parametrisation():
 # --- sampling the authors' demo models ------------------------------------------------------------
 
 
-def _mnist_sized_state(path):
+def mnist_sized_state(path):
     """The tiny generator's weights with a 783-row position table: a model of 28 x 28 images
     (the table is the only length-dependent array), saved as .npz."""
     _, state = _split(_load("generator_causal_linear"))
@@ -329,12 +329,12 @@ def _mnist_sized_state(path):
 
 
 def test_sampling_an_authors_checkpoint_completes_test_images(tmp_path):
-    from test_data import _write_mnist
+    from test_data import write_mnist
 
     from experiments.tasks.image_sampling import sample_from_fast_transformers
 
-    test_images = _write_mnist(tmp_path / "raw", splits=("test",))["test"][0]
-    checkpoint = _mnist_sized_state(tmp_path / "generator.npz")
+    test_images = write_mnist(tmp_path / "raw", splits=("test",))["test"][0]
+    checkpoint = mnist_sized_state(tmp_path / "generator.npz")
     common = dict(
         attention_type="causal-linear",
         n_heads=2,
@@ -363,11 +363,11 @@ def test_sampling_an_authors_checkpoint_completes_test_images(tmp_path):
 
 
 def test_the_sample_command_runs_an_authors_checkpoint(tmp_path):
-    from test_cli_errors import _assert_one_line, _run
-    from test_data import _write_mnist
+    from test_cli_errors import assert_one_line, run_module
+    from test_data import write_mnist
 
-    _write_mnist(tmp_path / "raw", splits=("test",))
-    checkpoint = _mnist_sized_state(tmp_path / "generator.npz")
+    write_mnist(tmp_path / "raw", splits=("test",))
+    checkpoint = mnist_sized_state(tmp_path / "generator.npz")
     args = (
         f"--fast_transformers_checkpoint={checkpoint}",
         "--attention_type=causal-linear",
@@ -376,21 +376,23 @@ def test_the_sample_command_runs_an_authors_checkpoint(tmp_path):
         f"--data_dir={tmp_path / 'tfds'}",
         f"--manual_dir={tmp_path / 'raw'}",
     )
-    rc, last, err = _run("experiments.sample", *args, "--prefix_pixels=760", f"--out={tmp_path / 'out.png'}")
+    rc, last, err = run_module(
+        "experiments.sample", *args, "--prefix_pixels=760", f"--out={tmp_path / 'out.png'}"
+    )
     assert rc == 0, err[-3000:]
     assert (tmp_path / "out.png").is_file()
-    rc, last, err = _run("experiments.sample", *args, f"--workdir={tmp_path}")
-    _assert_one_line(rc, last, err, "sample: error: give exactly one of --workdir")
+    rc, last, err = run_module("experiments.sample", *args, f"--workdir={tmp_path}")
+    assert_one_line(rc, last, err, "sample: error: give exactly one of --workdir")
     torch_missing = {"PYTHONPATH": str(tmp_path / "no_torch")}
     (tmp_path / "no_torch").mkdir()
     (tmp_path / "no_torch" / "torch.py").write_text("raise ImportError('no torch here')\n")
     (tmp_path / "model.pth").write_bytes(b"not read")
-    rc, last, err = _run(
+    rc, last, err = run_module(
         "experiments.sample",
         f"--fast_transformers_checkpoint={tmp_path / 'model.pth'}",
         env_extra=torch_missing,
     )
-    _assert_one_line(rc, last, err, 'pip install "linear-transformers[torch]"')
+    assert_one_line(rc, last, err, 'pip install "linear-transformers[torch]"')
 
 
 def test_live_torch_tensors_are_read_as_they_are_bfloat16_included():

@@ -103,7 +103,7 @@ def test_nll_gradient_wrt_inputs_after_t_is_zero():
     model = _model()
     x = _images((1, T))
     inputs = model.shifted_inputs(x)
-    x_BTE = model._inputs(inputs, jnp.arange(T))
+    x_BTE = model.transformer_inputs(inputs, jnp.arange(T))
 
     def log_prob_at(x_BTE, t):
         params = model.head(model.transformer(x_BTE))

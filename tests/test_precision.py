@@ -271,15 +271,15 @@ def test_a_bfloat16_run_checkpoints_float32_parameters(digits_runs):
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
 def test_contractions_accumulate_in_float32_on_every_backend(backend, monkeypatch):
-    """ops/_precision.einsum_in: bf16 operands, float32 result equal to the float32 einsum of
+    """ops/precision.einsum_in: bf16 operands, float32 result equal to the float32 einsum of
     the same (bf16-rounded) values, whether it upcasts (CPU) or asks for a float32 accumulator
     (elsewhere; checked here on the CPU with a layout its runtime supports)."""
-    from linear_transformers.ops import _precision
+    from linear_transformers.ops import precision
 
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     keys = jax.random.split(jax.random.key(4))
     q, k = (jax.random.normal(key, (B, 64, 4, 16)).astype(jnp.bfloat16) for key in keys)
-    got = jax.jit(lambda q, k: _precision.einsum_in(jnp.float32, "bthd,bshd->bhts", q, k))(q, k)
+    got = jax.jit(lambda q, k: precision.einsum_in(jnp.float32, "bthd,bshd->bhts", q, k))(q, k)
     assert got.dtype == jnp.float32
     want = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

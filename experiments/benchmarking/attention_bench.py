@@ -109,7 +109,8 @@ def pass_fn(attend, pass_: str):
     return forward_backward
 
 
-def _inputs(opts: AttentionBenchOptions, batch: int, n: int):
+def random_inputs(opts: AttentionBenchOptions, batch: int, n: int):
+    """Random q, k, v and an output cotangent (for the backward pass) of one case, from opts.seed."""
     dtype = jnp.dtype(opts.dtype)
     keys = jax.random.split(jax.random.key(opts.seed), 4)
     shape_q = (batch, n, opts.heads, opts.head_dim)
@@ -168,7 +169,7 @@ def run_case(
         row["status"] = skip_reason
         return row
     timing = measure.time_compiled(
-        compiled, *_inputs(opts, batch, n), min_repeats=opts.min_repeats, min_seconds=opts.min_seconds
+        compiled, *random_inputs(opts, batch, n), min_repeats=opts.min_repeats, min_seconds=opts.min_seconds
     )
     row.update(
         time_ms=timing.median_s * 1e3,

@@ -51,7 +51,9 @@ def check_peers(peers) -> tuple[str, ...]:
     return peers
 
 
-def _attention_module(name: str, head_dim: int):
+def attention_module(name: str, head_dim: int):
+    """The authors' attention module for our kind `name` ("causal-linear", "softmax",
+    "linear") with per-head width `head_dim` (needs fast_transformers)."""
     from fast_transformers.attention import CausalLinearAttention, FullAttention, LinearAttention
 
     if name == "causal-linear":
@@ -101,7 +103,7 @@ def attention_row(
         row["status"] = "unavailable: the peer runs in float32 only"
         return row
     torch.manual_seed(seed)
-    attention = _attention_module(name, head_dim).eval()
+    attention = attention_module(name, head_dim).eval()
     q, k = (torch.randn(batch, n, heads, head_dim) for _ in range(2))
     v, g = (torch.randn(batch, n, heads, value_dim) for _ in range(2))
     mask = TriangularCausalMask(n) if name != "linear" else FullMask(N=n, M=n)

@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks, _nonfinite, _precision
+from linear_transformers.ops import _checks, _nonfinite, precision
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.feature_maps import make_feature_map
 from linear_transformers.ops.linear import LinearState
@@ -64,7 +64,7 @@ def _normalise(num_xM, den_x, eps, dtype):
 def _block_totals(phi_k_BTHF, v_BTHM, acc):
     """(sum_t phi(k_t) v_t^T, sum_t phi(k_t)) of a block: what it adds to the state."""
     return (
-        _precision.einsum_in(acc, "bthf,bthm->bhfm", phi_k_BTHF, v_BTHM),
+        precision.einsum_in(acc, "bthf,bthm->bhfm", phi_k_BTHF, v_BTHM),
         jnp.sum(phi_k_BTHF.astype(acc), axis=1),
     )
 
@@ -85,7 +85,7 @@ def _quadratic(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chu
 
 def _associative_scan(phi_q_BTHF, phi_k_BTHF, v_BTHM, s0_BHFM, z0_BHF, *, eps, acc, chunk_size):
     del chunk_size
-    kv_BTHFM = _precision.einsum_in(acc, "bthf,bthm->bthfm", phi_k_BTHF, v_BTHM)
+    kv_BTHFM = precision.einsum_in(acc, "bthf,bthm->bthfm", phi_k_BTHF, v_BTHM)
     s_BTHFM, z_BTHF = jax.lax.associative_scan(
         lambda a, b: jax.tree.map(jnp.add, a, b), (kv_BTHFM, phi_k_BTHF.astype(acc)), axis=1
     )
@@ -123,13 +123,13 @@ def _chunked_segment(carry, xs, eps, acc):
     q_BHNCF, k_BHNCF, v_BHNCM = xs
     C = q_BHNCF.shape[3]
     # Between chunks: state of everything before chunk n (exclusive prefix sum of chunk states).
-    kv_BHNFM = _precision.einsum_in(acc, "bhncf,bhncm->bhnfm", k_BHNCF, v_BHNCM)
+    kv_BHNFM = precision.einsum_in(acc, "bhncf,bhncm->bhnfm", k_BHNCF, v_BHNCM)
     ksum_BHNF = jnp.sum(k_BHNCF.astype(acc), axis=3)
     s_BHNFM = _exclusive_cumsum(kv_BHNFM, axis=2) + s0_BHFM[:, :, None]
     z_BHNF = _exclusive_cumsum(ksum_BHNF, axis=2) + z0_BHF[:, :, None]
 
     # Within a chunk: the masked quadratic form on C x C (t, s: query and key position in it).
-    sim_BHNCC = _precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q_BHNCF, k_BHNCF)
+    sim_BHNCC = precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q_BHNCF, k_BHNCF)
     sim_BHNCC = jnp.where(jnp.tril(jnp.ones((C, C), bool)), sim_BHNCC, 0)
 
     q_acc = q_BHNCF.astype(acc)

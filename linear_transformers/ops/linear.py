@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks, _precision
+from linear_transformers.ops import _checks, precision
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.feature_maps import make_feature_map
 
@@ -53,7 +53,7 @@ def _local_state(k_BSHD, v_BSHM, key_lengths, *, fm, offset):
         # where, not multiply: padded values may hold inf or NaN.
         phi_k_BSHF = jnp.where(valid_BS11, phi_k_BSHF, 0)
         v_BSHM = jnp.where(valid_BS11, v_BSHM, 0)
-    s_BHFM = _precision.einsum_in(acc, "bshf,bshm->bhfm", phi_k_BSHF, v_BSHM)
+    s_BHFM = precision.einsum_in(acc, "bshf,bshm->bhfm", phi_k_BSHF, v_BSHM)
     z_BHF = jnp.sum(phi_k_BSHF.astype(acc), axis=1)
     return LinearState(s_BHFM, z_BHF)
 

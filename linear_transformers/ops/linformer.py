@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks, _precision
+from linear_transformers.ops import _checks, precision
 from linear_transformers.ops.softmax import softmax_attention
 
 
@@ -41,8 +41,8 @@ def linformer_project(k_BSHD, v_BSHM, e_LJ, f_LJ, *, key_lengths=None):
         k_BSHD = jnp.where(valid_BS11, k_BSHD, 0)
         v_BSHM = jnp.where(valid_BS11, v_BSHM, 0)
     acc = _checks.accumulation_dtype(k_BSHD.dtype)
-    k_BJHD = _precision.einsum_in(acc, "bshd,sj->bjhd", k_BSHD, e_LJ[:S].astype(k_BSHD.dtype))
-    v_BJHM = _precision.einsum_in(acc, "bshm,sj->bjhm", v_BSHM, f_LJ[:S].astype(v_BSHM.dtype))
+    k_BJHD = precision.einsum_in(acc, "bshd,sj->bjhd", k_BSHD, e_LJ[:S].astype(k_BSHD.dtype))
+    v_BJHM = precision.einsum_in(acc, "bshm,sj->bjhm", v_BSHM, f_LJ[:S].astype(v_BSHM.dtype))
     return k_BJHD, v_BJHM
 
 

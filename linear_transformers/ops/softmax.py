@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks, _nonfinite, _precision
+from linear_transformers.ops import _checks, _nonfinite, precision
 from linear_transformers.ops import sequence_parallel as sp
 
 IMPLEMENTATIONS = (None, "xla", "cudnn", "reference")
@@ -41,7 +41,7 @@ def softmax_attention_weights(q_BTHD, k_BSHD, *, causal=False, key_lengths=None,
     S = k_BSHD.shape[1]
     acc = _checks.accumulation_dtype(q_BTHD.dtype)
     scale = D**-0.5 if scale is None else scale
-    logits_BHTS = _precision.einsum_in(acc, "bthd,bshd->bhts", q_BTHD, k_BSHD)
+    logits_BHTS = precision.einsum_in(acc, "bthd,bshd->bhts", q_BTHD, k_BSHD)
     logits_BHTS = logits_BHTS * jnp.asarray(scale, acc)
     mask_BHTS = _build_mask_BHTS(B, H, T, S, causal=causal, key_lengths=key_lengths, mask=mask)
     if mask_BHTS is not None:
