@@ -210,3 +210,11 @@ def test_a_task_written_elsewhere_trains_resumes_and_evaluates(tmp_path):
     config.lr = 1.0
     with pytest.raises(ValueError, match=r"config keys not understood: \['lr'\]"):
         trainer.train_and_evaluate(config, tmp_path, _Regression)
+
+
+def test_sampling_a_workdir_of_another_task_is_a_clear_error(tmp_path):
+    from experiments.tasks.image_sampling import sample_from_workdir
+
+    tasks.train_and_evaluate(demo.get_config("num_steps=1,progress_bar=false,eval_batch_size=8"), tmp_path)
+    with pytest.raises(ValueError, match="trained the task 'progressions'; sampling generates images"):
+        sample_from_workdir(tmp_path)

@@ -63,6 +63,11 @@ def sample_from_workdir(
     if method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}.")
     config = load_config(workdir)
+    if config.get("task", ImageGeneration.name) != ImageGeneration.name:
+        raise ValueError(
+            f"workdir {workdir} trained the task {config.task!r}; sampling generates images, from "
+            f"a workdir of the task {ImageGeneration.name!r} (configs/digits.py, mnist.py, cifar10.py)."
+        )
     info = pipeline.dataset_info(config.dataset)
     length = math.prod(info.image_shape)
     if not 0 <= prefix_pixels < length:

@@ -114,3 +114,19 @@ def test_image_trainer_sequence_parallel_matches(tmp_path):
     np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "ref"), rtol=1e-4)
     assert split["test_bits_per_dim"] == pytest.approx(ref["test_bits_per_dim"], rel=1e-4)
     assert (tmp_path / "split" / "samples" / "step_0000003.png").stat().st_size > 0
+
+
+def test_demo_task_sequence_parallel_matches(tmp_path):
+    from configs import demo
+
+    def config(mesh):
+        # 24 input tokens: a multiple of mesh.sequence.
+        return demo.get_config(
+            "seq_len=25,num_steps=3,log_every=1,eval_batch_size=16,progress_bar=false," + mesh
+        )
+
+    ref = tasks.train_and_evaluate(config("mesh.sequence=1"), tmp_path / "ref")
+    split = tasks.train_and_evaluate(config("mesh.data=2,mesh.sequence=4"), tmp_path / "split")
+    np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "ref"), rtol=1e-4)
+    assert split["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-4)
+    assert split["continuation_accuracy"] == ref["continuation_accuracy"]
