@@ -131,6 +131,21 @@ def _saved_paths(target, saved) -> list[tuple[str, ...]] | None:
     return mapped
 
 
+def _fits(target, saved) -> bool:
+    """Whether `saved` (a checkpoint's metadata tree) holds every array of `target` under its
+    path (after `RENAMED_KEYS`) with its shape, and nothing else. Dtypes are not compared:
+    Orbax casts on restore."""
+    old_paths = _saved_paths(target, saved)
+    if old_paths is None:
+        return False
+    saved_leaves = dict(_paths_and_leaves(saved))
+    for old_path, (_, leaf) in zip(old_paths, _paths_and_leaves(target)):
+        shape = getattr(saved_leaves[old_path], "shape", None)
+        if shape is not None and tuple(shape) != tuple(leaf.shape):
+            return False
+    return True
+
+
 def _file_hashes(step_dir: pathlib.Path) -> dict[str, str]:
     hashes = {}
     for path in sorted(step_dir.rglob("*")):
@@ -235,6 +250,14 @@ class Checkpointer:
             raise CheckpointError(f"there is no checkpoint in {self.directory}.")
         self.verify(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        # A checkpoint of another model is named before any array is read: a read that fails
+        # part way leaves TensorStore reads behind that report themselves at exit.
+        try:
+            fits = _fits(abstract, self._saved_tree(step))
+        except Exception:  # unreadable metadata: the restore below says what is wrong
+            fits = True
+        if not fits:
+            raise CheckpointMismatchError(self._mismatch_message(step))
         _silence_failed_restore_aftermath()  # before: some reports come while restore runs
         try:
             return self._restore_renamed(step, abstract)
@@ -246,14 +269,17 @@ class Checkpointer:
             except Exception:  # unreadable metadata: the checkpoint, not the config, is at fault
                 fits = True
             if not fits:
-                raise CheckpointMismatchError(
-                    f"cannot restore checkpoint step {step} from {self.directory}: its arrays "
-                    f"do not have the names and shapes of this model and optimizer; it was "
-                    f"written by a different config."
-                ) from e
+                raise CheckpointMismatchError(self._mismatch_message(step)) from e
             raise DamagedCheckpointError(
                 f"checkpoint step {step} in {self.directory} cannot be read: {cause}"
             ) from e
+
+    def _mismatch_message(self, step: int) -> str:
+        return (
+            f"cannot restore checkpoint step {step} from {self.directory}: its arrays do not "
+            f"have the names and shapes of this model and optimizer; it was written by a "
+            f"different config."
+        )
 
     def _saved_tree(self, step: int):
         """Checkpoint `step`'s saved tree of array metadata, as nested dicts and lists."""
