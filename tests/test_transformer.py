@@ -357,3 +357,20 @@ def test_gelu_is_exact_and_gelu_tanh_the_approximation():
     np.testing.assert_allclose(ACTIVATIONS["gelu"](x), exact, atol=1e-6)
     np.testing.assert_allclose(ACTIVATIONS["gelu_tanh"](x), jax.nn.gelu(x, approximate=True), atol=1e-7)
     assert float(jnp.max(jnp.abs(ACTIVATIONS["gelu"](x) - ACTIVATIONS["gelu_tanh"](x)))) > 1e-4
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("num_layers", 0, r"num_layers must be >= 1, got 0"),
+        ("query_dim", 0, r"query_dim must be None \(derived\) or >= 1, got 0"),
+        ("value_dim", -2, r"value_dim must be None \(derived\) or >= 1, got -2"),
+        ("feed_forward_dim", 0, r"feed_forward_dim must be None \(derived\) or >= 1, got 0"),
+        ("softmax_temp", 0.0, r"softmax_temp must be None \(1/sqrt\(query_dim\)\) or > 0, got 0.0"),
+        ("dropout", 1.0, r"dropout must be in \[0, 1\), got 1.0"),
+        ("activation", "swish", r"activation 'swish' is unknown; expected one of"),
+    ],
+)
+def test_a_transformer_config_names_a_bad_field(field, value, match):
+    with pytest.raises(ValueError, match=f"TransformerConfig.{match}"):
+        TransformerConfig(**{field: value})
