@@ -27,7 +27,8 @@ rest, `--config.mesh.data`).
 128, batch 32, 3000 steps, learning rate 3e-3 then 3e-4 from step 2000). Variants apply left
 to right, so put the model and size first: `configs/copy.py:encoder_decoder,cpu,lsh4` (lsh and
 linformer sizes follow max_length); `key=value` overrides a key (`mesh.sequence=8` a nested
-one).
+one, `attention=softmax` the field of config.model, the decoder). config.encoder holds the
+encoder's fields where they differ from config.model (`encoder.attention=linformer`).
 
 Expected (the paper, Figure 2, full size): linear reaches softmax's loss, LSH does not. Not run
 at full size here (CPU only). Measured with the `cpu` variant, 3000 steps on one core of the
