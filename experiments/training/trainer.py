@@ -61,8 +61,9 @@ class Task(abc.ABC):
     @staticmethod
     @abc.abstractmethod
     def schema() -> ml_collections.ConfigDict:
-        """Every key of the task's config with its default (experiments/training/schemas.py
-        has the shared groups)."""
+        """Every key of the task's config with its default: its own keys and the shared
+        groups of experiments/training/schemas.py, which the trainer reads (`model`,
+        `optimisation`, `bookkeeping`, `devices`)."""
 
     def check(self) -> None:
         """Raise ValueError for a value the task cannot use (the shared keys and config.model
