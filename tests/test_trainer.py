@@ -21,6 +21,7 @@ from experiments import tasks
 from experiments.training import schemas, trainer
 from experiments.training.checkpoints import Checkpointer
 from experiments.training.config_checks import model_config
+from experiments.training.metrics import read_metrics
 from linear_transformers.transformer import TransformerConfig
 
 CONFIGS = {
@@ -218,3 +219,17 @@ def test_sampling_a_workdir_of_another_task_is_a_clear_error(tmp_path):
     tasks.train_and_evaluate(demo.get_config("num_steps=1,progress_bar=false,eval_batch_size=8"), tmp_path)
     with pytest.raises(ValueError, match="trained the task 'progressions'; sampling generates images"):
         sample_from_workdir(tmp_path)
+
+
+def test_a_long_logging_window_averages_every_step(tmp_path):
+    # log_every=0: one window of 300 steps, read in groups as it grows; its loss is the mean
+    # of the 300 per-step losses.
+    config = _Regression.schema()
+    config.update(num_steps=300, log_every=0, eval_every=0, checkpoint_every=0)
+    losses = []
+    result = trainer.train_and_evaluate(
+        config, tmp_path, _Regression, step_callback=lambda s, m: losses.append(float(m["loss"]))
+    )
+    assert len(losses) == 300
+    assert result["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [300]

@@ -30,7 +30,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from flax import nnx
 
@@ -269,6 +268,39 @@ class _FiniteCheck:
         return True
 
 
+class _Window:
+    """The metrics of the steps since the last log line: device arrays, read in groups (a long
+    window, e.g. log_every=0, does not keep every step's arrays alive)."""
+
+    FOLD_EVERY = 256  # steps whose metrics are read at once
+
+    def __init__(self):
+        self.pending, self.steps, self.loss_sum, self.sums, self.grad_norm = [], 0, 0.0, {}, float("nan")
+
+    def add(self, metrics: dict) -> None:
+        self.pending.append(metrics)
+        if len(self.pending) >= self.FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        for m in jax.device_get(self.pending):
+            self.steps += 1
+            self.loss_sum += float(m["loss"])
+            self.grad_norm = float(m["grad_norm"])
+            for k, v in m.items():
+                if k not in _STEP_METRICS:
+                    self.sums[k] = self.sums.get(k, 0.0) + float(v)
+        self.pending = []
+
+    def read(self) -> tuple[int, float, dict, float]:
+        """(steps, mean loss, summed aux metrics, last grad norm)."""
+        self._fold()
+        return self.steps, self.loss_sum / max(self.steps, 1), self.sums, self.grad_norm
+
+    def __bool__(self) -> bool:
+        return bool(self.pending) or self.steps > 0
+
+
 def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_callback) -> dict:
     task = trainer.task
     writer = MetricsWriter(run.path)
@@ -285,7 +317,7 @@ def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_call
     result = {"step": step}
     evaluated = False
     finite = _FiniteCheck(run)
-    window, window_start = [], time.perf_counter()
+    window, window_start = _Window(), time.perf_counter()
     # On an abrupt stop the state in hand is saved only if its last step is known finite.
     state_in_hand = lambda: trainer.state if finite.all_finite() else None  # noqa: E731
     sample_every = config.get("sample_every", 0)
@@ -295,7 +327,7 @@ def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_call
                 metrics = trainer.train(task.batch(step))
                 finite.expect(step, metrics)  # checks the previous step while this one runs
                 step += 1
-                window.append(metrics)
+                window.add(metrics)
                 if step_callback is not None:
                     step_callback(step, metrics)
                 last = step == config.num_steps
@@ -306,16 +338,14 @@ def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_call
                 if logging_now or evaluating or sampling or saving:
                     finite.verify()
                 if logging_now:
-                    window = jax.device_get(window)
+                    steps, loss, sums, grad_norm = window.read()
                     elapsed = time.perf_counter() - window_start
                     wall_time += elapsed
-                    loss = float(np.mean([m["loss"] for m in window]))
-                    sums = {k: sum(float(m[k]) for m in window) for k in window[0] if k not in _STEP_METRICS}
                     scalars = {
                         "loss": loss,
                         **task.train_scalars(loss, sums),
-                        "grad_norm": float(window[-1]["grad_norm"]),
-                        "steps_per_sec": len(window) / elapsed,
+                        "grad_norm": grad_norm,
+                        "steps_per_sec": steps / elapsed,
                         "wall_time": wall_time,
                         "learning_rate": float(trainer.schedule(step - 1)),
                     }
@@ -325,7 +355,7 @@ def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_call
                         progress.set_postfix(
                             **task.progress(scalars), steps_s=f"{scalars['steps_per_sec']:.3g}"
                         )
-                    window = []
+                    window = _Window()
                 if progress is not None:
                     progress.update(1)
                 if saving:
