@@ -250,6 +250,8 @@ class Checkpointer:
             raise CheckpointError(f"there is no checkpoint in {self.directory}.")
         self.verify(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        # Before any read, metadata included: a failed read of damaged bytes leaves reports too.
+        _silence_failed_restore_aftermath()
         # A checkpoint of another model is named before any array is read: a read that fails
         # part way leaves TensorStore reads behind that report themselves at exit.
         try:
@@ -258,7 +260,6 @@ class Checkpointer:
             fits = True
         if not fits:
             raise CheckpointMismatchError(self._mismatch_message(step))
-        _silence_failed_restore_aftermath()  # before: some reports come while restore runs
         try:
             return self._restore_renamed(step, abstract)
         except Exception as e:  # orbax raises many types; the user needs the step and the cause
