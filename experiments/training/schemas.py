@@ -122,11 +122,22 @@ def devices(c: ml_collections.ConfigDict) -> None:
 
 # The flat layout of configs written before config.model existed: {old key: new dotted key}.
 _FLAT_KEYS = {
-    **{name: f"model.{name}" for name in ("attention", "attention_options", "num_layers", "num_heads")},
-    **{name: f"model.{name}" for name in ("model_dim", "feed_forward_dim", "dropout", "attention_dropout")},
-    "softmax_temp": "model.softmax_temp",
-    "dtype": "model.dtype",
-    "cross_attention": "model.cross_attention",
+    **{
+        name: f"model.{name}"
+        for name in (
+            "attention",
+            "attention_options",
+            "num_layers",
+            "num_heads",
+            "model_dim",
+            "feed_forward_dim",
+            "dropout",
+            "attention_dropout",
+            "softmax_temp",
+            "dtype",
+            "cross_attention",
+        )
+    },
     "encoder_attention": "encoder.attention",
     "encoder_attention_options": "encoder.attention_options",
 }

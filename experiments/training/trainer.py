@@ -101,9 +101,9 @@ class Task(abc.ABC):
         """Task-specific scalars of a logging window (mean loss, summed aux)."""
         return {}
 
+    @abc.abstractmethod
     def eval_sums(self, model: nnx.Module, batch) -> dict:
         """{name: scalar} sums over one evaluation batch (the model in evaluation mode)."""
-        raise NotImplementedError
 
     @abc.abstractmethod
     def evaluate(self, trainer: Trainer) -> dict:
