@@ -7,13 +7,12 @@ Command:
       --config.manual_dir=/path/with/cifar-10-batches-py
 """
 
-from configs import base, variants
+from configs import image_base
+from experiments.tasks import image_generation
 
 
 def get_config(arg: str = ""):
-    c = base.get_config()
-    c.dataset = "cifar10"
-    c.model.num_layers = 16
+    c = image_generation.paper_config("cifar10")  # 16 layers
     c.learning_rate = 2e-4
     c.batch_size = 10
     c.num_steps = 500000
@@ -22,4 +21,4 @@ def get_config(arg: str = ""):
     c.checkpoint_every = 5000
     c.sample_every = 20000
     c.eval_batch_size = 50
-    return variants.apply(c, arg)
+    return image_base.apply(c, arg)

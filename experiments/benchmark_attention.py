@@ -58,7 +58,7 @@ def main(argv):
     from experiments.benchmarking import attention_bench
     from linear_transformers import ops
 
-    chunk = _CHUNK.value or ops.default_chunk_size(jax.devices()[0].platform, _DTYPE.value)
+    chunk = _CHUNK.value or ops.DEFAULT_CHUNK_SIZE
     opts = attention_bench.AttentionBenchOptions(
         lengths=tuple(int(n) for n in _LENGTHS.value),
         tokens=_TOKENS.value,

@@ -13,7 +13,7 @@ from absl import app, flags, logging
 from experiments.benchmarking.copy_bench import RUNS, CopyComparisonOptions, run_and_report
 
 _RUNS = flags.DEFINE_list("runs", list(RUNS), f"Runs, from: {', '.join(RUNS)}.")
-_SIZE = flags.DEFINE_string("size", "cpu", "configs/copy.py variants setting the scale.")
+_SIZE = flags.DEFINE_string("size", "cpu", "Copy-task variants setting the scale (as in configs/copy.py:).")
 _OVERRIDES = flags.DEFINE_string("overrides", "", "key=value,... applied to every run last.")
 _OUT = flags.DEFINE_string("out_dir", "benchmark_results/copy", "Where runs and reports go.")
 

@@ -19,6 +19,7 @@ from linear_transformers.image_generator import ImageGenerator, sample_images, s
 from linear_transformers.lm import CausalLM, LMState
 from linear_transformers.mixture import bits_per_dim, mol_log_prob, mol_probs, mol_sample
 from linear_transformers.multi_head_attention import MultiHeadAttention
+from linear_transformers.packing import pack_sequences, segment_positions
 from linear_transformers.seq2seq import EncoderDecoder, Seq2SeqState, greedy_decode
 from linear_transformers.transformer import Decoder, DecoderLayer, Encoder, EncoderLayer, TransformerConfig
 
@@ -38,6 +39,8 @@ __all__ = [
     "CausalLM",
     "LMState",
     "MultiHeadAttention",
+    "pack_sequences",
+    "segment_positions",
     "Decoder",
     "DecoderLayer",
     "Encoder",

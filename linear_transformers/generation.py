@@ -52,7 +52,7 @@ def scan_steps(module: nnx.Module, state, xs_BT):
 def _generate(graphdef, params, prompt_BT, key, num_steps, temperature):
     model = nnx.merge(graphdef, params)
     B, T = prompt_BT.shape
-    state = model.init_state(B, T + num_steps)
+    state = model.init_state(B, max_length=T + num_steps)
     # All but the last prompt token in one parallel pass; the sampling loop reads the last one.
     if T > 1:
         if hasattr(model, "prefill"):
@@ -76,7 +76,7 @@ def _generate(graphdef, params, prompt_BT, key, num_steps, temperature):
 def generate(model: nnx.Module, prompt_BT, num_steps: int, *, key, temperature: float = 1.0):
     """Sample `num_steps` tokens after `prompt_BT` (at least one token) in one compiled loop.
 
-    `model` needs `init_state(batch, max_length)` and `step(state, token_B) -> (state, logits_BV)`
+    `model` needs `init_state(batch, max_length=)` and `step(state, token_B) -> (state, logits_BV)`
     (e.g. `CausalLM`), and must be in eval mode. The prompt, all but its last token, is read by
     one `prefill(state, tokens_BT)` where the model has one (token by token otherwise); the
     sampling loop then steps from its last token. temperature=0 decodes greedily.

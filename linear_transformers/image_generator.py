@@ -17,7 +17,8 @@ The position encoding is [sin | cos] ("concatenated", the default) or sin, cos, 
 ("interleaved", the authors' colab): `position_layout`.
 
   params_BTQ = model(x_BT)                       parallel: [B, T - f, Q], params[:, i] for x_{i+f}
-  state = model.init_state(batch)                recurrent (after `model.eval()`)
+  state = model.init_state(batch)                recurrent (after `model.eval()`; a KV cache of
+                                                 max_length slots for softmax kinds)
   state, params_BQ = model.step(state, token_B)  reads the input of the next position (see above)
   state, params_BTQ = model.prefill(state, tokens_BT)   T such tokens at once (= T steps)
   images_BT = sample_images(model, key, batch)   one compiled `lax.scan`, constant memory per step
@@ -34,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from linear_transformers.attention.base import check_inference_mode, keyword_state_arguments
 from linear_transformers.lm import POSITION_LAYOUTS, LMState, embed_tokens, sinusoidal_encoding
 from linear_transformers.mixture import mol_log_prob, mol_sample, num_params
-from linear_transformers.transformer import Encoder, TransformerConfig, check_inference_mode, dense, embedding
+from linear_transformers.transformer import Encoder, TransformerConfig, dense, embedding
 
 
 class ImageGenerator(nnx.Module):
@@ -183,9 +185,15 @@ class ImageGenerator(nnx.Module):
         scored_BT = x_BT[:, self.first_scored :]
         return -jnp.mean(mol_log_prob(self(x_BT), scored_BT, self.num_classes))
 
-    def init_state(self, batch: int, dtype=None) -> LMState:
-        """Empty recurrent state at position 0; softmax kinds allocate a max_length KV cache."""
-        return LMState(self.transformer.init_state(batch, self.max_length, dtype), jnp.zeros((), jnp.int32))
+    @keyword_state_arguments
+    def init_state(self, batch: int, *, max_length: int | None = None, dtype=None) -> LMState:
+        """Empty recurrent state at position 0; softmax kinds allocate a KV cache of
+        `max_length` slots (default the model's max_length, a whole image) in `dtype`."""
+        max_length = self.max_length if max_length is None else max_length
+        return LMState(
+            self.transformer.init_state(batch, max_length=max_length, dtype=dtype),
+            jnp.zeros((batch,), jnp.int32),
+        )
 
     def step(self, state: LMState, token_B):
         """Read the input token of this position t (state.position); return its params_BQ, the
@@ -209,7 +217,7 @@ class ImageGenerator(nnx.Module):
         """
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         T = tokens_BT.shape[1]
-        x_BTE = self.transformer_inputs(tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
+        x_BTE = self.transformer_inputs(tokens_BT, state.position[:, None] + jnp.arange(T, dtype=jnp.int32))
         layers, y_BTE = self.transformer.prefill(state.layers, x_BTE)
         return LMState(layers, state.position + T), self.head(y_BTE)
 

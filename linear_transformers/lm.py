@@ -3,7 +3,8 @@
 Legend: B batch, T time, E model width, V vocabulary.
 
   logits_BTV = model(tokens_BT)                         parallel (training, scoring)
-  state = model.init_state(batch, max_length)           recurrent (after `model.eval()`)
+  logits_BTV = model(tokens_BT, segment_ids=ids_BT)     packed sequences (`pack_sequences`)
+  state = model.init_state(batch, max_length=...)       recurrent (after `model.eval()`)
   state, logits_BTV = model.prefill(state, tokens_BT)   a prompt (or segment) in one pass
   state, logits_BV = model.step(state, token_B)         then one token at a time
 """
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from linear_transformers.attention.base import keyword_state_arguments
+from linear_transformers.packing import continue_positions, next_positions, segment_positions
 from linear_transformers.transformer import Encoder, TransformerConfig, dense, embedding
 
 
@@ -59,15 +62,15 @@ def sinusoidal_encoding(positions, dim: int, dtype=jnp.float32, *, layout: str =
 
 
 class LMState(NamedTuple):
-    layers: Any  # per-layer attention states (linear (S, z) or KV caches)
-    position: jax.Array  # int32 scalar: index of the next token
+    layers: Any  # per-layer attention states (linear (s, z) or KV caches)
+    position: jax.Array  # int32 [B]: the position of each row's next token
 
 
 class CausalLM(nnx.Module):
     """Token embedding plus sinusoidal positions, a causal `Encoder` stack, and logits.
 
     Parallel: logits_BTV = model(tokens_BT). Recurrent (after `model.eval()`):
-    state = model.init_state(batch, max_length); state, logits_BV = model.step(state, token_B);
+    state = model.init_state(batch, max_length=...); state, logits_BV = model.step(state, token_B);
     state, logits_BTV = model.prefill(state, tokens_BT) reads T tokens at once (equal to T
     `step`s), e.g. a prompt before generating (`generation.generate` does so).
 
@@ -76,7 +79,7 @@ class CausalLM(nnx.Module):
     continue across segments; linear kinds keep a constant-size state, softmax needs
     `max_length` >= the total length):
 
-    >>> state = model.init_state(batch, max_length)
+    >>> state = model.init_state(batch, max_length=max_length)
     >>> for tokens_BT in segments:                  # consecutive [B, T_i] pieces
     ...     state, logits_BTV = model.prefill(state, tokens_BT)
     """
@@ -89,13 +92,27 @@ class CausalLM(nnx.Module):
         self.transformer = Encoder(config, causal=True, rngs=rngs)
         self.head = dense(config, config.model_dim, vocab_size, rngs, dtype=config.output_dtype)
 
-    def __call__(self, tokens_BT, *, key_lengths=None):
-        x_BTE = token_inputs(self.embed, tokens_BT, jnp.arange(tokens_BT.shape[1]))
-        return self.head(self.transformer(x_BTE, key_lengths=key_lengths))
+    def __call__(self, tokens_BT, *, key_lengths=None, segment_ids=None, positions=None):
+        """Logits [B, T, V]. segment_ids int [B, T]: packed sequences (0 = padding), each scored
+        as if alone; positions int [B, T]: each token's position in its sequence (default:
+        restarting at every segment, else 0..T-1)."""
+        if positions is None:
+            positions = (
+                jnp.arange(tokens_BT.shape[1]) if segment_ids is None else segment_positions(segment_ids)
+            )
+        x_BTE = token_inputs(self.embed, tokens_BT, positions)
+        return self.head(
+            self.transformer(x_BTE, key_lengths=key_lengths, segment_ids=segment_ids, positions=positions)
+        )
 
-    def init_state(self, batch: int, max_length: int | None = None, dtype=None) -> LMState:
-        """Empty state; softmax kinds allocate a KV cache of `max_length` steps."""
-        return LMState(self.transformer.init_state(batch, max_length, dtype), jnp.zeros((), jnp.int32))
+    @keyword_state_arguments
+    def init_state(self, batch: int, *, max_length: int | None = None, dtype=None) -> LMState:
+        """Empty state; softmax kinds allocate a KV cache of `max_length` steps (in `dtype`,
+        default the config's)."""
+        return LMState(
+            self.transformer.init_state(batch, max_length=max_length, dtype=dtype),
+            jnp.zeros((batch,), jnp.int32),
+        )
 
     def step(self, state: LMState, token_B):
         """Consume one token per batch element; return the logits for the next one."""
@@ -103,11 +120,18 @@ class CausalLM(nnx.Module):
         layers, y_BE = self.transformer.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
 
-    def prefill(self, state: LMState, tokens_BT):
+    def prefill(self, state: LMState, tokens_BT, *, segment_ids=None, positions=None):
         """Consume T tokens per batch element at once, from `state`: -> (state, logits [B, T, V]),
         where logits at t score the token after tokens_BT[:, t]. Equal to T calls of `step`;
-        the position advances by T."""
-        T = tokens_BT.shape[1]
-        x_BTE = token_inputs(self.embed, tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
-        layers, y_BTE = self.transformer.prefill(state.layers, x_BTE)
-        return LMState(layers, state.position + T), self.head(y_BTE)
+        the position advances by T.
+
+        segment_ids int [B, T]: a packed prompt (0 = padding), whose first segment continues the
+        state and whose later segments start afresh (positions from 0); `step` then continues
+        each row's last segment."""
+        if positions is None:
+            positions = continue_positions(state.position, segment_ids, tokens_BT.shape[1])
+        x_BTE = token_inputs(self.embed, tokens_BT, positions)
+        layers, y_BTE = self.transformer.prefill(
+            state.layers, x_BTE, segment_ids=segment_ids, positions=positions
+        )
+        return LMState(layers, next_positions(positions, segment_ids, state.position)), self.head(y_BTE)

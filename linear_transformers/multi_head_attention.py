@@ -6,8 +6,9 @@ head, M value features per head.
 The same parameters serve three uses:
 
   y_BTE = mha(x_BTE)                                   self-attention, parallel (training)
+  y_BTE = mha(x_BTE, segment_ids=ids_BT)               packed sequences, each alone
   y_BTE = mha(x_BTE, context_BSE, key_lengths=...)     cross-attention, parallel
-  state = mha.init_state(batch, max_length)            causal self-attention as an RNN:
+  state = mha.init_state(batch, max_length=...)        causal self-attention as an RNN:
   state, y_BE = mha.step(state, x_BE)                  one token at a time,
   state, y_BTE = mha.prefill(state, x_BTE)             or a block of T in parallel form
   memory = mha.init_memory(context_BSE, key_lengths)   cross-attention over a fixed memory:
@@ -23,7 +24,12 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.attention import attention_class, check_attention_options
+from linear_transformers.attention.base import (
+    check_attention_options,
+    keyword_state_arguments,
+    kinds_with,
+    make_attention_core,
+)
 
 
 def core_options(
@@ -115,13 +121,16 @@ class MultiHeadAttention(nnx.Module):
         self.causal = causal
         self.dtype = dtype
 
-        self.core = attention_class(kind)(
+        self.core = make_attention_core(
+            kind,
             causal=causal,
             num_heads=num_heads,
             head_dim=query_dim,
             value_dim=value_dim,
             rngs=rngs,
             sequence_axis=sequence_axis,
+            in_features=in_features,
+            dtype=dtype,
             param_dtype=param_dtype,
             options=core_options(
                 kind, attention_options, attention_dropout=attention_dropout, softmax_temp=softmax_temp
@@ -144,12 +153,27 @@ class MultiHeadAttention(nnx.Module):
     def _merge(self, y_xHM):
         return self.out(y_xHM.reshape(y_xHM.shape[:-2] + (-1,)))
 
-    def __call__(self, x_BTE, context_BSE=None, *, key_lengths=None, mask=None):
+    def __call__(
+        self,
+        x_BTE,
+        context_BSE=None,
+        *,
+        key_lengths=None,
+        mask=None,
+        segment_ids=None,
+        context_segment_ids=None,
+        positions=None,
+    ):
         """Parallel attention of x over itself, or over `context` when given.
 
         key_lengths: int [B], number of valid keys (padding is at the end).
         mask: boolean [T, S] or [B, H, T, S] (size-1 dimensions broadcast; True = attend); only
           kinds that form the T x S matrix (softmax) accept it.
+        segment_ids: int [B, T] of packed sequences (0 = padding): each segment attends only to
+          itself; with a context, `context_segment_ids` [B, S] are its ids (kinds with
+          `supports_segments`).
+        positions: int [B, T], the position of each token in its sequence (kinds that use
+          positions; default: from the segment ids, else 0..T-1).
         """
         if self.causal and context_BSE is not None:
             raise ValueError(
@@ -162,39 +186,71 @@ class MultiHeadAttention(nnx.Module):
                 "self-attention only; got a context. Use another kind for "
                 "cross-attention."
             )
+        extra = self._segments(segment_ids, context_segment_ids, cross=context_BSE is not None)
+        if self.core.takes_inputs:
+            extra.update(x=x_BTE, positions=positions)
         context_BSE = x_BTE if context_BSE is None else context_BSE
         q_BTHD = self._heads(self.query, x_BTE, self.query_dim)
         k_BSHD = q_BTHD if self.key is None else self._heads(self.key, context_BSE, self.query_dim)
         v_BSHM = self._heads(self.value, context_BSE, self.value_dim)
-        return self._merge(self.core(q_BTHD, k_BSHD, v_BSHM, key_lengths=key_lengths, mask=mask))
+        return self._merge(self.core(q_BTHD, k_BSHD, v_BSHM, key_lengths=key_lengths, mask=mask, **extra))
 
-    def init_state(self, batch: int, max_length: int | None = None, dtype=None):
+    def _segments(self, segment_ids, context_segment_ids, *, cross: bool) -> dict:
+        """The segment keywords for the core, or a ValueError saying what is missing."""
+        if segment_ids is None and context_segment_ids is None:
+            return {}
+        if not self.core.supports_segments:
+            raise ValueError(
+                f"attention kind {self.core.kind!r} takes no segment_ids (packed sequences); "
+                f"kinds that do: {kinds_with('supports_segments')}."
+            )
+        if segment_ids is None:
+            raise ValueError("context_segment_ids given without segment_ids (the queries' ids).")
+        if not cross:
+            if context_segment_ids is not None:
+                raise ValueError("context_segment_ids are for cross-attention; got no context.")
+            return {"segment_ids": segment_ids}
+        if context_segment_ids is None:
+            raise ValueError(
+                "cross-attention over a packed context needs context_segment_ids, the context's "
+                "segment ids, beside segment_ids (the queries')."
+            )
+        return {"segment_ids": segment_ids, "key_segment_ids": context_segment_ids}
+
+    @keyword_state_arguments
+    def init_state(self, batch: int, *, max_length: int | None = None, dtype=None):
         """Recurrent state of causal self-attention (a KV cache of `max_length` for softmax).
-        `dtype` (of a KV cache) defaults to the layer's dtype, or float32 when that is None."""
+        `dtype` (of a KV cache) defaults to the layer's dtype, or float32 when that is None;
+        linear states are float32 at least whatever it is."""
         if dtype is None:
             dtype = jnp.float32 if self.dtype is None else self.dtype
-        return self.core.init_state(batch, max_length, dtype)
+        return self.core.init_state(batch, max_length=max_length, dtype=dtype)
 
     def step(self, state, x_BE):
         """One token of causal self-attention: (state, x_t) -> (state, y_t)."""
         q_BHD = self._heads(self.query, x_BE, self.query_dim)
         k_BHD = q_BHD if self.key is None else self._heads(self.key, x_BE, self.query_dim)
         v_BHM = self._heads(self.value, x_BE, self.value_dim)
-        state, y_BHM = self.core.step(state, q_BHD, k_BHD, v_BHM)
+        extra = {"x": x_BE} if self.core.takes_inputs else {}
+        state, y_BHM = self.core.step(state, q_BHD, k_BHD, v_BHM, **extra)
         return state, self._merge(y_BHM)
 
-    def prefill(self, state, x_BTE, *, key_lengths=None):
+    def prefill(self, state, x_BTE, *, key_lengths=None, segment_ids=None, positions=None):
         """T tokens of causal self-attention at once, from `state`: -> (state, y [B, T, E]).
 
         The parallel form over the block, continuing from the state of the tokens before it
         (from `init_state`, `step` or `prefill`), and returning the state after it: equal to T
         calls of `step`. key_lengths int [B] (linear kinds): tokens at index >= key_lengths[b]
-        leave the state as it was after the real ones.
+        leave the state as it was after the real ones. segment_ids int [B, T]: a packed block,
+        whose first segment continues the state and whose last one decoding continues.
         """
+        extra = self._segments(segment_ids, None, cross=False)
+        if self.core.takes_inputs:
+            extra.update(x=x_BTE, positions=positions)
         q_BTHD = self._heads(self.query, x_BTE, self.query_dim)
         k_BTHD = q_BTHD if self.key is None else self._heads(self.key, x_BTE, self.query_dim)
         v_BTHM = self._heads(self.value, x_BTE, self.value_dim)
-        state, y_BTHM = self.core.prefill(state, q_BTHD, k_BTHD, v_BTHM, key_lengths=key_lengths)
+        state, y_BTHM = self.core.prefill(state, q_BTHD, k_BTHD, v_BTHM, key_lengths=key_lengths, **extra)
         return state, self._merge(y_BTHM)
 
     def init_memory(self, context_BSE, key_lengths=None):

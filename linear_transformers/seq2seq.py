@@ -7,9 +7,13 @@ Legend: B batch, S source time, T target time, E model width, V vocabulary.
   tokens_BT = greedy_decode(model, source_BS, T, start_token=0, prefix=prefix_BT)
                                                  a forced target prefix, read by one prefill
 
-Recurrently (after `model.eval()`): state = model.init_state(memory_BSE, max_length,
-source_lengths=...); state, logits_BV = model.step(state, token_B) for one target token, or
-state, logits_BTV = model.prefill(state, tokens_BT) for T of them at once (equal to T steps).
+Recurrently (after `model.eval()`): memory_BSE = model.encode(source_BS, source_lengths=...);
+state = model.init_state(batch, memory=memory_BSE, memory_lengths=source_lengths, max_length=...);
+state, logits_BV = model.step(state, token_B) for one target token, or state, logits_BTV =
+model.prefill(state, tokens_BT) for T of them at once (equal to T steps).
+
+`source_lengths` are the valid lengths of the source tokens; once encoded, the same lengths are
+the `memory_lengths` of the memory, the name every decoder takes them by.
 
 Decoding encodes the source once; each decoder layer then reduces the memory once to what its
 cross-attention needs per step (softmax: the projected keys/values; linear: one (S, z) summary;
@@ -25,13 +29,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linear_transformers.attention.base import keyword_state_arguments
 from linear_transformers.lm import token_inputs
 from linear_transformers.transformer import Decoder, Encoder, TransformerConfig, dense, embedding
 
 
 class Seq2SeqState(NamedTuple):
     layers: Any  # per-decoder-layer (self-attention state, cross-attention memory)
-    position: jax.Array  # int32 scalar: index of the next target token
+    position: jax.Array  # int32 [B]: the position of each row's next target token
 
 
 class EncoderDecoder(nnx.Module):
@@ -67,28 +72,31 @@ class EncoderDecoder(nnx.Module):
         x_BSE = token_inputs(self.embed, source_BS, jnp.arange(source_BS.shape[1]))
         return self.encoder(x_BSE, key_lengths=source_lengths)
 
-    def decode(self, target_in_BT, memory_BSE, *, source_lengths=None, target_lengths=None):
+    def decode(self, target_in_BT, memory_BSE, *, memory_lengths=None, target_lengths=None):
         """Teacher-forced decoder: logits [B, T, V] for the token after each input token;
-        target tokens at index >= target_lengths are padding."""
+        memory positions at index >= memory_lengths and target tokens at index >=
+        target_lengths are padding."""
         y_BTE = token_inputs(self.embed, target_in_BT, jnp.arange(target_in_BT.shape[1]))
         return self.head(
-            self.decoder(y_BTE, memory_BSE, memory_lengths=source_lengths, target_lengths=target_lengths)
+            self.decoder(y_BTE, memory_BSE, memory_lengths=memory_lengths, target_lengths=target_lengths)
         )
 
     def __call__(self, source_BS, target_in_BT, *, source_lengths=None, target_lengths=None):
         memory_BSE = self.encode(source_BS, source_lengths=source_lengths)
         return self.decode(
-            target_in_BT, memory_BSE, source_lengths=source_lengths, target_lengths=target_lengths
+            target_in_BT, memory_BSE, memory_lengths=source_lengths, target_lengths=target_lengths
         )
 
+    @keyword_state_arguments
     def init_state(
-        self, memory_BSE, max_length: int | None = None, *, source_lengths=None, dtype=None
+        self, batch: int, *, memory, memory_lengths=None, max_length: int | None = None, dtype=None
     ) -> Seq2SeqState:
-        """Decoder state over an encoded memory (call `model.eval()` first)."""
+        """Decoder state over an encoded memory [B, S, E] (`encode`) whose valid lengths are
+        `memory_lengths` (the source lengths); call `model.eval()` first."""
         layers = self.decoder.init_state(
-            memory_BSE.shape[0], max_length, memory_BSE, memory_lengths=source_lengths, dtype=dtype
+            batch, memory=memory, memory_lengths=memory_lengths, max_length=max_length, dtype=dtype
         )
-        return Seq2SeqState(layers, jnp.zeros((), jnp.int32))
+        return Seq2SeqState(layers, jnp.zeros((batch,), jnp.int32))
 
     def step(self, state: Seq2SeqState, token_B):
         """Consume one target token per batch element; return the logits for the next one."""
@@ -101,7 +109,7 @@ class EncoderDecoder(nnx.Module):
         [B, T, V]), where logits at t score the token after tokens_BT[:, t]. Equal to T calls of
         `step`; the position advances by T."""
         T = tokens_BT.shape[1]
-        x_BTE = token_inputs(self.embed, tokens_BT, state.position + jnp.arange(T, dtype=jnp.int32))
+        x_BTE = token_inputs(self.embed, tokens_BT, state.position[:, None] + jnp.arange(T, dtype=jnp.int32))
         layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)
         return Seq2SeqState(layers, state.position + T), self.head(y_BTE)
 
@@ -112,7 +120,9 @@ def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_l
     memory_BSE = model.encode(source_BS, source_lengths=source_lengths)
     k = prefix_BT.shape[1]
     # The decoder reads start, the k prefix tokens, then num_steps - 1 decoded ones.
-    state = model.init_state(memory_BSE, k + num_steps, source_lengths=source_lengths)
+    state = model.init_state(
+        source_BS.shape[0], memory=memory_BSE, memory_lengths=source_lengths, max_length=k + num_steps
+    )
     start_B1 = jnp.full(source_BS.shape[:1] + (1,), start_token, source_BS.dtype)
     inputs_BT = jnp.concatenate([start_B1, prefix_BT], axis=1)  # k + 1 tokens
     if k:

@@ -51,7 +51,7 @@ _capture = nnx.jit(lambda m, *args, **kwargs: nnx.capture(m, nnx.Intermediate)(*
 def _step_loop(mha, x_BTE, max_length=None):
     """init_state, then one `step` call per time step."""
     B, T, _ = x_BTE.shape
-    state = mha.init_state(B, max_length or T)
+    state = mha.init_state(B, max_length=max_length or T)
     ys = []
     for t in range(T):
         state, y_BE = _step(mha, state, x_BTE[:, t])
@@ -111,7 +111,7 @@ def test_scan_steps_matches_parallel_causal(name):
     mha = _mha(name, causal=True)
     x = _x((B, T, E))
     # A softmax cache larger than the sequence: unused slots must stay invisible.
-    state, y_rec = generation.scan_steps(mha, mha.init_state(B, T + 3), x)
+    state, y_rec = generation.scan_steps(mha, mha.init_state(B, max_length=T + 3), x)
     chex.assert_shape(y_rec, (B, T, E))
     np.testing.assert_allclose(y_rec, _call(mha, x), atol=1e-5, rtol=1e-5)
     if name == "softmax":

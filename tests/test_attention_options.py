@@ -89,7 +89,7 @@ def test_the_core_keeps_the_one_options_object_it_was_built_with(kind):
     given, causal = BUILDABLE[kind]
     options_class = DEFAULTS[kind][0]
     core = make_attention_core(
-        kind, causal=causal, num_heads=H, head_dim=8, value_dim=8, rngs=nnx.Rngs(0), **given
+        kind, causal=causal, num_heads=H, head_dim=8, value_dim=8, rngs=nnx.Rngs(0), options=given
     )
     assert core.options == options_class(**given)
     mha = MultiHeadAttention(E, H, kind=kind, causal=causal, attention_options=given, rngs=nnx.Rngs(0))
@@ -112,7 +112,7 @@ def test_an_unknown_option_is_named_with_the_kinds_options(kind):
         MultiHeadAttention(E, H, kind=kind, causal=True, attention_options={"bogus": 1}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=match):
         make_attention_core(
-            kind, causal=True, num_heads=H, head_dim=8, value_dim=8, rngs=nnx.Rngs(0), bogus=1
+            kind, causal=True, num_heads=H, head_dim=8, value_dim=8, rngs=nnx.Rngs(0), options={"bogus": 1}
         )
     with pytest.raises(ValueError, match=match):
         TransformerConfig(model_dim=E, num_heads=H, attention=kind, attention_options={"bogus": 1})

@@ -425,3 +425,75 @@ def test_benchmark_sequence_parallel_script_smoke(tmp_path):
     with open(out / "sequence_parallel.csv") as f:
         assert len(list(csv.DictReader(f))) == 2
     assert (out / "sequence_parallel.png").exists()
+
+
+# --- gated (decayed) linear attention benchmark ----------------------------------------------
+
+from experiments.benchmarking import gated_bench  # noqa: E402
+
+
+def test_gated_cases_time_the_decayed_op_and_its_reference():
+    opts = gated_bench.GatedBenchOptions(heads=2, head_dim=8, value_dim=8)
+    q, k, v, g, _ = gated_bench.random_inputs(opts, "gated-feature/chunked", 2, 37)
+    assert g.shape == (2, 37, 2, 8) and float(g.max()) < 0 and float(g.min()) > -10
+    chunked = jax.jit(gated_bench.attention_fn("gated-feature/chunked", None))(q, k, v, g)
+    dense = jax.jit(gated_bench.attention_fn("gated-feature/quadratic", None))(q, k, v, g)
+    np.testing.assert_allclose(chunked, dense, atol=1e-5, rtol=1e-4)
+    assert gated_bench.chunk_size_used("gated-feature/chunked", None) == ops.FEATURE_DECAY_CHUNK_SIZE
+    assert gated_bench.chunk_size_used("gated-step/quadratic", 32) is None
+    row = gated_bench.run_case(opts, "gated-step/quadratic", "forward", 64, budget=0)
+    assert row["status"].startswith("skipped: needs") and math.isnan(row["time_ms"]) and row["peak_mib"] > 0
+
+
+def test_gated_ratios_and_goal_come_from_the_same_run():
+    def row(kind, n, time_ms, pass_="forward+backward", status="ok"):
+        return {"kind": kind, "pass": pass_, "n": n, "time_ms": time_ms, "status": status}
+
+    rows = gated_bench.add_ratios(
+        [
+            row("causal-linear/chunked", 64, 10.0),
+            row("gated-step/chunked", 64, 12.0),
+            row("gated-feature/chunked", 64, 40.0),
+            row("gated-feature/quadratic", 64, math.nan, status="skipped: needs 9.0 GiB"),
+            row("gated-head/chunked", 64, 5.0, pass_="forward"),  # no forward baseline: no ratio
+        ]
+    )
+    ratios = [r["vs_causal_linear"] for r in rows]
+    assert ratios[:3] == [1.0, pytest.approx(1.2), pytest.approx(4.0)] and all(map(math.isnan, ratios[3:]))
+    assert [(g["decay"], g["goal"]) for g in gated_bench.goal_checks(rows)] == [
+        ("step", "met"),
+        ("feature", "missed"),
+    ]
+    with pytest.raises(ValueError, match="unknown decay 'scalar'"):
+        gated_bench.GatedBenchOptions(decays=("scalar",))
+    with pytest.raises(ValueError, match="unknown dtype 'float16'"):
+        gated_bench.GatedBenchOptions(dtype="float16")
+
+
+def test_benchmark_gated_script_smoke(tmp_path):
+    out, stdout = _run_script(
+        "benchmark_gated",
+        "--lengths=64,128",
+        "--tokens=128",
+        "--heads=2",
+        "--head_dim=8",
+        "--value_dim=8",
+        "--decays=step",
+        "--impls=chunked",
+        "--passes=forward+backward",
+        "--min_seconds=0",
+        tmp_path=tmp_path,
+    )
+    assert "goal: a decay costs at most 1.3x" in stdout
+    assert {p.name for p in out.iterdir()} == {"gated.csv", "gated.json", "gated.png"}
+    with open(out / "gated.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["n"], r["kind"]) for r in rows] == [
+        (n, kind) for n in ("64", "128") for kind in ("causal-linear/chunked", "gated-step/chunked")
+    ]
+    assert all(
+        r["status"] == "ok" and float(r["time_ms"]) > 0 and float(r["vs_causal_linear"]) > 0 for r in rows
+    )
+    saved = json.loads((out / "gated.json").read_text())
+    assert saved["machine"]["jax"] == jax.__version__ and len(saved["rows"]) == 4
+    assert [c["decay"] for c in saved["goal"]["checks"]] == ["step", "step"]

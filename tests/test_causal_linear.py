@@ -297,9 +297,9 @@ def test_bfloat16_gradients_are_bfloat16_and_close_to_float32():
 @pytest.mark.parametrize("T,chunk_size", [(37, 4), (1, 4), (24, 4), (9, 16)])
 def test_segmented_chunked_form_matches_quadratic(x64, monkeypatch, segment, T, chunk_size):
     """The chunked form scanned over segments (CPU) or all at once (GPU): same values, same grads."""
-    from linear_transformers.ops import causal_linear
+    from linear_transformers.ops import gated_forms
 
-    monkeypatch.setattr(causal_linear, "segment_length", lambda platform=None: segment)
+    monkeypatch.setattr(gated_forms, "segment_length", lambda platform=None: segment)
     q, k, v = _inputs(14, T)
     w = _grad_weights(T)
 

@@ -30,9 +30,9 @@ def test_examples_have_lengths_in_range_and_symbols_only_where_they_belong(max_l
     assert ex.lengths_B.min() >= low and ex.lengths_B.max() < high
     if high - low > 1:
         assert len(np.unique(ex.lengths_B)) == high - low  # every allowed length occurs
-    filled = np.arange(ex.symbols_BW.shape[1])[None] < ex.lengths_B[:, None]
-    assert np.all((ex.symbols_BW >= 1) & (ex.symbols_BW <= 10) | ~filled)
-    assert np.all(ex.symbols_BW[~filled] == 0)
+    filled = np.arange(ex.symbols_BS.shape[1])[None] < ex.lengths_B[:, None]
+    assert np.all((ex.symbols_BS >= 1) & (ex.symbols_BS <= 10) | ~filled)
+    assert np.all(ex.symbols_BS[~filled] == 0)
 
 
 def test_decoder_only_layout_separators_and_loss_mask():
@@ -41,7 +41,7 @@ def test_decoder_only_layout_separators_and_loss_mask():
     tokens = np.concatenate([batch.inputs_BT[:, :1], batch.targets_BT], 1)
     np.testing.assert_array_equal(batch.inputs_BT[:, 1:], batch.targets_BT[:, :-1])
     for b, n in enumerate(ex.lengths_B):
-        s = ex.symbols_BW[b, :n]
+        s = ex.symbols_BS[b, :n]
         expected = np.zeros(32, np.int32)
         expected[1 : n + 1], expected[n + 2 : 2 * n + 2] = s, s
         np.testing.assert_array_equal(tokens[b], expected)
@@ -55,10 +55,10 @@ def test_encoder_decoder_layout():
     ex = ct.random_examples(np.random.default_rng(2), 16, 32, 5)
     batch = ct.encoder_decoder_layout(ex)
     np.testing.assert_array_equal(batch.source_lengths_B, ex.lengths_B)
-    np.testing.assert_array_equal(batch.target_out_BW, ex.symbols_BW)
-    assert np.all(batch.target_in_BW[:, 0] == ct.SEPARATOR)
-    np.testing.assert_array_equal(batch.target_in_BW[:, 1:], ex.symbols_BW[:, :-1])
-    np.testing.assert_array_equal(batch.mask_BW.sum(1), ex.lengths_B)
+    np.testing.assert_array_equal(batch.target_out_BT, ex.symbols_BS)
+    assert np.all(batch.target_in_BT[:, 0] == ct.SEPARATOR)
+    np.testing.assert_array_equal(batch.target_in_BT[:, 1:], ex.symbols_BS[:, :-1])
+    np.testing.assert_array_equal(batch.mask_BT.sum(1), ex.lengths_B)
 
 
 def test_batches_are_a_function_of_seed_and_step():
@@ -113,6 +113,9 @@ def test_step_schedule_drops_at_decay_steps():
         ("smoke,attention=linformer", "'linformer' has no causal form"),
         ("smoke,attention=sparse", "not a registered attention kind"),
         ("smoke,max_length=4", "too short"),
+        ("smoke,max_length=0", r"^config.max_length must be >= 1, got 0.$"),
+        ("smoke,eval_batches=0", r"^config.eval_batches must be >= 1, got 0.$"),
+        ("smoke,num_symbols=-1", r"^config.num_symbols must be >= 1, got -1.$"),
         ("smoke,architecture=gpt", "architecture must be one of"),
         ("smoke,softmax_temp=-1.0", "config.model: TransformerConfig.softmax_temp must be None"),
         (

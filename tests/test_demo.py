@@ -28,7 +28,15 @@ def test_progressions_are_arithmetic_mod_vocab():
     np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
 
 
-@pytest.mark.parametrize("arg, match", [("prompt_len=24", "prompt_len must be in"), ("seq_len=1", "seq_len")])
+@pytest.mark.parametrize(
+    "arg, match",
+    [
+        ("prompt_len=24", "prompt_len must be in"),
+        ("seq_len=1", "seq_len"),
+        ("vocab_size=0", r"^config.vocab_size must be >= 1, got 0.$"),
+        ("eval_batch_size=0", r"^config.eval_batch_size must be >= 1, got 0.$"),
+    ],
+)
 def test_bad_demo_configs_are_named(tmp_path, arg, match):
     with pytest.raises(ValueError, match=match):
         tasks.train_and_evaluate(demo_config.get_config(arg), tmp_path)

@@ -1,6 +1,8 @@
 """Every import is declared: the library's in `dependencies`, the experiments' in the
 `experiments` extra (or an optional extra where the import is guarded), the tests' in `dev`;
-and the layers import downwards only: library <- trainers <- configs <- entry points."""
+and the layers import downwards only: library <- experiments (trainer, tasks, benchmarks) <-
+configs; the entry points read a config file by its path, and nothing under experiments/
+imports configs/."""
 
 import ast
 import importlib.metadata
@@ -68,12 +70,37 @@ def test_the_tests_import_only_declared_packages():
     assert not undeclared, f"tests import undeclared {sorted(undeclared)}"
 
 
-def test_the_library_imports_no_experiment_and_the_trainers_no_config_file():
+def _modules_named_in_import_calls(folder: str) -> dict[str, set[str]]:
+    """{file: module names} of `importlib.import_module(...)` / `__import__(...)` calls under
+    `folder`, as far as their first argument is a literal (an f-string: its leading literal)."""
+    found = {}
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name not in ("import_module", "__import__"):
+                continue
+            arg = node.args[0]
+            if isinstance(arg, ast.JoinedStr):
+                arg = arg.values[0] if arg.values else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.setdefault(str(path.relative_to(ROOT)), set()).add(arg.value)
+    return found
+
+
+def test_the_library_imports_no_experiment_and_the_experiments_no_config_file():
     assert _imports("linear_transformers", first_party=True) == {"linear_transformers"}
-    # The trainers take a config object; config files import the trainers' schemas, not back.
-    assert "configs" not in _imports("experiments/training", first_party=True)
-    assert "configs" not in _imports("experiments/data", first_party=True)
-    assert "configs" not in _imports("experiments/tasks", first_party=True)
+    # The trainer, tasks and benchmarks take config objects from the tasks; config files import
+    # the tasks' schemas and variants, never the reverse, by import statement or by name.
+    assert "configs" not in _imports("experiments", first_party=True)
+    by_name = {
+        path: names
+        for path, names in _modules_named_in_import_calls("experiments").items()
+        if any(name.split(".")[0] == "configs" for name in names)
+    }
+    assert not by_name, f"experiments/ import configs/ by name: {by_name}"
 
 
 def _modules_importing(folder: str, module: str) -> set[str]:
@@ -118,3 +145,14 @@ def test_one_training_path_from_the_entry_points_to_the_library():
         "experiments/train.py",
         "experiments/benchmarking/copy_bench.py",
     }
+
+
+def test_the_benchmarks_build_the_paper_image_model_in_one_place():
+    # generation_bench.paper_model (from the image task's paper_config) is the one builder; the
+    # prefill benchmark calls it.
+    assert _modules_importing("experiments/benchmarking", "experiments.tasks.image_generation") == {
+        "experiments/benchmarking/generation_bench.py"
+    }
+    assert "experiments/benchmarking/prefill_bench.py" in _modules_importing(
+        "experiments/benchmarking", "experiments.benchmarking.generation_bench"
+    )

@@ -72,8 +72,10 @@ def check_encoder(case: dict):
         theirs = case["output/recurrent"]
         # Their recurrent encoder reads every token unmasked: our steps and prefill, and our
         # parallel form without lengths, equal it everywhere.
-        np.testing.assert_allclose(_steps(encoder, encoder.init_state(B, T), x), theirs, atol=ATOL, rtol=0)
-        _, y = encoder.prefill(encoder.init_state(B, T), x)
+        np.testing.assert_allclose(
+            _steps(encoder, encoder.init_state(B, max_length=T), x), theirs, atol=ATOL, rtol=0
+        )
+        _, y = encoder.prefill(encoder.init_state(B, max_length=T), x)
         np.testing.assert_allclose(y, theirs, atol=ATOL, rtol=0)
         np.testing.assert_allclose(encoder(x), theirs, atol=ATOL, rtol=0)
         # Causality: within each length the masked parallel output is the unmasked one.
@@ -91,7 +93,7 @@ def check_decoder(case: dict):
     y = decoder(x, memory, memory_lengths=memory_lengths, target_lengths=lengths)
     np.testing.assert_allclose(y, case["output/parallel"], atol=ATOL, rtol=0)
     B, T, _ = x.shape
-    decoder_state = decoder.init_state(B, T, memory, memory_lengths=memory_lengths)
+    decoder_state = decoder.init_state(B, memory=memory, memory_lengths=memory_lengths, max_length=T)
     theirs = case["output/recurrent"]
     np.testing.assert_allclose(_steps(decoder, decoder_state, x), theirs, atol=ATOL, rtol=0)
     _, y = decoder.prefill(decoder_state, x)

@@ -135,7 +135,7 @@ def test_recurrent_steps_equal_parallel(kind):
     inputs = model.shifted_inputs(x)
     state, params_rec = generation.scan_steps(model, model.init_state(B), inputs)
     np.testing.assert_allclose(params_rec, _call(model, x), atol=2e-5, rtol=2e-5)
-    assert int(state.position) == T
+    np.testing.assert_array_equal(state.position, T)
     # The plain Python loop of single steps, for the first few positions.
     step = nnx.jit(lambda m, s, tok: m.step(s, tok))
     state = model.init_state(B)
@@ -331,7 +331,7 @@ def test_without_start_token_recurrent_steps_and_prefill_equal_parallel(kind):
     for t in range(T - 1):  # position t reads x_t and gives the params of x_{t+1}
         state, params_t = _step(model, state, x[:, t])
         np.testing.assert_allclose(params_t, parallel[:, t], atol=2e-5, rtol=2e-5, err_msg=f"t={t}")
-    assert int(state.position) == T - 1
+    np.testing.assert_array_equal(state.position, T - 1)
     # A block of the first sub-pixels in one prefill, then steps.
     state, block = _prefill(model, model.init_state(B), x[:, :5])
     np.testing.assert_allclose(block, parallel[:, :5], atol=2e-5, rtol=2e-5)

@@ -120,7 +120,7 @@ def test_memory_form_equals_parallel_cross_attention():
     lengths = np.array([8, 3])
     parallel = mha(x, ctx, key_lengths=lengths)
     memory = mha.init_memory(ctx, lengths)
-    chex.assert_shape(memory.k_BKHD, (2, 4, 3, E // 3))  # K rows whatever the memory length
+    chex.assert_shape(memory.k_BJHD, (2, 4, 3, E // 3))  # J rows whatever the memory length
     stepped = np.stack([mha.attend_memory(memory, x[:, t]) for t in range(5)], 1)
     np.testing.assert_allclose(stepped, parallel, atol=1e-5)
 
@@ -135,7 +135,7 @@ def test_layer_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="arbitrary"):
         mha(x, mask=np.ones((4, 4), bool))
     with pytest.raises(ValueError, match="no recurrent form"):
-        mha.init_state(1, 4)
+        mha.init_state(1, max_length=4)
     with pytest.raises(ValueError, match="11 keys exceed the maximum length 10"):
         mha(np.zeros((1, 11, E), np.float32))
     with pytest.raises(ValueError, match="no causal form"):

@@ -202,7 +202,7 @@ def test_reformer_rejects_what_it_cannot_do():
     mha = _reformer(True)
     x = np.zeros((1, 8, E), np.float32)
     with pytest.raises(ValueError, match="no recurrent form"):
-        mha.init_state(1, 8)
+        mha.init_state(1, max_length=8)
     with pytest.raises(ValueError, match="self-attention only"):
         _reformer(False)(x, x)
     with pytest.raises(ValueError, match="arbitrary"):

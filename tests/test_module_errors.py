@@ -171,12 +171,12 @@ def test_causal_layer_rejects_a_context():
 def test_step_on_non_causal_layer(kind):
     noncausal = _mha(kind=kind, causal=False)
     with pytest.raises(ValueError, match=r"init_state is the recurrent form of causal.*causal=True"):
-        noncausal.init_state(2, 5)
-    state = _mha(kind=kind, causal=True).init_state(2, 5)
+        noncausal.init_state(2, max_length=5)
+    state = _mha(kind=kind, causal=True).init_state(2, max_length=5)
     with pytest.raises(ValueError, match=r"step is the recurrent form of causal.*non-causal"):
         noncausal.step(state, jnp.ones((2, E)))
     with pytest.raises(ValueError, match=r"non-causal"):
-        Encoder(_config(attention=kind), causal=False, rngs=nnx.Rngs(0)).init_state(2, 5)
+        Encoder(_config(attention=kind), causal=False, rngs=nnx.Rngs(0)).init_state(2, max_length=5)
 
 
 def test_softmax_init_state_without_max_length():
@@ -191,7 +191,7 @@ def test_softmax_init_state_without_max_length():
 
 def test_softmax_kv_cache_overflow():
     mha = _mha(kind="softmax", causal=True)
-    state = mha.init_state(1, 2)
+    state = mha.init_state(1, max_length=2)
     full = state._replace(length=jnp.array(2, jnp.int32))  # as after two steps
     with pytest.raises(ValueError, match=r"KV cache is full \(2 steps\).*larger max_length"):
         mha.step(full, jnp.ones((1, E)))  # eager: the filled length is known

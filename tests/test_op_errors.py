@@ -270,8 +270,8 @@ def test_linear_attention_step_state_of_wrong_shape(state_shapes):
     with pytest.raises(
         ValueError,
         match=re.escape(
-            f"linear_attention_step: state shapes S {s_shape}, z {z_shape} do not fit the inputs, "
-            f"which need S {(B, H, D, M)} and z {(B, H, D)}"
+            f"linear_attention_step: state shapes s {s_shape}, z {z_shape} do not fit the inputs, "
+            f"which need s {(B, H, D, M)} and z {(B, H, D)}"
         ),
     ):
         ops.linear_attention_step(state, _zeros(B, H, D), _zeros(B, H, D), _zeros(B, H, M))
@@ -281,7 +281,7 @@ def test_linear_attention_step_state_sized_for_head_dim_with_favor():
     """FAVOR+ with F != D needs init_linear_state(B, H, F, M), not D."""
     fm = ops.FavorFeatureMap(jnp.ones((3 * D, D)))
     state = ops.init_linear_state(B, H, D, M)
-    with pytest.raises(ValueError, match=re.escape(f"need S {(B, H, 3 * D, M)}")):
+    with pytest.raises(ValueError, match=re.escape(f"need s {(B, H, 3 * D, M)}")):
         ops.linear_attention_step(state, _zeros(B, H, D), _zeros(B, H, D), _zeros(B, H, M), feature_map=fm)
 
 

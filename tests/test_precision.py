@@ -141,7 +141,7 @@ def test_a_bfloat16_causal_lm_matches_float32_and_its_recurrent_form(kind, optio
     assert logits_BTV.dtype == jnp.float32  # the head computes in float32
     assert _max_error(logits_BTV, models["float32"](tokens_BT)) < MODEL_TOLERANCE
 
-    state = model.init_state(B, T)
+    state = model.init_state(B, max_length=T)
     for leaf in jax.tree.leaves(state.layers):
         # Linear states and normalisers accumulate in float32; a KV cache holds bf16 keys.
         assert leaf.dtype in (jnp.float32, jnp.int32) or (kind == "softmax" and leaf.dtype == jnp.bfloat16)

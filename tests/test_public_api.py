@@ -7,6 +7,8 @@ import pytest
 import linear_transformers as lt
 from linear_transformers import (
     attention,
+    builder_arguments,
+    config,
     generation,
     image_generator,
     interop,
@@ -17,7 +19,7 @@ from linear_transformers import (
     seq2seq,
     transformer,
 )
-from linear_transformers.interop import builder_kwargs, convert
+from linear_transformers.interop import convert
 
 PROMISED_OPS = [
     "softmax_attention",
@@ -51,7 +53,8 @@ MODULES = [
     seq2seq,
     transformer,
     interop,
-    builder_kwargs,
+    builder_arguments,
+    config,
     convert,
 ]
 

@@ -53,7 +53,7 @@ def test_recurrent_decoder_equals_parallel_decoder(name):
     parallel = nnx.jit(lambda m, s, t, n: m(s, t, source_lengths=n))(model, source, target, lengths)
     chex.assert_shape(parallel, (3, 6, V))
     memory = model.encode(source, source_lengths=lengths)
-    state = model.init_state(memory, 6, source_lengths=lengths)
+    state = model.init_state(memory.shape[0], memory=memory, memory_lengths=lengths, max_length=6)
     step = nnx.jit(lambda m, state, tok: m.step(state, tok))
     logits = []
     for t in range(6):

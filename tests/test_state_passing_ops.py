@@ -511,14 +511,14 @@ def test_softmax_prefill_gradients_match_the_reference(x64, n_before, T, scale):
     q, k, v = _jnp(_inputs(64, n_before + T))
     w = jnp.asarray(_randn(65, B, T, H, M))
     cache = ops.init_kv_cache(B, CAPACITY, H, D, M, dtype=jnp.float64)
-    cache = ops.KVCache(
-        cache.k_BSHD.at[:, :n_before].set(k[:, :n_before]),
-        cache.v_BSHM.at[:, :n_before].set(v[:, :n_before]),
-        jnp.asarray(n_before, jnp.int32),
+    cache = cache._replace(
+        k_BSHD=cache.k_BSHD.at[:, :n_before].set(k[:, :n_before]),
+        v_BSHM=cache.v_BSHM.at[:, :n_before].set(v[:, :n_before]),
+        length=jnp.asarray(n_before, jnp.int32),
     )
 
     def loss(qb, kb, vb, k_cache, v_cache):
-        c = ops.KVCache(k_cache, v_cache, cache.length)
+        c = cache._replace(k_BSHD=k_cache, v_BSHM=v_cache)
         _, out = ops.softmax_attention_prefill(c, qb, kb, vb, scale=scale)
         return jnp.sum(out * w)
 

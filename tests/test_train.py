@@ -83,6 +83,10 @@ def test_non_finite_loss_stops_with_intact_checkpoint(data_dir, tmp_path):
         ("model_dim=18", "model_dim must be a multiple of 4"),
         ("train_split=validation", "is not one of"),
         ("dtype=float16", r"config.model.dtype must be one of \('float32', 'bfloat16'\).*got 'float16'"),
+        # The task's own keys, checked by ImageGeneration.check().
+        ("num_mixtures=0", r"^config.num_mixtures must be >= 1, got 0.$"),
+        ("sample_every=-1", r"^config.sample_every must be >= 0, got -1.$"),
+        ("max_train_examples=-5", r"^config.max_train_examples must be >= 0, got -5.$"),
     ],
 )
 def test_bad_config_values_rejected(data_dir, tmp_path, override, message):
@@ -97,7 +101,7 @@ def test_split_slices_train_on_part_of_a_split(data_dir, tmp_path):
     )
     task = ImageGeneration(config)
     task.load_data()
-    assert task.train_BL.shape == (200, 64) and task.test_BL.shape == (97, 64)
+    assert task.train_images.shape == (200, 64) and task.test_images.shape == (97, 64)
     assert np.isfinite(tasks.train_and_evaluate(config, tmp_path)["test_bits_per_dim"])
 
 

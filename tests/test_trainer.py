@@ -18,6 +18,7 @@ from ml_collections import config_flags
 from configs import cifar10, demo, digits, mnist
 from configs import copy as copy_config
 from experiments import tasks
+from experiments.tasks import copy as copy_task
 from experiments.training import schemas, trainer
 from experiments.training.checkpoints import Checkpointer
 from experiments.training.config_checks import model_config
@@ -30,9 +31,7 @@ CONFIGS = {
     "cifar10": lambda: cifar10.get_config(),
     "demo": lambda: demo.get_config(),
     # (linformer is an encoder's: it is checked with encoder_decoder below.)
-    **{
-        f"copy:{v}": (lambda v=v: copy_config.get_config(v)) for v in copy_config.VARIANTS if v != "linformer"
-    },
+    **{f"copy:{v}": (lambda v=v: copy_config.get_config(v)) for v in copy_task.VARIANTS if v != "linformer"},
     "copy:encoder_decoder,linformer": lambda: copy_config.get_config("encoder_decoder,linformer"),
 }
 
@@ -47,6 +46,16 @@ def test_config_model_is_exactly_the_fields_of_transformer_config(name):
     for field in ("softmax_temp", "query_dim", "cross_attention"):  # unset: the library's default
         assert getattr(built, field) is None
     trainer.check_config(config, tasks.task_class(config))
+
+
+def test_the_shared_checks_know_only_the_shared_groups_keys():
+    # A task's own keys are checked in its Task.check(); config_checks knows none of them.
+    from experiments.training import config_checks
+
+    shared = ml_collections.ConfigDict({"model": schemas.model()})
+    for group in (schemas.optimisation, schemas.bookkeeping, schemas.devices):
+        group(shared)
+    assert set(config_checks._POSITIVE + config_checks._NON_NEGATIVE) <= set(shared)
 
 
 def _parse_config(argv):

@@ -97,8 +97,8 @@ def test_causal_encoder_recurrent_matches_parallel(name):
     encoder.eval()
     x = _x((B, T, E))
     y_par = _call(encoder, x)
-    _, y_loop = _step_loop(encoder, encoder.init_state(B, T), x)
-    _, y_scan = generation.scan_steps(encoder, encoder.init_state(B, T), x)
+    _, y_loop = _step_loop(encoder, encoder.init_state(B, max_length=T), x)
+    _, y_scan = generation.scan_steps(encoder, encoder.init_state(B, max_length=T), x)
     chex.assert_shape((y_loop, y_scan), (B, T, E))
     np.testing.assert_allclose(y_loop, y_par, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(y_scan, y_par, atol=1e-5, rtol=1e-5)
@@ -126,7 +126,7 @@ def test_decoder_recurrent_matches_parallel(name, num_layers):
     lengths = jnp.array([S, 2])
     y_par = _call(decoder, x, memory, memory_lengths=lengths)
     chex.assert_shape(y_par, (B, T, E))
-    state = decoder.init_state(B, T, memory, memory_lengths=lengths)
+    state = decoder.init_state(B, memory=memory, memory_lengths=lengths, max_length=T)
     if name == "softmax":  # The plain loop once; scan_steps runs the same `step` for every kind.
         _, y_loop = _step_loop(decoder, state, x)
         np.testing.assert_allclose(y_loop, y_par, atol=1e-5, rtol=1e-5)
@@ -166,10 +166,10 @@ def test_lm_scan_steps_matches_parallel(name):
     tokens = _tokens((B, T))
     logits = _call(model, tokens)
     chex.assert_shape(logits, (B, T, V))
-    state, logits_rec = generation.scan_steps(model, model.init_state(B, T), tokens)
+    state, logits_rec = generation.scan_steps(model, model.init_state(B, max_length=T), tokens)
     chex.assert_shape(logits_rec, (B, T, V))
     np.testing.assert_allclose(logits_rec, logits, atol=1e-4, rtol=1e-4)
-    assert int(state.position) == T
+    np.testing.assert_array_equal(state.position, T)
 
 
 @pytest.mark.parametrize("name, P", [("softmax", 3), ("linear", 1)])
@@ -205,22 +205,22 @@ def test_recurrent_inference_in_train_mode_with_dropout_raises():
     model = _lm("linear", dropout=0.1)
     model.train()
     with pytest.raises(ValueError, match=r"eval\(\)"):
-        model.init_state(B, T)
+        model.init_state(B, max_length=T)
     model.eval()
-    state = model.init_state(B, T)
+    state = model.init_state(B, max_length=T)
     model.train()
     with pytest.raises(ValueError, match=r"eval\(\)"):
         model.step(state, _tokens((B,)))
     with pytest.raises(ValueError, match=r"eval\(\)"):
         generation.generate(model, _tokens((B, 2)), 3, key=jax.random.key(0))
     model.eval()
-    model.init_state(B, T)  # eval() lifts the refusal
+    model.init_state(B, max_length=T)  # eval() lifts the refusal
 
 
 def test_decoder_recurrent_inference_in_train_mode_with_dropout_raises():
     decoder = Decoder(_config("softmax", dropout=0.1), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"eval\(\)"):
-        decoder.init_state(B, T, _x((B, S, E)))
+        decoder.init_state(B, memory=_x((B, S, E)), max_length=T)
 
 
 # --- precision and gradients --------------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_causal_encoder_bf16_inputs_finite():
     assert y16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y16).astype(np.float32), y_ref, atol=0.25, rtol=0.1)
     _, y_rec = generation.scan_steps(
-        encoder, encoder.init_state(B, T, jnp.bfloat16), x32.astype(jnp.bfloat16)
+        encoder, encoder.init_state(B, max_length=T, dtype=jnp.bfloat16), x32.astype(jnp.bfloat16)
     )
     chex.assert_tree_all_finite(y_rec)
 

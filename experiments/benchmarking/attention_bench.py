@@ -1,6 +1,7 @@
 """Figure 1 of the paper: time and peak memory of attention as the sequence length N grows.
 
-Legend: B batch, N sequence length, H heads, D key/query features, M value features.
+Legend: B batch, N sequence length (the paper's N, as the tables name it), H heads, D key/query
+features, M value features.
 
 Every case is compiled first; XLA's peak memory for it decides whether it runs (a case that would
 not fit in the memory budget is recorded as skipped, with the figure). The batch shrinks as N

@@ -1,8 +1,10 @@
 """The copy task for several attention kinds, one after the other on this machine: a results
 table and convergence curves (loss vs step and vs training wall time).
 
-Every run is `train_and_evaluate` on configs/copy.py with `size` variants (default "cpu") and
-the run's own variants; runs already finished in their workdir are read back, not retrained.
+Every run is `train_and_evaluate` on the copy task's schema (`experiments.tasks.copy`, the
+paper's setting, as configs/copy.py) with `size` variants (default "cpu") and the run's own,
+all from the task's `VARIANTS` or `key=value`; runs already finished in their workdir are read
+back, not retrained.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from configs import copy as copy_config
 from experiments import tasks
 from experiments.benchmarking import measure, report
+from experiments.tasks import copy as copy_task
+from experiments.training import variants
 from experiments.training.metrics import read_metrics
 
-# name -> configs/copy.py variants applied after the size variants.
+# name -> the copy task's variants (copy_task.VARIANTS or key=value) applied after the size ones.
 RUNS = {
     "decoder/softmax": "attention=softmax",
     "decoder/linear": "attention=linear",
@@ -45,7 +48,7 @@ TABLE_COLUMNS = [
 @dataclasses.dataclass
 class CopyComparisonOptions:
     runs: tuple[str, ...] = tuple(RUNS)
-    size: str = "cpu"  # configs/copy.py variants setting the scale
+    size: str = "cpu"  # the copy task's variants setting the scale (copy_task.VARIANTS)
     overrides: str = ""  # further "key=value,..." applied last
     out_dir: str = "benchmark_results/copy"
 
@@ -62,7 +65,7 @@ def run_config(name: str, options: CopyComparisonOptions):
         RUNS[name],
         options.overrides,
     ]
-    return copy_config.get_config(",".join(p for p in parts if p))
+    return variants.apply(copy_task.schema(), ",".join(p for p in parts if p), copy_task.VARIANTS)
 
 
 def summarize(name: str, records: list[dict]) -> dict:

@@ -1,8 +1,9 @@
 """Autoregressive image generation speed and memory: the paper's Tables 1, 2, 4 and 5.
 
-Architectures come from the experiment configs (configs/mnist.py: 8 layers, 784 sub-pixels;
-configs/cifar10.py: 16 layers, 3072), with untrained weights: the work per image does not depend
-on the weights. Methods:
+Architectures are the paper's, as the image task gives them (`image_generation.paper_config`,
+which configs/mnist.py and configs/cifar10.py start from: MNIST 8 layers, 784 sub-pixels;
+CIFAR-10 16 layers, 3072), with untrained weights: the work per image does not depend on the
+weights. Methods:
 
 - linear/recurrent: linear attention as an RNN, (S, z) state per layer, one compiled `lax.scan`.
 - softmax/kv-cache: softmax with a preallocated key/value cache ("stateful softmax", Table 4).
@@ -19,7 +20,6 @@ done.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 
 import jax
@@ -28,7 +28,7 @@ from flax import nnx
 
 from experiments.benchmarking import measure, peers
 from experiments.data import pipeline
-from experiments.tasks.image_generation import build_model
+from experiments.tasks import image_generation
 from linear_transformers import sample_images, sample_images_full_recompute
 
 ARCHS = ("mnist", "cifar10")
@@ -70,14 +70,26 @@ class GenerationBenchOptions:
             raise ValueError("timed_steps must be >= 0 (0 = all) and recompute_steps >= 1.")
 
 
-def paper_model(arch: str, attention: str, *, max_length: int | None = None, seed: int = 0):
-    """The paper's image generator for `arch` in eval mode (untrained)."""
-    config = importlib.import_module(f"configs.{arch}").get_config(f"attention={attention}")
+def paper_model(
+    arch: str,
+    attention: str,
+    *,
+    max_length: int | None = None,
+    seed: int = 0,
+    num_layers: int | None = None,
+):
+    """The paper's image generator for `arch` ("mnist" or "cifar10") with `attention`, in eval
+    mode (untrained); `max_length` changes the generated length, `num_layers` the depth (quick
+    tests)."""
+    config = image_generation.paper_config(arch)
+    config.model.attention = attention
     config.seed = seed
+    if num_layers is not None:
+        config.model.num_layers = num_layers
     info = pipeline.dataset_info(arch)
     if max_length is not None:  # a longer or shorter "image": memory vs generated length
         info = dataclasses.replace(info, image_shape=(max_length, 1, 1))
-    model = build_model(config, info)
+    model = image_generation.build_model(config, info)
     model.eval()
     return model
 

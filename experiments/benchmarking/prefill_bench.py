@@ -1,6 +1,7 @@
 """Time to the first new token: reading a prompt with one parallel `prefill` vs token by token.
 
-Legend: B batch, P prompt length (tokens), V vocabulary, L sub-pixels per image, K prefix length.
+Legend: B batch, T time (a prompt's tokens, an image's sub-pixels or a prefix of them), V
+vocabulary.
 
 Two workloads, each timed both ways inside one run (so the ratio compares numbers from the same
 process on the same machine):
@@ -110,26 +111,26 @@ def lm_model(opts: PrefillBenchOptions, kind: str) -> CausalLM:
 
 
 def first_token_fn(model, method: str):
-    """(params, prompt_BP) -> (state, logits_BV of the first new token), for `method`.
+    """(params, prompt_BT) -> (state, logits_BV of the first new token), for `method`.
 
     The KV cache (softmax) holds P + 1 steps: the prompt and the first new token.
     """
     graphdef, _ = nnx.split(model)
 
-    def prefill(params, prompt_BP):
+    def prefill(params, prompt_BT):
         model = nnx.merge(graphdef, params)
-        batch, length = prompt_BP.shape
-        state = model.init_state(batch, length + 1)
+        batch, length = prompt_BT.shape
+        state = model.init_state(batch, max_length=length + 1)
         if length > 1:
-            state, _ = model.prefill(state, prompt_BP[:, :-1])
-        return model.step(state, prompt_BP[:, -1])
+            state, _ = model.prefill(state, prompt_BT[:, :-1])
+        return model.step(state, prompt_BT[:, -1])
 
-    def step_scan(params, prompt_BP):
+    def step_scan(params, prompt_BT):
         model = nnx.merge(graphdef, params)
-        batch, length = prompt_BP.shape
-        state = model.init_state(batch, length + 1)
-        state, _ = jax.lax.scan(model.step, state, prompt_BP[:, :-1].T)
-        return model.step(state, prompt_BP[:, -1])
+        batch, length = prompt_BT.shape
+        state = model.init_state(batch, max_length=length + 1)
+        state, _ = jax.lax.scan(model.step, state, prompt_BT[:, :-1].T)
+        return model.step(state, prompt_BT[:, -1])
 
     if method == "prefill":
         return prefill
@@ -164,7 +165,7 @@ def run_lm(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
         for batch in opts.batches:
             for length in opts.lengths_for(kind):
                 key = jax.random.fold_in(jax.random.key(opts.seed), length * 1000 + batch)
-                prompt_BP = jax.random.randint(key, (batch, length), 0, opts.vocab_size)
+                prompt_BT = jax.random.randint(key, (batch, length), 0, opts.vocab_size)
                 logits = {}
                 for method in METHODS:
                     row = {
@@ -179,18 +180,18 @@ def run_lm(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
                         "status": "ok",
                     }
                     compiled, row["compile_s"] = compile_timed(
-                        first_token_fn(model, method), params, prompt_BP
+                        first_token_fn(model, method), params, prompt_BT
                     )
                     if not _over_budget(row, compiled, budget):
                         timing = measure.time_compiled(
                             compiled,
                             params,
-                            prompt_BP,
+                            prompt_BT,
                             min_repeats=opts.min_repeats,
                             min_seconds=opts.min_seconds,
                         )
                         row.update(time_ms=timing.median_s * 1e3, repeats=timing.repeats)
-                        logits[method] = compiled(params, prompt_BP)[1]
+                        logits[method] = compiled(params, prompt_BT)[1]
                     rows.append(row)
                 if len(logits) == 2:  # both paths compute the same function
                     diff = float(jnp.max(jnp.abs(logits["prefill"] - logits["step-scan"])))
@@ -211,40 +212,26 @@ def format_lm_row(row: dict) -> str:
 
 
 def image_model(opts: PrefillBenchOptions, kind: str):
-    """The paper's image generator for `opts.image_arch` (untrained, eval mode), as
-    `generation_bench.paper_model` builds it; `image_layers` overrides the depth (quick tests)."""
-    import importlib
-
+    """The paper's image generator for `opts.image_arch` (untrained, eval mode):
+    `generation_bench.paper_model`; `image_layers` overrides the depth (quick tests)."""
     from experiments.benchmarking import generation_bench
 
-    if opts.image_layers is None:
-        return generation_bench.paper_model(
-            opts.image_arch, kind, max_length=opts.image_length, seed=opts.seed
-        )
-    from experiments.data import pipeline
-    from experiments.tasks.image_generation import build_model
-
-    config = importlib.import_module(f"configs.{opts.image_arch}").get_config(f"attention={kind}")
-    config.seed, config.model.num_layers = opts.seed, opts.image_layers
-    info = pipeline.dataset_info(opts.image_arch)
-    if opts.image_length is not None:
-        info = dataclasses.replace(info, image_shape=(opts.image_length, 1, 1))
-    model = build_model(config, info)
-    model.eval()
-    return model
+    return generation_bench.paper_model(
+        opts.image_arch, kind, max_length=opts.image_length, seed=opts.seed, num_layers=opts.image_layers
+    )
 
 
-def complete_token_by_token(model, key, batch: int, prefix_BK):
-    """`sample_images(model, key, batch, prefix=prefix_BK)` by the path before `prefill`: the
+def complete_token_by_token(model, key, batch: int, prefix_BT):
+    """`sample_images(model, key, batch, prefix=prefix_BT)` by the path before `prefill`: the
     prefix read by a `lax.scan` of `step`, then the same sampling loop (step t draws with
-    `jax.random.split(key, max_length)[t]`, as `sample_images` does). -> [B, L] int32."""
-    length, k = model.max_length, prefix_BK.shape[1]
+    `jax.random.split(key, max_length)[t]`, as `sample_images` does). -> [B, T] int32."""
+    length, k = model.max_length, prefix_BT.shape[1]
     keys = jax.random.split(key, length)
-    prefix_BK = prefix_BK.astype(jnp.int32)
+    prefix_BT = prefix_BT.astype(jnp.int32)
     # Step t reads START at t = 0, else x_{t-1}: the prefix's K steps read START, x_0 .. x_{K-2}.
     start_B1 = jnp.full((batch, 1), model.start_token, jnp.int32)
-    read_BK = jnp.concatenate([start_B1, prefix_BK[:, :-1]], axis=1)
-    state, _ = jax.lax.scan(model.step, model.init_state(batch), read_BK.T)
+    read_BT = jnp.concatenate([start_B1, prefix_BT[:, :-1]], axis=1)
+    state, _ = jax.lax.scan(model.step, model.init_state(batch), read_BT.T)
 
     def body(carry, key_t):
         state, token_B = carry
@@ -252,21 +239,21 @@ def complete_token_by_token(model, key, batch: int, prefix_BK):
         drawn_B = mol_sample(key_t, params_BP, model.num_classes)
         return (state, drawn_B), drawn_B
 
-    _, drawn_TB = jax.lax.scan(body, (state, prefix_BK[:, -1]), keys[k:])
-    return jnp.concatenate([prefix_BK, drawn_TB.T], axis=1)
+    _, drawn_TB = jax.lax.scan(body, (state, prefix_BT[:, -1]), keys[k:])
+    return jnp.concatenate([prefix_BT, drawn_TB.T], axis=1)
 
 
 def completion_fn(model, method: str, batch: int):
-    """(params, key, prefix_BK) -> images [B, L] for `method`."""
+    """(params, key, prefix_BT) -> images [B, T] for `method`."""
     from linear_transformers import sample_images
 
     graphdef, _ = nnx.split(model)
 
-    def prefill(params, key, prefix_BK):
-        return sample_images(nnx.merge(graphdef, params), key, batch, prefix=prefix_BK)
+    def prefill(params, key, prefix_BT):
+        return sample_images(nnx.merge(graphdef, params), key, batch, prefix=prefix_BT)
 
-    def step_scan(params, key, prefix_BK):
-        return complete_token_by_token(nnx.merge(graphdef, params), key, batch, prefix_BK)
+    def step_scan(params, key, prefix_BT):
+        return complete_token_by_token(nnx.merge(graphdef, params), key, batch, prefix_BT)
 
     if method == "prefill":
         return prefill
@@ -290,7 +277,7 @@ def run_images(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
             raise ValueError(f"image_prefix must be in [1, {length}), got {k}.")
         for batch in opts.image_batches:
             key = jax.random.key(opts.seed + batch)
-            prefix_BK = jax.random.randint(
+            prefix_BT = jax.random.randint(
                 jax.random.fold_in(key, 1), (batch, k), 0, model.num_classes, jnp.int32
             )
             images = {}
@@ -310,14 +297,14 @@ def run_images(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
                     "status": "ok",
                 }
                 compiled, row["compile_s"] = compile_timed(
-                    completion_fn(model, method, batch), params, key, prefix_BK
+                    completion_fn(model, method, batch), params, key, prefix_BT
                 )
                 if not _over_budget(row, compiled, budget):
                     timing = measure.time_compiled(
                         compiled,
                         params,
                         key,
-                        prefix_BK,
+                        prefix_BT,
                         min_repeats=opts.min_repeats,
                         min_seconds=opts.min_seconds,
                     )
@@ -326,12 +313,12 @@ def run_images(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
                         images_per_s=batch / timing.median_s,
                         repeats=timing.repeats,
                     )
-                    images[method] = compiled(params, key, prefix_BK)
+                    images[method] = compiled(params, key, prefix_BT)
                 rows.append(row)
             if len(images) == 2:  # same keys per sub-pixel: the same images, up to draws that
                 # land within rounding of a bin edge
                 same = float(jnp.mean(images["prefill"] == images["step-scan"]))
-                prefix_kept = bool(jnp.all(images["prefill"][:, :k] == prefix_BK))
+                prefix_kept = bool(jnp.all(images["prefill"][:, :k] == prefix_BT))
                 for row in rows[-2:]:
                     row.update(same_subpixels=same, prefix_kept=prefix_kept)
             for row in rows[-2:]:

@@ -1,13 +1,15 @@
 """The copy task (paper section 4.1, as in the authors' experiments): copy random symbols after
 a separator.
 
-Legend: B batch, L max_length, W widest sequence (the most symbols one example holds).
+Legend: B batch, T time (a decoder-only sequence of max_length tokens, or the target), S the
+symbols of the widest example (the encoder's source).
 
-An example is n random symbols in 1..num_symbols, n uniform in [L // 4, (L - 1) // 2). Token 0
-is the separator, the start token and the padding. Two layouts of the same examples:
+An example is n random symbols in 1..num_symbols, n uniform in [max_length // 4,
+(max_length - 1) // 2). Token 0 is the separator, the start token and the padding. Two layouts
+of the same examples:
 
-  decoder-only (the paper's): tokens [0, s1..sn, 0, s1..sn, 0, ...] of length L; the model reads
-    tokens[:-1] and predicts tokens[1:]; the loss covers the second copy only.
+  decoder-only (the paper's): tokens [0, s1..sn, 0, s1..sn, 0, ...] of length max_length; the
+    model reads tokens[:-1] and predicts tokens[1:]; the loss covers the second copy only.
   encoder-decoder (the replication's): source [s1..sn, 0...] with source_lengths n; the decoder
     reads [0, s1..s(n-1), ...] and predicts [s1..sn, ...]; the loss covers the n symbols.
 
@@ -25,22 +27,22 @@ SEPARATOR = 0
 
 
 class CopyExamples(NamedTuple):
-    symbols_BW: np.ndarray  # int32, the n symbols of each example then zeros
+    symbols_BS: np.ndarray  # int32, the n symbols of each example then zeros
     lengths_B: np.ndarray  # int32 n
 
 
 class LanguageModelBatch(NamedTuple):
-    inputs_BT: np.ndarray  # tokens[:-1], T = L - 1
+    inputs_BT: np.ndarray  # tokens[:-1]
     targets_BT: np.ndarray  # tokens[1:]
     mask_BT: np.ndarray  # float32, 1 where the target is a symbol of the copy
 
 
 class Seq2SeqBatch(NamedTuple):
-    source_BW: np.ndarray
+    source_BS: np.ndarray
     source_lengths_B: np.ndarray
-    target_in_BW: np.ndarray
-    target_out_BW: np.ndarray
-    mask_BW: np.ndarray  # float32, 1 on the n symbols to copy
+    target_in_BT: np.ndarray
+    target_out_BT: np.ndarray
+    mask_BT: np.ndarray  # float32, 1 on the n symbols to copy
 
 
 def length_range(max_length: int) -> tuple[int, int]:
@@ -61,33 +63,33 @@ def random_examples(rng: np.random.Generator, batch: int, max_length: int, num_s
     low, high = length_range(max_length)
     lengths_B = rng.integers(low, high, size=batch).astype(np.int32)
     width = high - 1
-    symbols_BW = rng.integers(1, num_symbols + 1, size=(batch, width)).astype(np.int32)
-    symbols_BW[np.arange(width)[None, :] >= lengths_B[:, None]] = 0
-    return CopyExamples(symbols_BW, lengths_B)
+    symbols_BS = rng.integers(1, num_symbols + 1, size=(batch, width)).astype(np.int32)
+    symbols_BS[np.arange(width)[None, :] >= lengths_B[:, None]] = 0
+    return CopyExamples(symbols_BS, lengths_B)
 
 
 def decoder_only_layout(examples: CopyExamples, max_length: int) -> LanguageModelBatch:
-    """[0, s, 0, s, 0...] of length L, shifted into inputs and targets, loss on the copy."""
-    symbols_BW, n_B = examples
-    B, W = symbols_BW.shape
-    tokens_BL = np.zeros((B, max_length), np.int32)
-    tokens_BL[:, 1 : W + 1] = symbols_BW
+    """[0, s, 0, s, 0...] of length max_length, shifted into inputs and targets, loss on the copy."""
+    symbols_BS, n_B = examples
+    B, S = symbols_BS.shape
+    tokens_BT = np.zeros((B, max_length), np.int32)
+    tokens_BT[:, 1 : S + 1] = symbols_BS
     copy_start_B = n_B + 2  # index of the copy's first symbol in tokens
-    cols_L = np.arange(max_length)[None, :]
-    offset_BL = cols_L - copy_start_B[:, None]
-    in_copy_BL = (offset_BL >= 0) & (offset_BL < n_B[:, None])
-    tokens_BL[in_copy_BL] = np.take_along_axis(symbols_BW, np.clip(offset_BL, 0, W - 1), 1)[in_copy_BL]
-    mask_BT = in_copy_BL[:, 1:].astype(np.float32)
-    return LanguageModelBatch(tokens_BL[:, :-1], tokens_BL[:, 1:], mask_BT)
+    cols_T = np.arange(max_length)[None, :]
+    offset_BT = cols_T - copy_start_B[:, None]
+    in_copy_BT = (offset_BT >= 0) & (offset_BT < n_B[:, None])
+    tokens_BT[in_copy_BT] = np.take_along_axis(symbols_BS, np.clip(offset_BT, 0, S - 1), 1)[in_copy_BT]
+    mask_BT = in_copy_BT[:, 1:].astype(np.float32)
+    return LanguageModelBatch(tokens_BT[:, :-1], tokens_BT[:, 1:], mask_BT)
 
 
 def encoder_decoder_layout(examples: CopyExamples) -> Seq2SeqBatch:
     """Source s (padded, with lengths); decoder input [0, s[:-1]]; targets s; loss on s."""
-    symbols_BW, n_B = examples
-    target_in_BW = np.zeros_like(symbols_BW)
-    target_in_BW[:, 1:] = symbols_BW[:, :-1]
-    mask_BW = (np.arange(symbols_BW.shape[1])[None, :] < n_B[:, None]).astype(np.float32)
-    return Seq2SeqBatch(symbols_BW, n_B, target_in_BW, symbols_BW, mask_BW)
+    symbols_BS, n_B = examples
+    target_in_BT = np.zeros_like(symbols_BS)
+    target_in_BT[:, 1:] = symbols_BS[:, :-1]
+    mask_BT = (np.arange(symbols_BS.shape[1])[None, :] < n_B[:, None]).astype(np.float32)
+    return Seq2SeqBatch(symbols_BS, n_B, target_in_BT, symbols_BS, mask_BT)
 
 
 class CopyBatches:

@@ -15,11 +15,15 @@ cross-entropy on the copied symbols only and report, on a fixed held-out set of 
                       decoding), of `greedy_recompute` (the parallel model re-run on the
                       generated prefix for every token)
 
+The config's keys and defaults are `schema()` (the paper's setting); `VARIANTS` are its named
+variants (the replication's encoder-decoder, the attention baselines, the `cpu`, `smoke` and
+`long` sizes), for configs/copy.py and the copy comparison alike.
+
 With mesh.sequence > 1 time is padded up to a multiple of it (`pad_time`): padding sits after
 every real token with loss weight 0, the decoder is causal and the encoder masks keys past
 `source_lengths`, so the loss and accuracies are those of the unpadded batch.
 
-Legend: B batch, T time, V vocabulary, W widest sequence.
+Legend: B batch, T (target) time, S source time, V vocabulary.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from flax import nnx
 from experiments.data import copy_task
 from experiments.training import greedy_recompute, schemas
 from experiments.training import mesh as mesh_lib
-from experiments.training.config_checks import model_config
+from experiments.training.config_checks import check_sizes, model_config
 from experiments.training.trainer import Task, Trainer
 from linear_transformers.attention import attention_class
 from linear_transformers.lm import CausalLM
@@ -85,6 +89,120 @@ def schema() -> ml_collections.ConfigDict:
     return c
 
 
+# Named variants of the schema (`configs/copy.py:name`, the copy comparison's runs and sizes),
+# applied left to right by experiments.training.variants.apply.
+
+
+def encoder_decoder(c: ml_collections.ConfigDict) -> None:
+    """The replication: 4 + 4 layers, 8 heads, width 512, constant learning rate 1e-3."""
+    c.architecture = "encoder_decoder"
+    c.model.model_dim = 512
+    c.model.feed_forward_dim = 2048
+    c.schedule = "constant"
+
+
+def linformer(c: ml_collections.ConfigDict) -> None:
+    """Linformer encoder (its max_length defaults to the longest source)."""
+    c.encoder.attention = "linformer"
+    c.encoder.attention_options = ml_collections.ConfigDict({"projected_length": max(4, c.max_length // 8)})
+
+
+def performer(c: ml_collections.ConfigDict) -> None:
+    """Linear attention with FAVOR+ positive orthogonal random features (Performer)."""
+    c.model.attention = "linear"
+    c.model.attention_options = ml_collections.ConfigDict({"feature_map": "favor"})
+
+
+def _lsh(rounds: int):
+    def apply(c: ml_collections.ConfigDict) -> None:
+        c.model.attention = "reformer"
+        c.model.attention_options = ml_collections.ConfigDict(
+            {"num_rounds": rounds, "num_buckets": 8, "chunk_size": max(4, c.max_length // 8)}
+        )
+
+    apply.__doc__ = f"Reformer LSH attention, {rounds} hashing round(s), 8 buckets, chunks of max_length / 8."
+    return apply
+
+
+def cpu(c: ml_collections.ConfigDict) -> None:
+    """Minutes on a laptop CPU: sequences of 64, 2 layers, 4 heads, width 128, 3000 steps."""
+    c.max_length = 64
+    c.model.num_layers = 2
+    c.model.num_heads = 4
+    c.model.model_dim = 128
+    c.model.feed_forward_dim = 256
+    c.batch_size = 32
+    c.num_steps = 3000
+    c.learning_rate = 3e-3  # 1e-3 learns too slowly for 3000 steps at this size
+    c.decay_steps = 2000
+    c.log_every = 50
+    c.eval_every = 500
+    c.checkpoint_every = 1000
+
+
+def smoke(c: ml_collections.ConfigDict) -> None:
+    """Seconds: short sequences, a tiny model; for tests."""
+    c.max_length = 16
+    c.num_symbols = 4
+    c.model.num_layers = 2
+    c.model.num_heads = 2
+    c.model.model_dim = 64
+    c.model.feed_forward_dim = 128
+    c.batch_size = 32
+    c.num_steps = 10
+    c.learning_rate = 3e-3
+    c.schedule = "constant"
+    c.log_every = 5
+    c.eval_every = 10
+    c.eval_batches = 2
+    c.checkpoint_every = 5
+    c.progress_bar = False
+
+
+def long(c: ml_collections.ConfigDict) -> None:
+    """Sequences of 32768 tokens split over 8 devices (sequence parallelism, LASP-2): the
+    decoder-only copy task (copies of 8192..16382 symbols), causal linear attention, 2 layers,
+    4 heads, width 64, batch 1 (= the data-parallel replicas: mesh.data = 8 / 8 = 1), 20 steps
+    at 3e-3, on an 8-device mesh (data=1 x sequence=8; the 32767 input tokens are padded to
+    32768, 4096 per device). Fakes 8 devices on one CPU:
+
+      XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train \\
+          --config configs/copy.py:long --workdir workdirs/copy_long
+
+    Twenty steps show that it trains at this length, not that it learns to copy (measured:
+    BENCHMARKS.md, section 6). Re-running the command resumes from the checkpoint (step 20:
+    evaluates only).
+    """
+    c.max_length = 32768
+    c.model.attention = "linear"
+    c.model.num_layers = 2
+    c.model.num_heads = 4
+    c.model.model_dim = 64
+    c.model.feed_forward_dim = 128
+    c.batch_size = 1
+    c.num_steps = 20
+    c.learning_rate = 3e-3
+    c.schedule = "constant"
+    c.log_every = 5
+    c.eval_every = 0  # once, at the end
+    c.eval_batches = 1
+    c.checkpoint_every = 0  # once, at the end
+    c.mesh.sequence = 8
+
+
+VARIANTS = {
+    "encoder_decoder": encoder_decoder,
+    "linformer": linformer,
+    "performer": performer,
+    "lsh1": _lsh(1),
+    "lsh4": _lsh(4),
+    "lsh8": _lsh(8),
+    "cpu": cpu,
+    "smoke": smoke,
+    "long": long,
+}
+
+
 def pad_time(batch, multiple: int):
     """`batch` (either layout) with its time axis zero-padded to a multiple of `multiple`.
 
@@ -107,8 +225,8 @@ def _forward(model, batch):
     """(logits [B, T, V], targets [B, T], mask [B, T]) for either layout."""
     if isinstance(batch, copy_task.LanguageModelBatch):
         return model(batch.inputs_BT), batch.targets_BT, batch.mask_BT
-    logits = model(batch.source_BW, batch.target_in_BW, source_lengths=batch.source_lengths_B)
-    return logits, batch.target_out_BW, batch.mask_BW
+    logits = model(batch.source_BS, batch.target_in_BT, source_lengths=batch.source_lengths_B)
+    return logits, batch.target_out_BT, batch.mask_BT
 
 
 def loss_and_counts(model, batch):
@@ -138,9 +256,9 @@ def _greedy_by_recompute(model, batch):
         predicted_BT = greedy_recompute.decoder_only(model, batch.inputs_BT, batch.mask_BT > 0)
         return predicted_BT, batch.targets_BT, batch.mask_BT
     predicted_BT = greedy_recompute.encoder_decoder(
-        model, batch.source_BW, batch.source_lengths_B, batch.target_in_BW, batch.mask_BW > 0
+        model, batch.source_BS, batch.source_lengths_B, batch.target_in_BT, batch.mask_BT > 0
     )
-    return predicted_BT, batch.target_out_BW, batch.mask_BW
+    return predicted_BT, batch.target_out_BT, batch.mask_BT
 
 
 def _is_set(value) -> bool:
@@ -156,16 +274,23 @@ class Copy(Task):
 
     def __init__(self, config):
         super().__init__(config)
-        self._batches = copy_task.CopyBatches(
-            batch_size=config.batch_size,
-            max_length=config.max_length,
-            num_symbols=config.num_symbols,
-            architecture=config.architecture,
-            seed=config.seed,
+        self._batches = None  # the training batches, built when first needed (after check())
+
+    def copy_batches(self, seed: int) -> copy_task.CopyBatches:
+        """The batches of `seed`, in the layout of config.architecture."""
+        c = self.config
+        return copy_task.CopyBatches(
+            batch_size=c.batch_size,
+            max_length=c.max_length,
+            num_symbols=c.num_symbols,
+            architecture=c.architecture,
+            seed=seed,
         )
 
     def check(self) -> None:
         c = self.config
+        check_sizes(c, positive=("num_symbols", "max_length", "eval_batches"))
+        self.copy_batches(c.seed)  # the architecture and max_length, as the data takes them
         if c.model.model_dim % 2:
             raise ValueError(
                 f"config.model.model_dim must be even (sine/cosine positions), got {c.model.model_dim}."
@@ -245,6 +370,8 @@ class Copy(Task):
         return EncoderDecoder(encoder, decoder, vocab, rngs=rngs)
 
     def batch(self, step: int):
+        if self._batches is None:
+            self._batches = self.copy_batches(self.config.seed)
         return self._batches.batch(step)
 
     def pad_for_mesh(self, batch, sequence: int):
@@ -275,13 +402,7 @@ class Copy(Task):
     def evaluate(self, trainer: Trainer) -> dict:
         """Loss and accuracies over config.eval_batches held-out batches."""
         c = self.config
-        batches = copy_task.CopyBatches(
-            batch_size=c.batch_size,
-            max_length=c.max_length,
-            num_symbols=c.num_symbols,
-            architecture=c.architecture,
-            seed=c.seed + EVAL_SEED_OFFSET,
-        )
+        batches = self.copy_batches(c.seed + EVAL_SEED_OFFSET)
         greedy_kind = self.greedy()
         totals, greedy = {}, {}
         model = trainer.eval_model() if greedy_kind else None
@@ -295,17 +416,17 @@ class Copy(Task):
                 predicted_BT, targets_BT, mask_BT = _greedy_by_recompute(model, batch)
             elif greedy_kind == "recurrent":
                 # Unpadded, split on "data" only if the batch divides over every device.
-                source = (batch.source_BW, batch.source_lengths_B)
+                source = (batch.source_BS, batch.source_lengths_B)
                 if c.batch_size % mesh.size == 0:
                     source = mesh_lib.shard_batch(data_only, source)
                 predicted_BT = greedy_decode(
                     model,
                     source[0],
-                    batch.source_BW.shape[1],
+                    batch.source_BS.shape[1],
                     start_token=copy_task.SEPARATOR,
                     source_lengths=source[1],
                 )
-                targets_BT, mask_BT = batch.target_out_BW, batch.mask_BW
+                targets_BT, mask_BT = batch.target_out_BT, batch.mask_BT
             if greedy_kind:
                 for k, v in accuracy_counts(predicted_BT, targets_BT, mask_BT).items():
                     greedy[k] = greedy.get(k, 0.0) + float(v)

@@ -1,10 +1,10 @@
 """The paper's autoregressive image generator (sections 4.2, 4.3): `ImageGeneration`.
 
-Flattened images [B, L] in raster order, sub-pixels interleaved; the loss is the negative
+Flattened images [B, T] in raster order, sub-pixels interleaved; the loss is the negative
 log-likelihood per sub-pixel (nats) of the discretized mixture of logistics; evaluation is
 test bits/dim over the whole evaluation split; samples (recurrent form) go to a PNG grid.
 
-Legend: B batch, L sub-pixels per image (H*W*C).
+Legend: B batch, T time (the sub-pixels of an image, height * width * channels).
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ from flax import nnx
 
 from experiments.data import pipeline
 from experiments.training import images, schemas
-from experiments.training.config_checks import model_config
+from experiments.training.config_checks import check_sizes, model_config
 from experiments.training.trainer import Task, Trainer
 from linear_transformers import mixture
 from linear_transformers.image_generator import ImageGenerator, sample_images
 
 
 def schema() -> ml_collections.ConfigDict:
-    """Every key of an image-generation config, with its default."""
+    """Every key of an image-generation config, with its default (the model: the paper's MNIST
+    architecture, Table 1)."""
     c = ml_collections.ConfigDict()
     c.task = "image_generation"
     c.seed = 0
@@ -65,6 +66,21 @@ def schema() -> ml_collections.ConfigDict:
     return c
 
 
+# The paper's architectures where they differ from schema()'s (its MNIST model, Table 1): CIFAR-10
+# has 16 layers (Table 2).
+PAPER_MODELS = {"mnist": {}, "cifar10": {"num_layers": 16}}
+
+
+def paper_config(dataset: str) -> ml_collections.ConfigDict:
+    """schema() for `dataset` ("mnist" or "cifar10") with the paper's architecture for it."""
+    if dataset not in PAPER_MODELS:
+        raise ValueError(f"no paper architecture for {dataset!r}; the paper's: {sorted(PAPER_MODELS)}.")
+    c = schema()
+    c.dataset = dataset
+    c.model.update(PAPER_MODELS[dataset])
+    return c
+
+
 def build_model(
     config: ml_collections.ConfigDict, info, *, sequence_axis: str | None = None
 ) -> ImageGenerator:
@@ -82,7 +98,7 @@ _SPLIT_SPEC = re.compile(r"^(\w+)(?:\[(\d*):(\d*)\])?$")
 
 
 def load_split(config, spec: str) -> np.ndarray:
-    """Flattened images [N, L] of a split spec: "train", "test", or a slice like "test[:9000]"
+    """Flattened images [number of images, T] of a split spec: "train", "test", or a slice like "test[:9000]"
     or "test[9000:]" (to train on part of a split when only that split is at hand)."""
     match = _SPLIT_SPEC.match(spec)
     if match is None or match.group(1) not in pipeline.SPLITS:
@@ -121,9 +137,14 @@ class ImageGeneration(Task):
     def __init__(self, config):
         super().__init__(config)
         self.info = pipeline.dataset_info(config.dataset)
-        self.train_BL = self.test_BL = self._batches = None
+        self.train_images = self.test_images = self._batches = None
 
     def check(self) -> None:
+        check_sizes(
+            self.config,
+            positive=("eval_batch_size", "num_samples", "num_mixtures"),
+            non_negative=("sample_every", "max_train_examples", "max_eval_examples"),
+        )
         if self.config.model.model_dim % 4:
             raise ValueError(
                 f"config.model.model_dim must be a multiple of 4 (half embedding, half "
@@ -137,14 +158,14 @@ class ImageGeneration(Task):
         c = self.config
         train = load_split(c, c.train_split)
         test = load_split(c, c.eval_split)
-        self.train_BL = train[: c.max_train_examples] if c.max_train_examples else train
-        self.test_BL = test[: c.max_eval_examples] if c.max_eval_examples else test
-        if len(self.train_BL) < c.batch_size:
+        self.train_images = train[: c.max_train_examples] if c.max_train_examples else train
+        self.test_images = test[: c.max_eval_examples] if c.max_eval_examples else test
+        if len(self.train_images) < c.batch_size:
             raise ValueError(
-                f"config.batch_size={c.batch_size} exceeds the {len(self.train_BL)} "
+                f"config.batch_size={c.batch_size} exceeds the {len(self.train_images)} "
                 f"training images of {c.dataset!r} {c.train_split!r}."
             )
-        self._batches = pipeline.Batches(self.train_BL, c.batch_size, seed=c.seed)
+        self._batches = pipeline.Batches(self.train_images, c.batch_size, seed=c.seed)
 
     def build_model(self, *, sequence_axis=None) -> ImageGenerator:
         return build_model(self.config, self.info, sequence_axis=sequence_axis)
@@ -152,8 +173,8 @@ class ImageGeneration(Task):
     def batch(self, step: int) -> np.ndarray:
         return self._batches.batch(step)
 
-    def loss(self, model, x_BL):
-        return model.nll(x_BL), {}
+    def loss(self, model, x_BT):
+        return model.nll(x_BT), {}
 
     def train_scalars(self, loss, sums) -> dict:
         return {"train_bits_per_dim": loss / math.log(2)}
@@ -162,31 +183,35 @@ class ImageGeneration(Task):
         return {"loss": f"{scalars['loss']:.4f}", "bpd": f"{scalars['train_bits_per_dim']:.4f}"}
 
     def eval_sums(self, model, batch) -> dict:
-        x_BL, weight_B = batch
-        return {"nll": -jnp.sum(model.log_prob(x_BL) * weight_B)}
+        x_BT, weight_B = batch
+        return {"nll": -jnp.sum(model.log_prob(x_BT) * weight_B)}
 
     def evaluate(self, trainer: Trainer) -> dict:
         """Test bits/dim over every evaluation image (the last batch padded, padding weighted 0)."""
-        test_BL = self.test_BL
+        test_images = self.test_images
         bs = self.config.eval_batch_size
         bs += (-bs) % trainer.mesh.shape["data"]
         total = 0.0
-        for start in range(0, len(test_BL), bs):
-            x = test_BL[start : start + bs]
+        for start in range(0, len(test_images), bs):
+            x = test_images[start : start + bs]
             weight = np.zeros(bs, np.float32)
             weight[: len(x)] = 1.0
             x = np.concatenate([x, np.zeros((bs - len(x), x.shape[1]), x.dtype)])
             total += trainer.eval_sums((x, weight))["nll"]
-        return {"test_bits_per_dim": float(mixture.bits_per_dim(total / (len(test_BL) * test_BL.shape[1])))}
+        return {
+            "test_bits_per_dim": float(
+                mixture.bits_per_dim(total / (len(test_images) * test_images.shape[1]))
+            )
+        }
 
     def write_samples(self, trainer: Trainer, directory, step: int) -> pathlib.Path:
         """Sample config.num_samples images with the recurrent form; write a PNG grid."""
         key = jax.random.fold_in(jax.random.key(self.config.seed + 3), step)
-        x_NL = np.asarray(sample_images(trainer.eval_model(), key, self.config.num_samples))
+        images_BT = np.asarray(sample_images(trainer.eval_model(), key, self.config.num_samples))
         scale = max(1, 128 // self.info.image_shape[0])
         return images.save_image_grid(
             pathlib.Path(directory) / f"step_{step:07d}.png",
-            x_NL.reshape(-1, *self.info.image_shape),
+            images_BT.reshape(-1, *self.info.image_shape),
             self.info.num_classes,
             scale=scale,
         )

@@ -123,10 +123,13 @@ def _timed_sample(model, key, num_images: int, prefix, method: str, path: pathli
     sample = METHODS[method]
     jax.block_until_ready(sample(model, key, num_images, prefix=prefix))  # compile
     start = time.perf_counter()
-    x_NL = np.asarray(jax.block_until_ready(sample(model, key, num_images, prefix=prefix)))
+    images_BT = np.asarray(jax.block_until_ready(sample(model, key, num_images, prefix=prefix)))
     seconds = time.perf_counter() - start
     images.save_image_grid(
-        path, x_NL.reshape(-1, *info.image_shape), info.num_classes, scale=max(1, 128 // info.image_shape[0])
+        path,
+        images_BT.reshape(-1, *info.image_shape),
+        info.num_classes,
+        scale=max(1, 128 // info.image_shape[0]),
     )
     return {
         "path": str(path),
@@ -134,7 +137,7 @@ def _timed_sample(model, key, num_images: int, prefix, method: str, path: pathli
         "seconds": seconds,
         "images_per_sec": num_images / seconds,
         "method": method,
-        "images": x_NL,
+        "images": images_BT,
     }
 
 

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from experiments.training import schemas
-from experiments.training.config_checks import model_config
+from experiments.training.config_checks import check_sizes, model_config
 from experiments.training.trainer import Task, Trainer
 from linear_transformers.generation import generate, scan_steps
 from linear_transformers.lm import CausalLM
@@ -86,6 +86,7 @@ class Progressions(Task):
 
     def check(self) -> None:
         c = self.config
+        check_sizes(c, positive=("eval_batch_size", "vocab_size", "seq_len", "prompt_len"))
         if not 1 <= c.prompt_len < c.seq_len:
             raise ValueError(f"config.prompt_len must be in [1, seq_len={c.seq_len}), got {c.prompt_len}.")
         if c.seq_len < 2:
@@ -130,7 +131,9 @@ class Progressions(Task):
         )
         accuracy = float(jnp.mean(generated_BT[:, c.prompt_len :] == test_BT[:, c.prompt_len :]))
         parallel_BTV = model(jnp.asarray(test_BT))
-        _, recurrent_BTV = scan_steps(model, model.init_state(*test_BT.shape), jnp.asarray(test_BT))
+        _, recurrent_BTV = scan_steps(
+            model, model.init_state(test_BT.shape[0], max_length=test_BT.shape[1]), jnp.asarray(test_BT)
+        )
         return {
             "eval_loss": eval_loss,
             "continuation_accuracy": accuracy,

@@ -1,4 +1,9 @@
-"""Reject config keys a trainer does not know and values it cannot use, before any work."""
+"""Reject config keys a trainer does not know and values it cannot use, before any work.
+
+The values checked here are those of the groups every task shares (experiments/training/
+schemas.py: optimisation, bookkeeping, devices, model); no task's own keys. A task checks those
+in its `Task.check()`, sizes with `check_sizes(config, positive=..., non_negative=...)`.
+"""
 
 from __future__ import annotations
 
@@ -14,33 +19,34 @@ from linear_transformers.attention import (
 )
 from linear_transformers.transformer import TransformerConfig
 
-_POSITIVE = (
-    "batch_size",
-    "eval_batch_size",
-    "num_samples",
-    "num_mixtures",
-    "num_symbols",
-    "max_length",
-    "eval_batches",
-    "keep_checkpoints",
-    "vocab_size",
-    "seq_len",
-    "prompt_len",
-)
+# Sizes of the shared groups (experiments/training/schemas.py); a task checks its own keys' sizes
+# in its Task.check() with `check_sizes`.
+_POSITIVE = ("batch_size", "keep_checkpoints")
 _NON_NEGATIVE = (
     "num_steps",
     "warmup_steps",
     "log_every",
     "eval_every",
     "checkpoint_every",
-    "sample_every",
-    "max_train_examples",
-    "max_eval_examples",
     "weight_decay",
     "grad_clip",
     "decay_steps",
     "decay_factor",
 )
+_WHY = {"keep_checkpoints": " (0 would leave no checkpoint to resume from)"}
+
+
+def check_sizes(
+    config: ml_collections.ConfigDict, *, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()
+) -> None:
+    """config[key] >= 1 for every key in `positive` and >= 0 for every key in `non_negative`,
+    else a ValueError naming the first key that is not and its value."""
+    for key in positive:
+        if not config[key] >= 1:
+            raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}{_WHY.get(key, '')}.")
+    for key in non_negative:
+        if not config[key] >= 0:
+            raise ValueError(f"config.{key} must be >= 0, got {config[key]!r}.")
 
 
 def check_keys(
@@ -143,14 +149,9 @@ def model_config(
 
 
 def check_values(config: ml_collections.ConfigDict) -> None:
-    """The checks every task shares: sizes, rates, optimizer, schedule, model, mesh."""
-    for key in _POSITIVE:
-        if key in config and not config[key] >= 1:
-            why = " (0 would leave no checkpoint to resume from)" if key == "keep_checkpoints" else ""
-            raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}{why}.")
-    for key in _NON_NEGATIVE:
-        if key in config and not config[key] >= 0:
-            raise ValueError(f"config.{key} must be >= 0, got {config[key]!r}.")
+    """The checks of the groups every task shares (schemas.py): sizes, rates, optimizer,
+    schedule, model, mesh. A task's own keys are its Task.check()'s."""
+    check_sizes(config, positive=_POSITIVE, non_negative=_NON_NEGATIVE)
     if not config.learning_rate > 0:
         raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate!r}.")
     if config.optimizer not in OPTIMIZERS:

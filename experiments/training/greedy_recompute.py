@@ -64,7 +64,7 @@ def _encoder_decoder(graphdef, state, source_BS, source_lengths_B, target_in_BT,
 
     def logits_at(buffer_BT, t, lengths_B):
         logits_BTV = model.decode(
-            buffer_BT, memory_BSE, source_lengths=source_lengths_B, target_lengths=lengths_B
+            buffer_BT, memory_BSE, memory_lengths=source_lengths_B, target_lengths=lengths_B
         )
         return jax.lax.dynamic_index_in_dim(logits_BTV, t, 1, False)
 

@@ -81,12 +81,6 @@ def mesh_shape(mesh_config, device_count: int | None = None) -> tuple[int, int]:
     return data, sequence
 
 
-def sequence_size(config: ml_collections.ConfigDict) -> int:
-    """config.mesh.sequence, or 1 for configs written before the key existed."""
-    mesh_config = config.get("mesh")
-    return 1 if mesh_config is None else int(mesh_config["sequence"])
-
-
 def make_mesh(config: ml_collections.ConfigDict, devices=None) -> jax.sharding.Mesh:
     """The ("data", "sequence") mesh of `config.mesh` over `devices` (default: all), with Auto
     axis types, so model code needs no sharding annotations."""

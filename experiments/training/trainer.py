@@ -65,8 +65,9 @@ class Task(abc.ABC):
         `optimisation`, `bookkeeping`, `devices`)."""
 
     def check(self) -> None:
-        """Raise ValueError for a value the task cannot use (the shared keys and config.model
-        are checked before)."""
+        """Raise ValueError for a value of the task's own keys it cannot use, naming the key
+        and the value (sizes: `config_checks.check_sizes`). Runs before any work; the shared
+        groups and config.model are checked before it (config_checks knows no task's keys)."""
 
     def attention_kinds(self) -> dict[str, str]:
         """{config key: attention kind} of every attention the model builds (for the mesh check)."""

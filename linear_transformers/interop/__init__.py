@@ -7,9 +7,9 @@ arguments; `encoder_from_fast_transformers`, `decoder_from_fast_transformers` an
 `load_state_dict` that or a `.npz` archive of the same arrays.
 """
 
-from linear_transformers.interop.builder_kwargs import config_from_builder_kwargs
 from linear_transformers.interop.convert import (
     as_numpy_state_dict,
+    config_from_builder_kwargs,
     decoder_from_fast_transformers,
     encoder_from_fast_transformers,
     generator_config,

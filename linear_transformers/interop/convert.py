@@ -36,6 +36,13 @@ from linear_transformers.transformer import Decoder, Encoder, TransformerConfig
 _CONVERTIBLE_KINDS = ("softmax", "linear", "causal-linear")
 
 
+def config_from_builder_kwargs(**kwargs) -> TransformerConfig:
+    """The `TransformerConfig` of the model the authors' builder makes from `kwargs` (the same
+    as `TransformerConfig.from_kwargs`; `linear_transformers.builder_arguments` says how each
+    argument maps)."""
+    return TransformerConfig.from_kwargs(**kwargs)
+
+
 def load_torch_checkpoint(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """A PyTorch `state_dict` file (`torch.save(model.state_dict(), path)`) as numpy arrays.
 

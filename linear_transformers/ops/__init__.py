@@ -1,17 +1,13 @@
-"""Pure-JAX attention ops (no Flax): softmax, linear, causal linear, and their recurrent steps;
-the baselines LSH (Reformer) and Linformer.
+"""Pure-JAX attention ops (no Flax): softmax, linear, causal linear, gated linear (decayed: RetNet,
+Mamba-2, GLA), and their recurrent steps; the baselines LSH (Reformer) and Linformer.
 
 Layout follows `jax.nn.dot_product_attention`: queries [B, T, H, D], keys [B, S, H, D],
 values [B, S, H, M].
 """
 
 from linear_transformers.ops import sequence_parallel
-from linear_transformers.ops.causal_linear import (
-    DEFAULT_CHUNK_SIZE,
-    IMPLS,
-    causal_linear_attention,
-    default_chunk_size,
-)
+from linear_transformers.ops._checks import check_segment_ids
+from linear_transformers.ops.causal_linear import causal_linear_attention, causal_linear_attention_prefill
 from linear_transformers.ops.feature_maps import (
     CallableFeatureMap,
     FavorFeatureMap,
@@ -22,15 +18,27 @@ from linear_transformers.ops.feature_maps import (
     register_feature_map,
     registered_feature_maps,
 )
+from linear_transformers.ops.gated_forms import DEFAULT_CHUNK_SIZE, IMPLS
+from linear_transformers.ops.gated_linear import (
+    FEATURE_DECAY_CHUNK_SIZE,
+    gated_linear_attention,
+    gated_linear_attention_prefill,
+    gated_linear_attention_step,
+)
+from linear_transformers.ops.kv_cache import (
+    KVCache,
+    init_kv_cache,
+    softmax_attention_prefill,
+    softmax_attention_step,
+)
 from linear_transformers.ops.linear import (
-    LinearState,
-    init_linear_state,
     linear_attention,
     linear_attention_from_state,
     linear_attention_reference,
     linear_attention_step,
     linear_state_from_keys,
 )
+from linear_transformers.ops.linear_state import LinearState, init_linear_state
 from linear_transformers.ops.linformer import linformer_attention, linformer_project
 from linear_transformers.ops.lsh import (
     check_lsh_options,
@@ -39,13 +47,10 @@ from linear_transformers.ops.lsh import (
     lsh_hashes,
     lsh_rotations,
 )
+from linear_transformers.ops.rotary import rotary_embedding
 from linear_transformers.ops.softmax import (
-    KVCache,
-    init_kv_cache,
     softmax_attention,
-    softmax_attention_prefill,
     softmax_attention_reference,
-    softmax_attention_step,
     softmax_attention_weights,
 )
 
@@ -54,7 +59,12 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "IMPLS",
     "causal_linear_attention",
-    "default_chunk_size",
+    "causal_linear_attention_prefill",
+    "check_segment_ids",
+    "FEATURE_DECAY_CHUNK_SIZE",
+    "gated_linear_attention",
+    "gated_linear_attention_prefill",
+    "gated_linear_attention_step",
     "CallableFeatureMap",
     "FavorFeatureMap",
     "FeatureMap",
@@ -84,4 +94,5 @@ __all__ = [
     "lsh_attention_reference",
     "lsh_hashes",
     "lsh_rotations",
+    "rotary_embedding",
 ]

@@ -95,6 +95,39 @@ def check_key_lengths(key_lengths, batch: int, *, name: str, length: int | None 
     return key_lengths.astype(jnp.int32)
 
 
+def check_segment_ids(segment_ids, shape_BT, *, name: str, what: str = "segment_ids"):
+    """Return segment ids as an int32 [B, T] array (or None), else a ValueError naming them.
+
+    Packed sequences: 0 is padding, and each other id is one contiguous run of a row (an id
+    that comes back after another id would be one segment to softmax attention and two to
+    the causal linear forms, so it is refused when the values are concrete).
+    """
+    if segment_ids is None:
+        return None
+    segment_ids = jnp.asarray(segment_ids)
+    if tuple(segment_ids.shape) != tuple(shape_BT) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"{name}: {what} must be an integer array of shape {tuple(shape_BT)} (batch, time; 0 = "
+            f"padding), got {segment_ids.dtype} array of shape {tuple(segment_ids.shape)}."
+        )
+    if is_concrete(segment_ids) and segment_ids.size:
+        ids = np.asarray(segment_ids)
+        if ids.min() < 0:
+            raise ValueError(f"{name}: {what} must be >= 0 (0 = padding), got {int(ids.min())}.")
+        starts = np.ones(ids.shape, bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        rows, cols = np.nonzero(starts & (ids != 0))
+        pairs = np.stack([rows, ids[rows, cols]], axis=1)
+        unique, counts = np.unique(pairs, axis=0, return_counts=True)
+        if (counts > 1).any():
+            row, bad = unique[np.argmax(counts > 1)]
+            raise ValueError(
+                f"{name}: segment id {int(bad)} comes back after another id in row {int(row)} of "
+                f"{what}; each segment must be one contiguous run (pack_sequences makes them so)."
+            )
+    return segment_ids.astype(jnp.int32)
+
+
 def check_mask(mask, shape_BHTS, *, name: str):
     """A boolean attention mask (True = attend) as [B|1, H|1, T|1, S|1], or a ValueError.
 

@@ -7,8 +7,9 @@ softmax) therefore run on `finite_part(v)` and then write NaN exactly where a qu
 non-finite value (`seen_nonfinite_BTHM`). A seen inf gives NaN rather than +-inf: either way
 the output is not finite, and the training loop refuses the step.
 
-Finding the first bad step per query costs up to ~1.4x the chunked form's own forward on CPU,
-so `mark_unless_all_finite` does it only when some value is not finite (one reduction decides).
+Finding the first bad step per query costs about as much as the chunked form's own forward
+(BENCHMARKS.md), so `mark_unless_all_finite` does it only when some value is not finite (one
+reduction decides).
 
 Legend: B batch, T query time, S key time, H heads, M value features.
 """
@@ -23,7 +24,7 @@ def mark_unless_all_finite(v, result, mark):
     """`result` as it is when every entry of v is finite, else `mark(result)`; `lax.cond` runs
     the marking only when needed (under `vmap`, always: still correct). Only the marking sits
     in the cond: a whole attention form inside it would keep both branches' residuals for the
-    backward pass (1.7x softmax's memory)."""
+    backward pass (far more memory)."""
     return jax.lax.cond(jnp.all(jnp.isfinite(v)), lambda r: r, mark, result)
 
 
@@ -32,11 +33,15 @@ def finite_part(v):
     return jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))
 
 
-def seen_nonfinite_BTHM(v_BSHM, *, num_queries: int, causal: bool, key_lengths=None, mask_BHTS=None):
+def seen_nonfinite_BTHM(
+    v_BSHM, *, num_queries: int, causal: bool, key_lengths=None, mask_BHTS=None, reset_BT=None
+):
     """bool [B, T, H, M]: query t sees a non-finite v[s, m] through the masks.
 
     key_lengths: int [B], keys s >= key_lengths[b] are unseen; mask_BHTS: boolean, broadcastable
-    to [B, H, T, S], True = seen (costs one [T, S] x [S, M] product); causal: s <= t (T == S).
+    to [B, H, T, S], True = seen (costs one [T, S] x [S, M] product); causal: s <= t (T == S);
+    reset_BT (causal only): True where a segment begins, so a query sees only its own segment's
+    keys.
     """
     B, S, H, M = v_BSHM.shape
     bad_BSHM = ~jnp.isfinite(v_BSHM)
@@ -47,6 +52,14 @@ def seen_nonfinite_BTHM(v_BSHM, *, num_queries: int, causal: bool, key_lengths=N
         if causal:
             seen_BHTS &= jnp.tril(jnp.ones((num_queries, S), bool))
         return jnp.einsum("bhts,bshm->bthm", seen_BHTS.astype(jnp.float32), bad_BSHM.astype(jnp.float32)) > 0
+    if causal and reset_BT is not None:
+        # From the last bad key on, up to the next segment's start: seen when the latest bad key
+        # at or before t lies in t's segment.
+        index = jnp.arange(S)
+        last_bad_BSHM = jax.lax.cummax(jnp.where(bad_BSHM, index[None, :, None, None], -1), axis=1)
+        starts_BS = jnp.where(reset_BT | (index == 0)[None], index[None], 0)
+        segment_start_BS = jax.lax.cummax(starts_BS, axis=1)
+        return last_bad_BSHM >= segment_start_BS[:, :, None, None]
     if causal:
         return from_first(bad_BSHM, axis=1)
     return jnp.broadcast_to(jnp.any(bad_BSHM, axis=1, keepdims=True), (B, num_queries, H, M))

@@ -7,7 +7,7 @@ constant cancels between numerator and denominator (the FAVOR+ stabiliser).
 Legend: D key/query features, F feature-map features; `...` any leading shape.
 
 Feature maps are named in ops and layers by a string from the registry (`"elu"`, `"relu"`,
-`"favor"`), by a `FeatureMap` instance, or by any callable `x -> phi(x)`.
+`"favor"`, `"identity"`), by a `FeatureMap` instance, or by any callable `x -> phi(x)`.
 """
 
 from __future__ import annotations
@@ -166,6 +166,17 @@ def _make_elu():
 @register_feature_map("relu")
 def _make_relu():
     return CallableFeatureMap(jax.nn.relu, "relu")
+
+
+def identity(x):
+    """phi(x) = x: no feature map, as the gated kinds (RetNet, GLA) use it. Not non-negative, so
+    for unnormalised attention only (`gated_linear_attention(normalize=False)`)."""
+    return x
+
+
+@register_feature_map("identity")
+def _make_identity():
+    return CallableFeatureMap(identity, "identity")
 
 
 @register_feature_map("favor")

@@ -3,16 +3,15 @@
 Legend: B batch, T query time, S key time, H heads, D key/query features, F feature-map
 features (F = D for elu and relu), M value features.
 
-  out_t = phi(q_t) . S / (phi(q_t) . z + eps),   S = sum_s phi(k_s) v_s^T,  z = sum_s phi(k_s)
+  out_t = phi(q_t) . s / (phi(q_t) . z + eps),   s = sum_i phi(k_i) v_i^T,  z = sum_i phi(k_i)
 
-with the sums over all keys (non-causal) or over s <= t (causal). S and z are accumulated in
-float32 (or wider) whatever the input dtype.
+with the sums over all keys (non-causal) or over keys i <= t (causal). The state (s, z) is
+accumulated in float32 (or wider) whatever the input dtype.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,29 +19,8 @@ import jax.numpy as jnp
 from linear_transformers.ops import _checks, precision
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.feature_maps import make_feature_map
-
-
-class LinearState(NamedTuple):
-    """The recurrent state of linear attention: S = sum phi(k) v^T [B, H, F, M], z = sum phi(k)."""
-
-    s_BHFM: jax.Array
-    z_BHF: jax.Array
-
-
-def init_linear_state(batch: int, heads: int, d: int, m: int, dtype=jnp.float32) -> LinearState:
-    """Zero state for `linear_attention_step`.
-
-    `d` is the feature-map dimension F (equal to the head dimension D for "elu" and "relu";
-    `make_feature_map(...).num_features(D)` in general). Keep `dtype` float32 or wider: the state
-    is a running sum.
-    """
-    return LinearState(
-        s_BHFM=jnp.zeros((batch, heads, d, m), dtype), z_BHF=jnp.zeros((batch, heads, d), dtype)
-    )
-
-
-def _normalise(num_xM, den_x, eps, dtype):
-    return (num_xM / (den_x + eps)[..., None]).astype(dtype)
+from linear_transformers.ops.gated_linear import gated_linear_attention
+from linear_transformers.ops.linear_state import LinearState, normalise
 
 
 def _local_state(k_BSHD, v_BSHM, key_lengths, *, fm, offset):
@@ -66,7 +44,7 @@ def _sequence_parallel_state(k_BSHD, v_BSHM, key_lengths, *, fm, axis):
 def linear_state_from_keys(
     k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, sequence_axis=None
 ) -> LinearState:
-    """The summary (S, z) of all keys and values; padded keys (index >= key_lengths[b]) add 0.
+    """The summary (s, z) of all keys and values; padded keys (index >= key_lengths[b]) add 0.
 
     This is the whole memory a non-causal linear attention needs: cross-attention over a fixed
     memory computes it once and reuses it for every query. With `sequence_axis` (a mesh axis the
@@ -104,11 +82,19 @@ def linear_attention_from_state(state: LinearState, q_xHD, *, feature_map="elu",
     else:  # [B, H, D]
         num = jnp.einsum("bhf,bhfm->bhm", phi_q_xHF, state.s_BHFM)
         den = jnp.einsum("bhf,bhf->bh", phi_q_xHF, state.z_BHF)
-    return _normalise(num, den, eps, out_dtype or q_xHD.dtype)
+    return normalise(num, den, eps, out_dtype or q_xHD.dtype)
 
 
 def linear_attention(
-    q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, eps=1e-6, sequence_axis=None
+    q_BTHD,
+    k_BSHD,
+    v_BSHM,
+    *,
+    feature_map="elu",
+    key_lengths=None,
+    eps=1e-6,
+    segment_ids=None,
+    sequence_axis=None,
 ):
     """Non-causal linear attention in O(T + S) time and memory.
 
@@ -119,18 +105,29 @@ def linear_attention(
       key_lengths: int [B] in [0, S]; keys at index >= key_lengths[b] contribute nothing (out
         of range: a ValueError eagerly, clamped under jit).
       eps: added to the normaliser.
+      segment_ids: int [B, T] of packed sequences (self-attention, T == S; 0 = padding): each
+        query reads the sums over its own segment only, computed as a forward and a backward
+        causal pass with the state dropped between segments (O(T) memory, however many
+        segments).
       sequence_axis: mesh axis the time axes of queries and keys are split over (inside
         `jax.shard_map`, or under `jax.set_mesh` where the op wraps itself; see
-        `causal_linear_attention`): the (S, z) summary is summed over the devices with one psum.
+        `causal_linear_attention`): the (s, z) summary is summed over the devices with one psum.
         Under a mesh with explicit axis types, time axes sharded on a mesh axis select it.
 
     Arbitrary [T, S] masks cannot be honoured without forming the T x S matrix, so there is no
-    mask argument; key padding is the only mask this form supports.
+    mask argument; key padding and segments are the masks this form supports.
     """
     _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
     key_lengths = _checks.check_key_lengths(
         key_lengths, q_BTHD.shape[0], name="linear_attention", length=k_BSHD.shape[1]
     )
+    if segment_ids is not None:
+        if q_BTHD.shape[1] != k_BSHD.shape[1]:
+            raise ValueError(
+                f"linear_attention: segment_ids are for self-attention (T == S), got "
+                f"T={q_BTHD.shape[1]} and S={k_BSHD.shape[1]}."
+            )
+        segment_ids = _checks.check_segment_ids(segment_ids, q_BTHD.shape[:2], name="linear_attention")
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
     if sequence_axis is not None and not sp.is_manual(sequence_axis):
@@ -141,19 +138,47 @@ def linear_attention(
             linear_attention, feature_map=feature_map, eps=eps, sequence_axis=sequence_axis
         )
         return sp.call_over_sequence(
-            lambda q, k, v, lengths: local(q, k, v, key_lengths=lengths),
+            lambda q, k, v, lengths, ids: local(q, k, v, key_lengths=lengths, segment_ids=ids),
             sequence_axis,
-            (q_BTHD, k_BSHD, v_BSHM, key_lengths),
-            (sp.TIME, sp.TIME, sp.TIME, sp.BATCH),
+            (q_BTHD, k_BSHD, v_BSHM, key_lengths, segment_ids),
+            (sp.TIME, sp.TIME, sp.TIME, sp.BATCH, sp.TIME),
             sp.TIME,
             batch=q_BTHD.shape[0],
         )
+    if segment_ids is not None:
+        return _segmented(q_BTHD, k_BSHD, v_BSHM, feature_map, key_lengths, eps, segment_ids, sequence_axis)
     state = linear_state_from_keys(
         k_BSHD, v_BSHM, feature_map=feature_map, key_lengths=key_lengths, sequence_axis=sequence_axis
     )
     return linear_attention_from_state(
         state, q_BTHD, feature_map=feature_map, eps=eps, out_dtype=v_BSHM.dtype
     )
+
+
+def _segmented(q_BTHD, k_BTHD, v_BTHM, feature_map, key_lengths, eps, segment_ids_BT, axis):
+    """Non-causal linear attention within segments: a causal pass forward and one backward,
+    each with the state dropped between segments, count every key of a query's segment once
+    and its own key twice (subtracted). The normaliser rides along as a column of ones."""
+    fm = make_feature_map(feature_map)
+    T = q_BTHD.shape[1]
+    if key_lengths is not None:  # Padding as segment 0: a reversed pass cannot use lengths.
+        offset = 0 if axis is None else sp.device_offset(axis, T)
+        valid_BT = offset + jnp.arange(T)[None, :] < key_lengths[:, None]
+        segment_ids_BT = jnp.where(valid_BT, segment_ids_BT, 0)
+    acc = _checks.accumulation_dtype(v_BTHM.dtype)
+    ones = jnp.ones(v_BTHM.shape[:-1] + (1,), acc)
+    v1_BTHM = jnp.concatenate([v_BTHM.astype(acc), ones], axis=-1)
+
+    def causal(q, k, v, ids):
+        return gated_linear_attention(q, k, v, feature_map=fm, scale=1.0, segment_ids=ids, sequence_axis=axis)
+
+    forward = causal(q_BTHD, k_BTHD, v1_BTHM, segment_ids_BT)
+    flipped = (sp.reverse_time(x, axis) for x in (q_BTHD, k_BTHD, v1_BTHM, segment_ids_BT))
+    backward = sp.reverse_time(causal(*flipped), axis)
+    phi_q, phi_k = fm.query(q_BTHD).astype(acc), fm.key(k_BTHD).astype(acc)
+    own_BTH1 = jnp.sum(phi_q * phi_k, axis=-1, keepdims=True) * (segment_ids_BT != 0)[:, :, None, None]
+    both = forward + backward - jnp.where(own_BTH1 != 0, own_BTH1 * v1_BTHM, 0)
+    return normalise(both[..., :-1], both[..., -1], eps, v_BTHM.dtype)
 
 
 def linear_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, eps=1e-6):
@@ -169,7 +194,7 @@ def linear_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key
         v_BSHM = jnp.where(valid_BS[:, :, None, None], v_BSHM, 0)
     num = jnp.einsum("bhts,bshm->bthm", sim_BHTS, v_BSHM.astype(acc))
     den = jnp.einsum("bhts->bth", sim_BHTS)
-    return _normalise(num, den, eps, v_BSHM.dtype)
+    return normalise(num, den, eps, v_BSHM.dtype)
 
 
 def linear_attention_step(state: LinearState, q_BHD, k_BHD, v_BHM, *, feature_map="elu", eps=1e-6):
@@ -184,8 +209,8 @@ def linear_attention_step(state: LinearState, q_BHD, k_BHD, v_BHM, *, feature_ma
     expected = (B, H, fm.num_features(D), v_BHM.shape[-1])
     if state.s_BHFM.shape != expected or state.z_BHF.shape != expected[:3]:
         raise ValueError(
-            f"linear_attention_step: state shapes S {tuple(state.s_BHFM.shape)}, z "
-            f"{tuple(state.z_BHF.shape)} do not fit the inputs, which need S {expected} and z "
+            f"linear_attention_step: state shapes s {tuple(state.s_BHFM.shape)}, z "
+            f"{tuple(state.z_BHF.shape)} do not fit the inputs, which need s {expected} and z "
             f"{expected[:3]} (init_linear_state(batch, heads, F, M))."
         )
     acc = state.s_BHFM.dtype

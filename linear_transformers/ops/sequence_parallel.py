@@ -115,6 +115,25 @@ def device_offset(axis: str, local_length: int):
     return jax.lax.axis_index(axis) * local_length
 
 
+def reverse_time(x_BTx, axis: str | None):
+    """`x` with its time axis (1) reversed, in the global order: inside `jax.shard_map` over
+    `axis` each device holds the reversed block of its mirror device (P - 1 - p); else a flip."""
+    if axis is None or not is_manual(axis):
+        return jnp.flip(x_BTx, axis=1)
+    size = axis_size(axis)
+    mirrored = jax.lax.ppermute(x_BTx, axis, [(p, size - 1 - p) for p in range(size)])
+    return jnp.flip(mirrored, axis=1)
+
+
+def gather_replicated(tree_x, axis: str):
+    """`all_gather` over `axis` typed as the same on every device (its result is), so a value
+    computed from it alone can leave `jax.shard_map` with a replicated out_spec."""
+    try:
+        return jax.lax.all_gather(tree_x, axis, to="invarying")
+    except TypeError:  # A JAX without typed replication: the plain gather.
+        return jax.lax.all_gather(tree_x, axis)
+
+
 def exclusive_prefix(gathered_P, axis: str):
     """Sum over devices p < this device of an all-gathered [P, ...] pytree."""
     index = jax.lax.axis_index(axis)

@@ -6,8 +6,6 @@ Logits and the softmax are computed in float32 (or wider) whatever the input dty
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
@@ -29,6 +27,40 @@ def _build_mask_BHTS(batch, heads, t, s, *, causal, key_lengths, mask):
     if mask is not None:
         combined = mask if combined is None else combined & mask
     return combined
+
+
+def segment_mask_B1TS(query_ids_BT, key_ids_BS):
+    """bool [B, 1, T, S]: a query attends to the keys of its own segment (never to padding,
+    id 0)."""
+    return ((query_ids_BT[:, :, None] == key_ids_BS[:, None, :]) & (key_ids_BS != 0)[:, None, :])[:, None]
+
+
+def with_segments(mask, segment_ids, key_segment_ids, shape_BHTS):
+    """The explicit mask and the segments' mask as one boolean mask (None when neither)."""
+    mask = _checks.check_mask(mask, shape_BHTS, name="softmax_attention")
+    if segment_ids is None:
+        return mask
+    segments = segment_mask_B1TS(segment_ids, key_segment_ids)
+    return segments if mask is None else mask & segments
+
+
+def check_segments(segment_ids, key_segment_ids, shape_BTS, *, name: str):
+    """(query ids [B, T], key ids [B, S]) checked, or (None, None). `key_segment_ids` defaults to
+    `segment_ids` (self-attention, T == S); key ids alone are an error."""
+    B, T, S = shape_BTS
+    if segment_ids is None:
+        if key_segment_ids is not None:
+            raise ValueError(f"{name}: key_segment_ids given without segment_ids (the queries' ids).")
+        return None, None
+    segment_ids = _checks.check_segment_ids(segment_ids, (B, T), name=name)
+    if key_segment_ids is None:
+        if T != S:
+            raise ValueError(
+                f"{name}: segment_ids alone are for self-attention (T == S), got T={T} and S={S}; "
+                f"pass the keys' ids as key_segment_ids."
+            )
+        return segment_ids, segment_ids
+    return segment_ids, _checks.check_segment_ids(key_segment_ids, (B, S), name=name, what="key_segment_ids")
 
 
 def softmax_attention_weights(q_BTHD, k_BSHD, *, causal=False, key_lengths=None, mask=None, scale=None):
@@ -63,10 +95,24 @@ def validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths):
 
 
 def softmax_attention_reference(
-    q_BTHD, k_BSHD, v_BSHM, *, causal=False, key_lengths=None, mask=None, scale=None
+    q_BTHD,
+    k_BSHD,
+    v_BSHM,
+    *,
+    causal=False,
+    key_lengths=None,
+    mask=None,
+    scale=None,
+    segment_ids=None,
+    key_segment_ids=None,
 ):
     """The plain O(T*S) formula softmax(q k^T * scale) v with explicit weights."""
     key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal, key_lengths=key_lengths)
+    B, T, H, _ = q_BTHD.shape
+    segment_ids, key_segment_ids = check_segments(
+        segment_ids, key_segment_ids, (B, T, k_BSHD.shape[1]), name="softmax_attention"
+    )
+    mask = with_segments(mask, segment_ids, key_segment_ids, (B, H, T, k_BSHD.shape[1]))
     w_BHTS = softmax_attention_weights(
         q_BTHD, k_BSHD, causal=causal, key_lengths=key_lengths, mask=mask, scale=scale
     )
@@ -84,6 +130,8 @@ def softmax_attention(
     mask=None,
     scale=None,
     implementation=None,
+    segment_ids=None,
+    key_segment_ids=None,
     sequence_axis=None,
 ):
     """Softmax attention softmax(q k^T * scale) v.
@@ -99,15 +147,19 @@ def softmax_attention(
       implementation: None (jax.nn.dot_product_attention where it applies, i.e. D == M, else the
         reference), "xla" or "cudnn" (jax.nn.dot_product_attention with that implementation;
         "cudnn" is flash attention on NVIDIA GPUs), or "reference" (explicit weights).
+      segment_ids: int [B, T] of packed sequences (0 = padding): a query attends only to keys
+        of its own segment, so each segment is computed alone. `key_segment_ids` [B, S] are the
+        keys' ids where they differ (cross-attention over a packed memory; default the same).
       sequence_axis: mesh axis the time axes of queries and keys are split over. Each device
         all-gathers the keys and values (the whole sequence's, O(S) per device: the baseline to
         compare with linear attention's states) and attends its own queries, offset to their
         global positions for the causal mask. Inside `jax.shard_map` over the axis, or under
-        `jax.set_mesh` where the op wraps itself; key_lengths are global; `mask` is refused.
-        Under a mesh with explicit axis types, time axes sharded on a mesh axis select it.
+        `jax.set_mesh` where the op wraps itself; key_lengths and segment ids are global; `mask`
+        is refused. Under a mesh with explicit axis types, time axes sharded on a mesh axis
+        select it.
 
     Returns:
-      [B, T, H, M] in the dtype of v.
+      [B, T, H, M] in the dtype of v (outputs of padding queries are not meaningful).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -115,6 +167,10 @@ def softmax_attention(
             f"expected one of {IMPLEMENTATIONS}."
         )
     key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal, key_lengths=key_lengths)
+    B, T, H, _ = q_BTHD.shape
+    segment_ids, key_segment_ids = check_segments(
+        segment_ids, key_segment_ids, (B, T, k_BSHD.shape[1]), name="softmax_attention"
+    )
     if sequence_axis is None and mask is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BSHD, v_BSHM, name="softmax_attention")
     if sequence_axis is not None:
@@ -127,11 +183,13 @@ def softmax_attention(
             mask=mask,
             scale=scale,
             implementation=implementation,
+            segment_ids=segment_ids,
+            key_segment_ids=key_segment_ids,
             axis=sequence_axis,
         )
+    mask = with_segments(mask, segment_ids, key_segment_ids, (B, H, T, k_BSHD.shape[1]))
     # The weights of unseen keys are 0, and 0 * inf is NaN: attend over the finite part of v
     # and mark NaN where a query sees a non-finite value (ops/_nonfinite.py).
-    B, T, H, _ = q_BTHD.shape
     full_mask = (
         None
         if mask is None
@@ -184,32 +242,47 @@ def _dense_softmax(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, full_ma
 
 
 def _sequence_parallel_softmax(
-    q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, scale, implementation, axis
+    q_BTHD,
+    k_BSHD,
+    v_BSHM,
+    *,
+    causal,
+    key_lengths,
+    mask,
+    scale,
+    implementation,
+    segment_ids,
+    key_segment_ids,
+    axis,
 ):
     name = "softmax_attention"
     if mask is not None:
         raise ValueError(
             f"{name}: an explicit mask cannot be combined with sequence_axis (its "
-            "[T, S] layout is the global one); use causal and key_lengths."
+            "[T, S] layout is the global one); use causal, key_lengths and segment_ids."
         )
     if not sp.is_manual(axis):
         sp.check_sequence_axis(axis, q_BTHD.shape[1], name=name)
         sp.check_sequence_axis(axis, k_BSHD.shape[1], name=name)
 
-    def local(q_BTHD, k_BSHD, v_BSHM, key_lengths):
+    def local(q_BTHD, k_BSHD, v_BSHM, key_lengths, segment_ids, key_segment_ids):
         T = q_BTHD.shape[1]
         k_all = jax.lax.all_gather(k_BSHD, axis, axis=1, tiled=True)
         v_all = jax.lax.all_gather(v_BSHM, axis, axis=1, tiled=True)
-        causal_mask = None
+        local_mask = None
         if causal:
             position_T = sp.device_offset(axis, T) + jnp.arange(T)
-            causal_mask = (jnp.arange(k_all.shape[1])[None, :] <= position_T[:, None])[None, None]
+            local_mask = (jnp.arange(k_all.shape[1])[None, :] <= position_T[:, None])[None, None]
+        if segment_ids is not None:
+            key_ids_all = jax.lax.all_gather(key_segment_ids, axis, axis=1, tiled=True)
+            segments = segment_mask_B1TS(segment_ids, key_ids_all)
+            local_mask = segments if local_mask is None else local_mask & segments
         return softmax_attention(
             q_BTHD,
             k_all,
             v_all,
             key_lengths=key_lengths,
-            mask=causal_mask,
+            mask=local_mask,
             scale=scale,
             implementation=implementation,
         )
@@ -217,110 +290,8 @@ def _sequence_parallel_softmax(
     return sp.call_over_sequence(
         local,
         axis,
-        (q_BTHD, k_BSHD, v_BSHM, key_lengths),
-        (sp.TIME, sp.TIME, sp.TIME, sp.BATCH),
+        (q_BTHD, k_BSHD, v_BSHM, key_lengths, segment_ids, key_segment_ids),
+        (sp.TIME, sp.TIME, sp.TIME, sp.BATCH, sp.TIME, sp.TIME),
         sp.TIME,
         batch=q_BTHD.shape[0],
     )
-
-
-class KVCache(NamedTuple):
-    """Preallocated keys and values for softmax recurrent inference.
-
-    `length` (int32 scalar) counts the filled slots; shapes never change, so the cache is a valid
-    `lax.scan` carry.
-    """
-
-    k_BSHD: jax.Array
-    v_BSHM: jax.Array
-    length: jax.Array
-
-
-def init_kv_cache(batch: int, max_length: int, heads: int, d: int, m: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache for up to `max_length` steps of keys [B, S, H, D] and values [B, S, H, M]."""
-    if max_length < 1:
-        raise ValueError(f"init_kv_cache: max_length must be >= 1, got {max_length}.")
-    return KVCache(
-        k_BSHD=jnp.zeros((batch, max_length, heads, d), dtype),
-        v_BSHM=jnp.zeros((batch, max_length, heads, m), dtype),
-        length=jnp.zeros((), jnp.int32),
-    )
-
-
-def softmax_attention_step(cache: KVCache, q_BHD, k_BHD, v_BHM, *, scale=None):
-    """One causal step: append (k_t, v_t) to the cache and attend q_t to every filled slot.
-
-    Returns (new_cache, out_BHM). Stepping past `max_length` cannot grow a static cache: an eager
-    call raises, and under `jit` the output is NaN so the overflow cannot pass unnoticed.
-    """
-    _checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name="softmax_attention_step")
-    capacity = cache.k_BSHD.shape[1]
-    B, H, D = q_BHD.shape
-    if cache.k_BSHD.shape != (B, capacity, H, D) or cache.v_BSHM.shape != (B, capacity) + v_BHM.shape[1:]:
-        raise ValueError(
-            f"softmax_attention_step: cache shapes k {tuple(cache.k_BSHD.shape)}, v "
-            f"{tuple(cache.v_BSHM.shape)} do not fit q_t {tuple(q_BHD.shape)}, "
-            f"v_t {tuple(v_BHM.shape)}."
-        )
-    if _checks.is_concrete(cache.length) and int(cache.length) >= capacity:
-        raise ValueError(
-            f"softmax_attention_step: the KV cache is full ({capacity} steps); allocate a larger max_length."
-        )
-    pos = cache.length
-    k_cache = jax.lax.dynamic_update_slice_in_dim(
-        cache.k_BSHD, k_BHD[:, None].astype(cache.k_BSHD.dtype), pos, axis=1
-    )
-    v_cache = jax.lax.dynamic_update_slice_in_dim(
-        cache.v_BSHM, v_BHM[:, None].astype(cache.v_BSHM.dtype), pos, axis=1
-    )
-    valid_S = jnp.arange(capacity) <= pos
-    w_BHTS = softmax_attention_weights(
-        q_BHD[:, None].astype(k_cache.dtype), k_cache, mask=valid_S[None, None, None, :], scale=scale
-    )
-    out_BHM = jnp.einsum("bhs,bshm->bhm", w_BHTS[:, :, 0], v_cache.astype(w_BHTS.dtype))
-    out_BHM = jnp.where(pos < capacity, out_BHM, jnp.nan).astype(v_BHM.dtype)
-    return KVCache(k_cache, v_cache, pos + 1), out_BHM
-
-
-def softmax_attention_prefill(cache: KVCache, q_BTHD, k_BTHD, v_BTHM, *, scale=None):
-    """A block of T causal steps at once: write (k, v) into the cache after its `length` filled
-    slots and attend each query to every slot up to its own.
-
-    Equal to T calls of `softmax_attention_step`, in one parallel pass (the prompt of a
-    generation). Returns (cache with length + T, out_BTHM). Past `max_length`: an eager call
-    raises, and under `jit` the outputs are NaN, as for the step.
-    """
-    name = "softmax_attention_prefill"
-    _checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
-    B, T, H, D = q_BTHD.shape
-    if k_BTHD.shape[1] != T:
-        raise ValueError(
-            f"{name}: queries and keys must have the same length, got T={T} and S={k_BTHD.shape[1]}."
-        )
-    capacity = cache.k_BSHD.shape[1]
-    if cache.k_BSHD.shape != (B, capacity, H, D) or cache.v_BSHM.shape != (B, capacity) + v_BTHM.shape[2:]:
-        raise ValueError(
-            f"{name}: cache shapes k {tuple(cache.k_BSHD.shape)}, v {tuple(cache.v_BSHM.shape)} "
-            f"do not fit q {tuple(q_BTHD.shape)}, v {tuple(v_BTHM.shape)}."
-        )
-    if _checks.is_concrete(cache.length) and int(cache.length) + T > capacity:
-        raise ValueError(
-            f"{name}: {T} more steps do not fit the KV cache ({int(cache.length)} of "
-            f"{capacity} slots filled); allocate a larger max_length."
-        )
-    pos = cache.length
-    k_cache = jax.lax.dynamic_update_slice_in_dim(
-        cache.k_BSHD, k_BTHD.astype(cache.k_BSHD.dtype), pos, axis=1
-    )
-    v_cache = jax.lax.dynamic_update_slice_in_dim(
-        cache.v_BSHM, v_BTHM.astype(cache.v_BSHM.dtype), pos, axis=1
-    )
-    # Query t sits at slot pos + t and sees slots <= pos + t: the history and its block's past.
-    visible_TS = jnp.arange(capacity)[None, :] <= pos + jnp.arange(T)[:, None]
-    w_BHTS = softmax_attention_weights(
-        q_BTHD.astype(k_cache.dtype), k_cache, mask=visible_TS[None, None], scale=scale
-    )
-    out_BTHM = jnp.einsum("bhts,bshm->bthm", w_BHTS, v_cache.astype(w_BHTS.dtype))
-    # dynamic_update_slice clamps an overflowing start, which would overwrite history.
-    out_BTHM = jnp.where(pos + T <= capacity, out_BTHM, jnp.nan).astype(v_BTHM.dtype)
-    return KVCache(k_cache, v_cache, pos + T), out_BTHM

@@ -1,39 +1,22 @@
-"""`configs/X.py:variant,key=value` strings shared by every experiment config."""
+"""`name,key=value` strings applied to a config: what follows the colon in
+`--config configs/X.py:...`, and a benchmark's overrides. The syntax is every experiment's; the
+named variants are each experiment's own (a task's, e.g. `experiments.tasks.copy.VARIANTS`, or
+a family of configs', e.g. `configs/image_base.py`'s)."""
+
+from collections.abc import Callable, Mapping
 
 import ml_collections
 
 
-def smoke(c: ml_collections.ConfigDict) -> None:
-    """A tiny model and a handful of steps: for tests and a quick check of an install."""
-    c.model.num_layers = 1
-    c.model.num_heads = 2
-    c.model.model_dim = 16
-    c.model.feed_forward_dim = 32
-    c.num_mixtures = 2
-    c.model.dropout = 0.0
-    c.batch_size = 8
-    c.num_steps = 6
-    c.warmup_steps = 0
-    c.log_every = 2
-    c.eval_every = 3
-    c.eval_batch_size = 16
-    c.max_eval_examples = 20
-    c.checkpoint_every = 3
-    c.sample_every = 6
-    c.num_samples = 4
-    c.progress_bar = False
-
-
-VARIANTS = {"smoke": smoke}
-
-
-def apply(c: ml_collections.ConfigDict, arg: str, variants=None) -> ml_collections.ConfigDict:
-    """Apply comma-separated variants, left to right: a name from `variants` (default the image
-    VARIANTS), or `key=value` (value parsed like the field's type; `a.b=value` sets a nested
-    field; a key that is not a top-level key but a field of config.model sets that field, so
-    `attention=softmax` means `model.attention=softmax`), e.g.
-    "smoke,attention=softmax,mesh.sequence=4"."""
-    variants = VARIANTS if variants is None else variants
+def apply(
+    c: ml_collections.ConfigDict,
+    arg: str,
+    variants: Mapping[str, Callable[[ml_collections.ConfigDict], None]],
+) -> ml_collections.ConfigDict:
+    """Apply comma-separated variants, left to right: a name from `variants`, or `key=value`
+    (value parsed like the field's type; `a.b=value` sets a nested field; a key that is not a
+    top-level key but a field of config.model sets that field, so `attention=softmax` means
+    `model.attention=softmax`), e.g. "smoke,attention=softmax,mesh.sequence=4"."""
     for item in filter(None, (part.strip() for part in arg.split(","))):
         if "=" in item:
             key, value = item.split("=", 1)

@@ -1,8 +1,9 @@
-"""The keyword arguments of the authors' transformer builders, as a `TransformerConfig`.
+"""The keyword arguments of the authors' transformer builders, as `TransformerConfig` fields.
 
 pytorch-fast-transformers builds models with `TransformerEncoderBuilder.from_kwargs(...)` (and
-the recurrent and decoder builders). `config_from_builder_kwargs` takes every argument those
-builders take, with their defaults, and returns the config of the same model:
+the recurrent and decoder builders). `builder_fields` takes every argument those builders take,
+with their defaults, and returns the fields of the config of the same model
+(`TransformerConfig.from_kwargs` and `interop.config_from_builder_kwargs` build it):
 
 - model width n_heads * value_dimensions; feed_forward_dimensions 1024, query/value
   dimensions 64, 4 layers and heads, dropout 0.1, relu, final LayerNorm, PyTorch's LayerNorm
@@ -162,10 +163,8 @@ def _options(kind: str, given: dict, where: str) -> dict:
     return options
 
 
-def config_from_builder_kwargs(**kwargs):
-    """The `TransformerConfig` of the model the authors' builder makes from `kwargs`."""
-    from linear_transformers.transformer import TransformerConfig
-
+def builder_fields(**kwargs) -> dict:
+    """The `TransformerConfig` fields of the model the authors' builder makes from `kwargs`."""
     strict = kwargs.pop("strict", True)
     unknown = sorted(set(kwargs) - set(KNOWN_ARGUMENTS))
     if unknown and strict:
@@ -227,4 +226,4 @@ def config_from_builder_kwargs(**kwargs):
     )
     if decoder:
         fields.update(cross_attention=_OUR_KIND[kinds["cross"]], cross_attention_options=options["cross"])
-    return TransformerConfig(**fields)
+    return fields

@@ -1,0 +1,365 @@
+"""The four forms of gated (decayed) causal linear attention, from any starting state.
+
+Legend: B batch, T query time, S key time (the same positions: causal self-attention), H
+heads, F feature-map features, M value features, X decay features (1: one decay per head and
+step; F: one per key feature), C chunk length, N chunks, G segments of chunks (the chunked
+form's `lax.scan` on CPU).
+
+Every form takes what `gated_linear.py` prepared:
+
+  phi_q_BTHF (scale applied), phi_k_BTHF and v_BTHM (zero where a key is padding),
+  g_BTHX     log decays (<= 0; 0 at padding), shape [B|1, T, H, 1|F], or None (no decay),
+  reset_BT   True where a segment begins (the state is dropped before that step), or None,
+  s0_BHFM, z0_BHF: the initial state (z0 None: no normaliser),
+
+and computes, with a_t = exp(g_t) and the state dropped at a reset,
+
+  s_t = a_t * s_{t-1} + phi(k_t) v_t^T,   z_t = a_t * z_{t-1} + phi(k_t),
+  out_t = phi(q_t) . s_t  (/ (phi(q_t) . z_t + eps) with a normaliser),
+
+returning (out_BTHM, (s_T, z_T)). Decays are only ever summed (exp of a sum of log decays
+between two steps, never exp(+cumulative sum) or a difference of two running sums), so no
+factor overflows and no cancellation loses precision however strong the decay. A reset is
+applied with `where`, never by multiplying by 0, so a non-finite value in an earlier segment
+cannot reach a later one.
+
+- "quadratic": the dense [T, T] (or [T, T, F]) decay matrix; the reference.
+- "associative_scan": `lax.associative_scan` of (decay, reset, state) per step.
+- "chunked": within a chunk of C steps the masked, decayed [C, C] product; between chunks a
+  recurrence over the N chunk states (a cumulative sum without decays or resets, an
+  associative scan with them). On CPU the chunks go in segments of `segment_length()` steps
+  through a `lax.scan` carrying (s, z).
+- "scan": the RNN, `lax.scan` of the update; T sequential steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from linear_transformers.ops import _nonfinite, precision
+from linear_transformers.ops.linear_state import normalise
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def segment_length(platform: str | None = None) -> int | None:
+    """Steps per `lax.scan` iteration of the chunked form: None = one segment (all parallel).
+
+    On CPU the chunked form runs over segments of ~512 steps in sequence, carrying (s, z), so
+    each segment's blocks stay in cache (faster at long T: BENCHMARKS.md). GPUs and TPUs get
+    every chunk at once.
+    """
+    platform = platform or jax.default_backend()
+    return 512 if platform == "cpu" else None
+
+
+def _exclusive_cumsum(x, axis):
+    """Sum over chunks m < n along `axis`, by shifting rather than cumsum(x) - x, which would
+    let chunk n's own (partly future) entries in up to rounding and break exact causality."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (1, 0)
+    shifted = jnp.pad(jax.lax.slice_in_dim(x, 0, x.shape[axis] - 1, axis=axis), widths)
+    return jnp.cumsum(shifted, axis=axis)
+
+
+def _suffix_sum(g, axis):
+    """sum_{i > t} g_i along `axis` (exclusive), as a reversed cumulative sum shifted by one:
+    a sum of same-sign terms, never total - prefix."""
+    reversed_incl = jnp.flip(jnp.cumsum(jnp.flip(g, axis), axis=axis), axis)
+    widths = [(0, 0)] * g.ndim
+    widths[axis] = (0, 1)
+    return jnp.pad(jax.lax.slice_in_dim(reversed_incl, 1, g.shape[axis], axis=axis), widths)
+
+
+def _pair_log_decay(g_xTX, time_axis):
+    """L[t, s] = sum_{s < i <= t} g_i for every pair (t, s) of positions along `time_axis`:
+    [..., T, X] -> [..., T(t), T(s), X], each entry one sum of same-sign terms (a cumulative
+    sum down t of g_t masked to t > s; entries with s > t are 0 and masked by the caller)."""
+    g = jnp.moveaxis(g_xTX, time_axis, -2)
+    T = g.shape[-2]
+    later_TS = jnp.arange(T)[:, None] > jnp.arange(T)[None, :]
+    terms = jnp.where(later_TS[:, :, None], g[..., :, None, :], 0)
+    return jnp.cumsum(terms, axis=-3)
+
+
+def _runs(reset_xT):
+    """Run index of each position (0 until the first reset of the block, then 1, ...)."""
+    return jnp.cumsum(reset_xT.astype(jnp.int32), axis=-1)
+
+
+def block_totals(phi_k_BTHF, v_BTHM, g_BTHX, reset_BT, acc, *, normalize):
+    """What a block of T steps does to a state: s_T = where(dropped, 0, a * s_0) + ds.
+
+    Returns (a_BHX or None, dropped_B or None, ds_BHFM, dz_BHF or None): the product of the
+    block's decays, whether a segment begins in it, and the state it builds from zero (the
+    keys of its last segment only, decayed to its end).
+    """
+    k = phi_k_BTHF.astype(acc)
+    v = v_BTHM
+    a = dropped = None
+    if g_BTHX is not None:
+        k = k * jnp.exp(_suffix_sum(g_BTHX, axis=1))
+        a = jnp.exp(jnp.sum(g_BTHX, axis=1))
+    if reset_BT is not None:
+        runs_BT = _runs(reset_BT)
+        tail_BT11 = (runs_BT == runs_BT[:, -1:])[:, :, None, None]
+        k = jnp.where(tail_BT11, k, 0)
+        v = jnp.where(tail_BT11, v, 0)
+        dropped = runs_BT[:, -1] > 0
+    ds = precision.einsum_in(acc, "bthf,bthm->bhfm", k, v)
+    dz = jnp.sum(k, axis=1) if normalize else None
+    return a, dropped, ds, dz
+
+
+def _expand(x, ndim):
+    """`x` with trailing size-1 axes up to `ndim` (a per-example flag against a state)."""
+    return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
+
+def apply_totals(state, totals):
+    """The state after a stretch whose totals (`block_totals`, or an inclusive scan of them)
+    are `totals`; every array may carry leading axes beyond the batch (steps, chunks)."""
+    s0, z0 = state
+    a, dropped, ds, dz = totals
+    carried_s = s0 if a is None else a[..., :, None] * s0
+    carried_z = None if z0 is None else (z0 if a is None else a * z0)
+    if dropped is not None:
+        carried_s = jnp.where(_expand(dropped, carried_s.ndim), 0, carried_s)
+        carried_z = None if z0 is None else jnp.where(_expand(dropped, carried_z.ndim), 0, carried_z)
+    return carried_s + ds, None if z0 is None else carried_z + dz
+
+
+def _finish(num, den, eps, dtype):
+    return num.astype(dtype) if den is None else normalise(num, den, eps, dtype)
+
+
+def _quadratic(phi_q, phi_k, v, g, reset, s0, z0, *, eps, acc, chunk_size):
+    del chunk_size
+    T = phi_q.shape[1]
+    q, k = phi_q.astype(acc), phi_k.astype(acc)
+    mask_xTS = jnp.tril(jnp.ones((T, T), bool))[None]
+    reads_state_xT = None
+    if reset is not None:
+        runs = _runs(reset)
+        mask_xTS = mask_xTS & (runs[:, :, None] == runs[:, None, :])
+        reads_state_xT = runs == 0
+    sim_BHTS = jnp.einsum("bthf,bshf->bhts", q, k)
+    q_in = q
+    if g is not None:
+        log_BHTSX = _pair_log_decay(g, time_axis=1)
+        decay_BHTSX = jnp.exp(jnp.where(mask_xTS[:, None, :, :, None], log_BHTSX, -jnp.inf))
+        if g.shape[-1] == 1:
+            sim_BHTS = sim_BHTS * decay_BHTSX[..., 0]
+        else:
+            sim_BHTS = jnp.einsum("bthf,bshf,bhtsf->bhts", q, k, decay_BHTSX)
+        q_in = q * jnp.exp(jnp.cumsum(g, axis=1))
+    sim_BHTS = jnp.where(mask_xTS[:, None], sim_BHTS, 0)
+    num = jnp.einsum("bhts,bshm->bthm", sim_BHTS, v.astype(acc))
+    state_num = jnp.einsum("bthf,bhfm->bthm", q_in, s0)
+    den = state_den = None
+    if z0 is not None:
+        den = jnp.einsum("bhts->bth", sim_BHTS)
+        state_den = jnp.einsum("bthf,bhf->bth", q_in, z0)
+    if reads_state_xT is not None:
+        state_num = jnp.where(reads_state_xT[:, :, None, None], state_num, 0)
+        state_den = None if z0 is None else jnp.where(reads_state_xT[:, :, None], state_den, 0)
+    num = num + state_num
+    den = None if z0 is None else den + state_den
+    totals = block_totals(phi_k, v, g, reset, acc, normalize=z0 is not None)
+    return _finish(num, den, eps, v.dtype), apply_totals((s0, z0), totals)
+
+
+def _scan(phi_q, phi_k, v, g, reset, s0, z0, *, eps, acc, chunk_size):
+    del chunk_size
+
+    def step(carry, xs):
+        s, z = carry
+        q_t, k_t, v_t, g_t, reset_t = xs
+        q_t, k_t, v_t = q_t.astype(acc), k_t.astype(acc), v_t.astype(acc)
+        if g_t is not None:
+            a_t = jnp.exp(g_t)
+            s = a_t[..., None] * s
+            z = None if z is None else a_t * z
+        if reset_t is not None:
+            s = jnp.where(reset_t[:, None, None, None], 0, s)
+            z = None if z is None else jnp.where(reset_t[:, None, None], 0, z)
+        s = s + jnp.einsum("bhf,bhm->bhfm", k_t, v_t)
+        num = jnp.einsum("bhf,bhfm->bhm", q_t, s)
+        den = None
+        if z is not None:
+            z = z + k_t
+            den = jnp.einsum("bhf,bhf->bh", q_t, z)
+        return (s, z), _finish(num, den, eps, v.dtype)
+
+    time_major = tuple(None if x is None else jnp.swapaxes(x, 0, 1) for x in (phi_q, phi_k, v, g, reset))
+    carry, out_TBHM = jax.lax.scan(step, (s0, z0), time_major)
+    return jnp.swapaxes(out_TBHM, 0, 1), carry
+
+
+def _combine(first, second):
+    """Two consecutive stretches of the recurrence as one: (decay, dropped, ds, dz)."""
+    a1, r1, s1, z1 = first
+    a2, r2, s2, z2 = second
+    state = apply_totals((s1, z1), (a2, r2, s2, z2))
+    a = None if a1 is None else a1 * a2
+    r = None if r1 is None else r1 | r2
+    return a, r, *state
+
+
+def _scan_totals(a, dropped, ds, dz, axis):
+    """Inclusive `associative_scan` of per-step (or per-chunk) totals along `axis`."""
+    if a is None and dropped is None:
+        return None, None, jnp.cumsum(ds, axis=axis), None if dz is None else jnp.cumsum(dz, axis=axis)
+    return jax.lax.associative_scan(_combine, (a, dropped, ds, dz), axis=axis)
+
+
+def _associative_scan(phi_q, phi_k, v, g, reset, s0, z0, *, eps, acc, chunk_size):
+    del chunk_size
+    k = phi_k.astype(acc)
+    # Each step's totals: its decay, whether a segment begins at it, its own key and value;
+    # scanned, the state after every step from a zero start.
+    ds = precision.einsum_in(acc, "bthf,bthm->bthfm", k, v)
+    dz = k if z0 is not None else None
+    totals = _scan_totals(None if g is None else jnp.exp(g), reset, ds, dz, axis=1)
+    s_BTHFM, z_BTHF = apply_totals((s0[:, None], None if z0 is None else z0[:, None]), totals)
+    q = phi_q.astype(acc)
+    num = jnp.einsum("bthf,bthfm->bthm", q, s_BTHFM)
+    den = None if z0 is None else jnp.einsum("bthf,bthf->bth", q, z_BTHF)
+    final = (s_BTHFM[:, -1], None if z0 is None else z_BTHF[:, -1])
+    return _finish(num, den, eps, v.dtype), final
+
+
+def _chunked_segment(carry, xs, *, eps, acc):
+    """One segment of the chunked form: its N chunks at once, after the state `carry`."""
+    s0, z0 = carry
+    q, k, v, g, reset = xs  # [B, H, N, C, F|M]; g [B|1, H, N, C, X]; reset [B, 1, N, C]
+    C = q.shape[3]
+    mask = jnp.tril(jnp.ones((C, C), bool))
+    reads_state = tail = dropped = None
+    if reset is not None:
+        runs = _runs(reset)
+        mask = mask & (runs[..., :, None] == runs[..., None, :])
+        reads_state = runs == 0
+        tail = runs == runs[..., -1:]
+        dropped = runs[..., -1] > 0  # [B, 1, N]
+
+    # Within a chunk: the masked (decayed) quadratic form on C x C (t, s: query and key in it).
+    if g is None or g.shape[-1] == 1:
+        sim = precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q, k)
+        if g is not None:
+            sim = sim * jnp.exp(jnp.where(mask, _pair_log_decay(g, time_axis=3)[..., 0], -jnp.inf))
+    else:
+        decay = jnp.exp(jnp.where(mask[..., None], _pair_log_decay(g, time_axis=3), -jnp.inf))
+        sim = jnp.einsum("bhntf,bhnsf,bhntsf->bhnts", q.astype(acc), k.astype(acc), decay)
+    sim = jnp.where(mask, sim, 0)
+    num = jnp.einsum("bhnts,bhnsm->bhntm", sim, v.astype(acc))
+    den = None if z0 is None else jnp.sum(sim, axis=-1)
+
+    # Between chunks: the state each chunk starts from, then what its queries read of it.
+    q_in, k_out, v_out = q.astype(acc), k.astype(acc), v
+    a = None
+    if g is not None:
+        q_in = q_in * jnp.exp(jnp.cumsum(g, axis=3))
+        k_out = k_out * jnp.exp(_suffix_sum(g, axis=3))
+        a = jnp.exp(jnp.sum(g, axis=3))
+    if tail is not None:
+        k_out = jnp.where(tail[..., None], k_out, 0)
+        v_out = jnp.where(tail[..., None], v_out, 0)
+    ds = precision.einsum_in(acc, "bhncf,bhncm->bhnfm", k_out, v_out)
+    dz = None if z0 is None else jnp.sum(k_out, axis=3)
+    if a is None and dropped is None:
+        s_in = _exclusive_cumsum(ds, axis=2) + s0[:, :, None]
+        z_in = None if z0 is None else _exclusive_cumsum(dz, axis=2) + z0[:, :, None]
+        carry = (s0 + jnp.sum(ds, axis=2), None if z0 is None else z0 + jnp.sum(dz, axis=2))
+    else:
+        s_end, z_end = apply_totals(
+            (s0[:, :, None], None if z0 is None else z0[:, :, None]), _scan_totals(a, dropped, ds, dz, axis=2)
+        )
+        s_in = jnp.concatenate([s0[:, :, None], s_end[:, :, :-1]], axis=2)
+        z_in = None if z0 is None else jnp.concatenate([z0[:, :, None], z_end[:, :, :-1]], axis=2)
+        carry = (s_end[:, :, -1], None if z0 is None else z_end[:, :, -1])
+    state_num = jnp.einsum("bhncf,bhnfm->bhncm", q_in, s_in)
+    state_den = None if z0 is None else jnp.einsum("bhncf,bhnf->bhnc", q_in, z_in)
+    if reads_state is not None:
+        state_num = jnp.where(reads_state[..., None], state_num, 0)
+        state_den = None if z0 is None else jnp.where(reads_state, state_den, 0)
+    num = num + state_num
+    den = None if z0 is None else den + state_den
+    return carry, _finish(num, den, eps, v.dtype)
+
+
+def _chunked(phi_q, phi_k, v, g, reset, s0, z0, *, eps, acc, chunk_size):
+    B, T, H, _ = phi_q.shape
+    M = v.shape[-1]
+    segment = segment_length()
+    C = min(chunk_size, T)
+    num_chunks = -(-T // C)
+    # G segments of N chunks each, scanned in sequence (G = 1: everything in parallel).
+    G = 1 if segment is None else max(1, -(-num_chunks * C // segment))
+    N = -(-num_chunks // G)
+    pad = G * N * C - T
+    arrays = [phi_q, phi_k, v, g, None if reset is None else reset[:, :, None, None]]
+    if pad:
+        # Padding goes after every real step; its phi(k) is 0, its decay 0 (a factor of 1) and
+        # it begins no segment, so it reaches neither a real output nor the final state.
+        arrays = [
+            None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in arrays
+        ]
+    # Heads next to batch once, so every einsum is a batched matmul over (b, h, n) without a
+    # transpose of its own; segments lead for the scan.
+    xs = tuple(
+        None
+        if x is None
+        else jnp.moveaxis(jnp.swapaxes(x, 1, 2).reshape(x.shape[0], x.shape[2], G, N, C, x.shape[-1]), 2, 0)
+        for x in arrays
+    )
+    if xs[4] is not None:
+        xs = xs[:4] + (xs[4][..., 0],)  # reset: [G, B, 1, N, C]
+    carry = (s0, z0)
+    if G == 1:
+        carry, out_GBHNCM = _chunked_segment(
+            carry, tuple(None if x is None else x[0] for x in xs), eps=eps, acc=acc
+        )
+        out_GBHNCM = out_GBHNCM[None]
+    else:
+        # Rematerialised: the backward pass recomputes a segment's blocks while they are in
+        # cache instead of storing them all (less memory, and faster at long T on CPU).
+        segment_fn = jax.checkpoint(functools.partial(_chunked_segment, eps=eps, acc=acc))
+        carry, out_GBHNCM = jax.lax.scan(segment_fn, carry, xs)
+    out_BHTM = jnp.moveaxis(out_GBHNCM, 0, 2).reshape(B, H, G * N * C, M)
+    return jnp.swapaxes(out_BHTM, 1, 2)[:, :T], carry
+
+
+def _finite_products(form):
+    """`form` run on the finite part of v, NaN wherever a step sees a non-finite value (and in
+    the columns of the final s it reaches): its masked products would otherwise turn a bad
+    value at step s into NaN at every step (ops/_nonfinite.py)."""
+
+    def guarded(phi_q, phi_k, v, g, reset, s0, z0, **kw):
+        result = form(phi_q, phi_k, _nonfinite.finite_part(v), g, reset, s0, z0, **kw)
+
+        def mark(result):
+            out_BTHM, (s_BHFM, z_BHF) = result
+            seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v, num_queries=v.shape[1], causal=True, reset_BT=reset)
+            s_BHFM = _nonfinite.mark_seen(s_BHFM, seen_BTHM[:, -1][:, :, None, :])
+            return _nonfinite.mark_seen(out_BTHM, seen_BTHM), (s_BHFM, z_BHF)
+
+        return _nonfinite.mark_unless_all_finite(v, result, mark)
+
+    return guarded
+
+
+# The recurrent forms ("associative_scan", "scan") only ever add what a step can see. The
+# guard wraps the whole chunked form, not just its within-chunk product: a state built from a
+# non-finite value would still send NaN into earlier steps' gradients (0 * NaN in the backward
+# pass of later steps' normalisation).
+FORMS = {
+    "quadratic": _finite_products(_quadratic),
+    "associative_scan": _associative_scan,
+    "chunked": _finite_products(_chunked),
+    "scan": _scan,
+}
+IMPLS = tuple(FORMS)

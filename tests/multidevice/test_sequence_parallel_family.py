@@ -1,0 +1,158 @@
+"""Sequence parallelism for the family: decays and packed segments split over devices equal one
+device, values and gradients (float64).
+
+Time is split over the mesh axis "seq" of P devices. A device's block starts from the state of
+the blocks before it, decayed by the decays between them, and dropped where a segment began;
+softmax masks the other segments of the gathered keys; the non-causal linear form runs a
+forward and a backward pass (the backward one over the devices in reverse order).
+
+Needs 8 devices: tests/test_multidevice.py runs this file on 8 host CPU devices; elsewhere it
+skips (tests/conftest.py).
+
+Legend: B batch, T time, H heads, D key/query features, M value features.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from linear_transformers import ops
+
+B, T, H, D, M = 2, 24, 2, 4, 3
+TIME = P(None, "seq")
+TOL = dict(rtol=1e-9, atol=1e-10)
+# Segments that begin inside blocks and exactly at block boundaries (P = 4: blocks of 6), with
+# padding in the middle and at the end.
+SEGMENTS = np.array([[1] * 6 + [2] * 5 + [0] * 2 + [3] * 9 + [0] * 2, [4] * 13 + [5] * 11])
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def _mesh(p):
+    return jax.make_mesh((p,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:p])
+
+
+def _randn(seed, *shape):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float64)
+
+
+def _decay(kind, seed):
+    rng = np.random.default_rng(seed)
+    shapes = {"head": (H,), "step": (B, T, H), "feature": (B, T, H, D)}
+    return jnp.asarray(-rng.uniform(0, 1.5, size=shapes[kind]))
+
+
+def _gated(sequence_axis, impl):
+    return functools.partial(
+        ops.gated_linear_attention, impl=impl, chunk_size=4, return_state=True, sequence_axis=sequence_axis
+    )
+
+
+def _value_and_grad(run):
+    def loss(q, k, v, g, s0, w, w_s):
+        out, final = run(q, k, v, g, s0)
+        return jnp.sum(out * w) + jnp.sum(final.s_BHFM * w_s), out
+
+    return jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+
+@pytest.mark.parametrize(
+    "p,impl,decay",
+    [(4, "chunked", "step"), (4, "chunked", "feature"), (8, "scan", "head"), (2, "chunked", "head")],
+)
+def test_gated_in_shard_map_equals_one_device(x64, p, impl, decay):
+    """Decays and segments across device boundaries; gradients w.r.t. q, k, v, the decays and the
+    initial state."""
+    q, k, v = (_randn(s, B, T, H, n) for s, n in ((1, D), (2, D), (3, M)))
+    g = _decay(decay, 4)
+    s0 = _randn(5, B, H, D, M)
+    ids, lengths = jnp.asarray(SEGMENTS), jnp.asarray([T, 20], jnp.int32)
+    w, w_s = _randn(6, B, T, H, M), _randn(7, B, H, D, M)
+    g_spec = P() if decay == "head" else TIME
+
+    def one(q, k, v, g, s0):
+        return _gated(None, "chunked")(
+            q,
+            k,
+            v,
+            log_decay=g,
+            initial_state=ops.LinearState(s0, None),
+            segment_ids=ids,
+            key_lengths=lengths,
+        )
+
+    def local(q, k, v, g, s0, ids, lengths):
+        out, final = _gated("seq", impl)(
+            q,
+            k,
+            v,
+            log_decay=g,
+            initial_state=ops.LinearState(s0, None),
+            segment_ids=ids,
+            key_lengths=lengths,
+        )
+        return out, final
+
+    split = jax.shard_map(
+        local,
+        mesh=_mesh(p),
+        in_specs=(TIME, TIME, TIME, g_spec, P(), TIME, P()),
+        out_specs=(TIME, P()),
+    )
+    expected = _value_and_grad(one)(q, k, v, g, s0, w, w_s)
+    got = _value_and_grad(lambda q, k, v, g, s0: split(q, k, v, g, s0, ids, lengths))(q, k, v, g, s0, w, w_s)
+    valid = (SEGMENTS != 0) & (np.arange(T)[None] < np.asarray(lengths)[:, None])
+    chex.assert_trees_all_close(np.asarray(got[0][1])[valid], np.asarray(expected[0][1])[valid], **TOL)
+    chex.assert_trees_all_close(got[0][0], expected[0][0], **TOL)
+    chex.assert_trees_all_close(got[1], expected[1], **TOL)
+
+
+def test_gated_outside_shard_map_with_a_mesh_set(x64):
+    """Global arrays under `jax.set_mesh`: the op wraps itself, segments and decays included."""
+    q, k, v = (_randn(s, B, T, H, n) for s, n in ((11, D), (12, D), (13, M)))
+    g, ids = _decay("step", 14), jnp.asarray(SEGMENTS)
+    run = functools.partial(
+        ops.gated_linear_attention, log_decay=g, segment_ids=ids, chunk_size=4, return_state=True
+    )
+    expected = jit(run)(q, k, v)
+    with jax.set_mesh(_mesh(4)):
+        got = jit(functools.partial(run, sequence_axis="seq"))(q, k, v)
+    chex.assert_trees_all_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_softmax_segments_over_devices_equal_one_device(x64, causal):
+    q, k, v = (_randn(s, B, T, H, D) for s in (21, 22, 23))
+    ids = jnp.asarray(SEGMENTS)
+    run = functools.partial(ops.softmax_attention, causal=causal, segment_ids=ids)
+    expected = jit(run)(q, k, v)
+    with jax.set_mesh(_mesh(4)):
+        got = jit(functools.partial(run, sequence_axis="seq"))(q, k, v)
+    valid = SEGMENTS != 0
+    chex.assert_trees_all_close(np.asarray(got)[valid], np.asarray(expected)[valid], **TOL)
+
+
+@pytest.mark.parametrize("p", [2, 8])
+def test_non_causal_linear_segments_over_devices_equal_one_device(x64, p):
+    """The backward pass visits the devices in reverse order (a ppermute inside shard_map);
+    gradients too."""
+    q, k, v = (_randn(s, B, T, H, D) for s in (31, 32, 33))
+    ids, lengths = jnp.asarray(SEGMENTS), jnp.asarray([T, 17], jnp.int32)
+    w = _randn(34, B, T, H, D) * jnp.asarray(SEGMENTS != 0)[:, :, None, None]
+
+    def loss(q, k, v, sequence_axis):
+        out = ops.linear_attention(q, k, v, segment_ids=ids, key_lengths=lengths, sequence_axis=sequence_axis)
+        return jnp.sum(out * w)
+
+    expected = jit(jax.value_and_grad(functools.partial(loss, sequence_axis=None), argnums=(0, 1, 2)))(
+        q, k, v
+    )
+    with jax.set_mesh(_mesh(p)):
+        got = jit(jax.value_and_grad(functools.partial(loss, sequence_axis="seq"), argnums=(0, 1, 2)))(
+            q, k, v
+        )
+    chex.assert_trees_all_close(got, expected, **TOL)
