@@ -30,7 +30,7 @@ _IMPLS = flags.DEFINE_list(
 )
 _PASSES = flags.DEFINE_list("passes", ["forward", "forward+backward"], "forward, forward+backward.")
 _CHUNK = flags.DEFINE_integer(
-    "chunk_size", None, "Chunk length of the chunked forms (default: each op's, 16 with per-feature decays)."
+    "chunk_size", None, "Chunk length of the chunked forms (default: the op's, 64)."
 )
 _BIAS = flags.DEFINE_float(
     "decay_logit_bias", 3.0, "Log decays = log_sigmoid(normal logits + this); 3: ~0.95 kept per step."

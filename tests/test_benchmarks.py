@@ -439,7 +439,7 @@ def test_gated_cases_time_the_decayed_op_and_its_reference():
     chunked = jax.jit(gated_bench.attention_fn("gated-feature/chunked", None))(q, k, v, g)
     dense = jax.jit(gated_bench.attention_fn("gated-feature/quadratic", None))(q, k, v, g)
     np.testing.assert_allclose(chunked, dense, atol=1e-5, rtol=1e-4)
-    assert gated_bench.chunk_size_used("gated-feature/chunked", None) == ops.FEATURE_DECAY_CHUNK_SIZE
+    assert gated_bench.chunk_size_used("gated-feature/chunked", None) == ops.DEFAULT_CHUNK_SIZE
     assert gated_bench.chunk_size_used("gated-step/quadratic", 32) is None
     row = gated_bench.run_case(opts, "gated-step/quadratic", "forward", 64, budget=0)
     assert row["status"].startswith("skipped: needs") and math.isnan(row["time_ms"]) and row["peak_mib"] > 0

@@ -306,3 +306,27 @@ def test_bad_arguments_are_named(kwargs, message):
     }
     with pytest.raises(ValueError, match="gated_linear_attention: " + message):
         ops.gated_linear_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("strength,factored", [(1.0, True), (12.0, False)])
+def test_per_feature_decays_take_either_form_exactly(x64, strength, factored):
+    """Per-feature decays within a chunk: one matmul of rescaled q and k while the decays stay
+    within exp(+-30) of the chunk's midpoint, else blocks of 8 steps pair by pair and factors
+    <= 1 between them. Both equal the dense reference, values and gradients."""
+    from linear_transformers.ops import gated_forms
+
+    rng = np.random.default_rng(8)
+    T_chunks = 32  # two chunks of 16: blocks of 8 inside each
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T_chunks, H, n))) for n in (D, D, M))
+    g = jnp.asarray(-rng.uniform(0, strength, size=(B, T_chunks, H, D)))
+    chunks = jnp.swapaxes(g, 1, 2).reshape(B, H, 2, 16, D)
+    assert bool(gated_forms._fits_factored(gated_forms._from_midpoint(chunks, axis=3))) == factored
+
+    def loss(q, k, v, g, impl):
+        out = ops.gated_linear_attention(q, k, v, log_decay=g, impl=impl, chunk_size=16)
+        return jnp.sum(jnp.sin(out)), out
+
+    (_, got), got_grads = jax.value_and_grad(loss, argnums=range(4), has_aux=True)(q, k, v, g, "chunked")
+    (_, want), want_grads = jax.value_and_grad(loss, argnums=range(4), has_aux=True)(q, k, v, g, "quadratic")
+    chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
+    chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-9, atol=1e-11)

@@ -56,7 +56,7 @@ class GatedBenchOptions:
     decays: tuple[str, ...] = DECAYS
     impls: tuple[str, ...] = IMPLS
     passes: tuple[str, ...] = PASSES
-    chunk_size: int | None = None  # None: each op's default (64; 16 with per-feature decays)
+    chunk_size: int | None = None  # None: the op's default (64)
     decay_logit_bias: float = 3.0
     memory_fraction: float = 0.6  # of the device's free memory, per case
     max_call_seconds: float = 5.0  # a case slower than this at N skips the longer lengths
@@ -110,7 +110,7 @@ def chunk_size_used(kind: str, chunk_size: int | None) -> int | None:
         return None
     if chunk_size is not None:
         return chunk_size
-    return ops.FEATURE_DECAY_CHUNK_SIZE if decay == "feature" else ops.DEFAULT_CHUNK_SIZE
+    return ops.DEFAULT_CHUNK_SIZE
 
 
 def attention_fn(kind: str, chunk_size: int | None):

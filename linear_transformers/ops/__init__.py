@@ -20,7 +20,6 @@ from linear_transformers.ops.feature_maps import (
 )
 from linear_transformers.ops.gated_forms import DEFAULT_CHUNK_SIZE, IMPLS
 from linear_transformers.ops.gated_linear import (
-    FEATURE_DECAY_CHUNK_SIZE,
     gated_linear_attention,
     gated_linear_attention_prefill,
     gated_linear_attention_step,
@@ -61,7 +60,6 @@ __all__ = [
     "causal_linear_attention",
     "causal_linear_attention_prefill",
     "check_segment_ids",
-    "FEATURE_DECAY_CHUNK_SIZE",
     "gated_linear_attention",
     "gated_linear_attention_prefill",
     "gated_linear_attention_step",

@@ -65,24 +65,42 @@ def _exclusive_cumsum(x, axis):
     return jnp.cumsum(shifted, axis=axis)
 
 
+def _masked_sums(weights_TI, g, axis):
+    """out_t = sum_i weights[t, i] * g_i along `axis` (weights 0 or +-1, one sign per row): a
+    cumulative sum as a matmul, which XLA runs far faster on CPU than `cumsum` (a reduce-window)
+    and which adds the same same-sign terms."""
+    out = jnp.tensordot(jnp.moveaxis(g, axis, -1), weights_TI.astype(g.dtype), axes=((-1,), (1,)))
+    return jnp.moveaxis(out, -1, axis)
+
+
+def _prefix_sum(g, axis):
+    """sum_{i <= t} g_i along `axis` (inclusive)."""
+    n = g.shape[axis]
+    return _masked_sums(jnp.tril(jnp.ones((n, n))), g, axis)
+
+
 def _suffix_sum(g, axis):
-    """sum_{i > t} g_i along `axis` (exclusive), as a reversed cumulative sum shifted by one:
-    a sum of same-sign terms, never total - prefix."""
-    reversed_incl = jnp.flip(jnp.cumsum(jnp.flip(g, axis), axis=axis), axis)
-    widths = [(0, 0)] * g.ndim
-    widths[axis] = (0, 1)
-    return jnp.pad(jax.lax.slice_in_dim(reversed_incl, 1, g.shape[axis], axis=axis), widths)
+    """sum_{i > t} g_i along `axis` (exclusive): a sum of same-sign terms, never total - prefix."""
+    n = g.shape[axis]
+    index = jnp.arange(n)
+    return _masked_sums(index[None, :] > index[:, None], g, axis)
 
 
 def _pair_log_decay(g_xTX, time_axis):
     """L[t, s] = sum_{s < i <= t} g_i for every pair (t, s) of positions along `time_axis`:
-    [..., T, X] -> [..., T(t), T(s), X], each entry one sum of same-sign terms (a cumulative
-    sum down t of g_t masked to t > s; entries with s > t are 0 and masked by the caller)."""
+    [..., T, X] -> [..., T(t), T(s), X], each entry one sum of same-sign terms (entries with
+    s > t are 0 and masked by the caller). Short axes (chunks) as one matmul with a [T, T, T]
+    0/1 matrix; long ones (the dense reference) as a cumulative sum down t, in O(T^2) memory."""
     g = jnp.moveaxis(g_xTX, time_axis, -2)
     T = g.shape[-2]
-    later_TS = jnp.arange(T)[:, None] > jnp.arange(T)[None, :]
-    terms = jnp.where(later_TS[:, :, None], g[..., :, None, :], 0)
-    return jnp.cumsum(terms, axis=-3)
+    index = jnp.arange(T)
+    if T > 128:
+        later_TS = index[:, None] > index[None, :]
+        return jnp.cumsum(jnp.where(later_TS[:, :, None], g[..., :, None, :], 0), axis=-3)
+    between_TSI = (index[None, None, :] > index[None, :, None]) & (
+        index[None, None, :] <= index[:, None, None]
+    )
+    return jnp.einsum("tsi,...ix->...tsx", between_TSI.astype(g.dtype), g)
 
 
 def _runs(reset_xT):
@@ -155,7 +173,7 @@ def _quadratic(phi_q, phi_k, v, g, reset, s0, z0, *, eps, acc, chunk_size):
             sim_BHTS = sim_BHTS * decay_BHTSX[..., 0]
         else:
             sim_BHTS = jnp.einsum("bthf,bshf,bhtsf->bhts", q, k, decay_BHTSX)
-        q_in = q * jnp.exp(jnp.cumsum(g, axis=1))
+        q_in = q * jnp.exp(_prefix_sum(g, axis=1))
     sim_BHTS = jnp.where(mask_xTS[:, None], sim_BHTS, 0)
     num = jnp.einsum("bhts,bshm->bthm", sim_BHTS, v.astype(acc))
     state_num = jnp.einsum("bthf,bhfm->bthm", q_in, s0)
@@ -232,6 +250,111 @@ def _associative_scan(phi_q, phi_k, v, g, reset, s0, z0, *, eps, acc, chunk_size
     return _finish(num, den, eps, v.dtype), final
 
 
+# Decays within a chunk: scores sum_f q_tf k_sf exp(L_tsf), L_tsf the log decay from s to t (one
+# per head, X = 1, or per feature, X = F). Where every chunk's decays stay within
+# exp(+-FACTOR_RANGE) of its midpoint m (typical gates), they are one matmul of q * exp(u) and
+# k * exp(-u), u_t the log decay between m and t: exact to a relative eps * FACTOR_RANGE.
+# Otherwise (strong decays) every pair's decay is summed on its own (per feature: within blocks
+# of 8 steps, and between blocks from factors that are all <= 1): exact and finite whatever the
+# decays, and slower. `lax.cond` picks one per segment of chunks; the backward pass recomputes
+# the one taken from its inputs.
+FACTOR_RANGE = 30.0
+EXACT_BLOCK = 8
+
+
+def _from_midpoint(g, axis):
+    """u_t = sum_{m < i <= t} g_i after the midpoint m, -sum_{t < i <= m} g_i before it: each a
+    sum of same-sign terms starting at m (no cancellation)."""
+    n = g.shape[axis]
+    t, i, m = jnp.arange(n)[:, None], jnp.arange(n)[None, :], n // 2
+    signed_TI = jnp.where((m < i) & (i <= t), 1.0, 0.0) - jnp.where((t < i) & (i <= m), 1.0, 0.0)
+    return _masked_sums(signed_TI, g, axis)
+
+
+def _factored_scores(q, k, u, acc):
+    return precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q * jnp.exp(u), k * jnp.exp(-u))
+
+
+def _blocked_scores(q, k, g, acc):
+    """Every pair's decay on its own. One decay per head: exp(L_ts) times q_t . k_s. Per feature:
+    blocks of EXACT_BLOCK steps, within a block the decays of every pair, between blocks q *
+    exp(decay since its block began) * exp(decays of the blocks in between) * k * exp(decay to
+    its block's end): sums of same-sign terms, every factor <= 1."""
+    if g.shape[-1] == 1:
+        C = q.shape[3]
+        mask = jnp.tril(jnp.ones((C, C), bool))
+        decay = jnp.exp(jnp.where(mask, _pair_log_decay(g, time_axis=3)[..., 0], -jnp.inf))
+        return precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q, k) * decay
+    B, H, N, C, F = q.shape
+    c = EXACT_BLOCK if C % EXACT_BLOCK == 0 else C
+    n = C // c
+    q, k = q.astype(acc), k.astype(acc)
+    qb, kb, gb = (x.reshape(B, H, N, n, c, F) for x in (q, k, g))
+    inner = jnp.tril(jnp.ones((c, c), bool))
+    decay = jnp.exp(jnp.where(inner[..., None], _pair_log_decay(gb, time_axis=4), -jnp.inf))
+    within = jnp.einsum("bhnitf,bhnisf,bhnitsf->bhnits", qb, kb, decay)
+    block = jnp.arange(n)
+    between_ijl = (block[None, None, :] > block[None, :, None]) & (
+        block[None, None, :] < block[:, None, None]
+    )
+    gap = jnp.exp(
+        jnp.sum(jnp.where(between_ijl[..., None], jnp.sum(gb, axis=4)[..., None, None, :, :], 0), axis=-2)
+    )
+    q_out = qb * jnp.exp(_prefix_sum(gb, axis=4))
+    k_in = kb * jnp.exp(_suffix_sum(gb, axis=4))
+    across = jnp.einsum("bhnitf,bhnijf,bhnjsf->bhnijts", q_out, gap, k_in)
+    earlier = block[:, None] > block[None, :]
+    scores = jnp.where(earlier[:, :, None, None], across, 0) + jnp.where(
+        jnp.eye(n, dtype=bool)[:, :, None, None], within[:, :, :, :, None], 0
+    )
+    return jnp.swapaxes(scores, 4, 5).reshape(B, H, N, C, C)
+
+
+def _fits_factored(u):
+    """Whether every chunk's log decays stay within FACTOR_RANGE of its midpoint."""
+    return jnp.max(jnp.abs(u)) <= FACTOR_RANGE
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _scores(q, k, g, u, acc):
+    return jax.lax.cond(
+        _fits_factored(u),
+        lambda q, k, g, u: _factored_scores(q, k, u, acc),
+        lambda q, k, g, u: _blocked_scores(q, k, g, acc),
+        q,
+        k,
+        g,
+        u,
+    )
+
+
+def _scores_forward(q, k, g, u, acc):
+    return _scores(q, k, g, u, acc), (q, k, g, u)
+
+
+def _scores_backward(acc, inputs, cotangent):
+    # The form the forward pass took, differentiated again from its inputs: the residuals are
+    # the inputs alone, whichever form runs.
+    def factored(q, k, g, u):
+        dq, dk, du = jax.vjp(lambda q, k, u: _factored_scores(q, k, u, acc), q, k, u)[1](cotangent)
+        return dq, dk, jnp.zeros_like(g), du
+
+    def blocked(q, k, g, u):
+        dq, dk, dg = jax.vjp(lambda q, k, g: _blocked_scores(q, k, g, acc), q, k, g)[1](cotangent)
+        return dq, dk, dg, jnp.zeros_like(u)
+
+    return jax.lax.cond(_fits_factored(inputs[3]), factored, blocked, *inputs)
+
+
+_scores.defvjp(_scores_forward, _scores_backward)
+
+
+def _decayed_scores(q, k, g, mask, acc):
+    """[B, H, N, C, C] scores q_t . diag(decay from s to t) k_s."""
+    del mask  # The caller masks; both forms compute every pair.
+    return _scores(q, k, g, _from_midpoint(g, axis=3), acc)
+
+
 def _chunked_segment(carry, xs, *, eps, acc):
     """One segment of the chunked form: its N chunks at once, after the state `carry`."""
     s0, z0 = carry
@@ -247,13 +370,10 @@ def _chunked_segment(carry, xs, *, eps, acc):
         dropped = runs[..., -1] > 0  # [B, 1, N]
 
     # Within a chunk: the masked (decayed) quadratic form on C x C (t, s: query and key in it).
-    if g is None or g.shape[-1] == 1:
+    if g is None:
         sim = precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q, k)
-        if g is not None:
-            sim = sim * jnp.exp(jnp.where(mask, _pair_log_decay(g, time_axis=3)[..., 0], -jnp.inf))
     else:
-        decay = jnp.exp(jnp.where(mask[..., None], _pair_log_decay(g, time_axis=3), -jnp.inf))
-        sim = jnp.einsum("bhntf,bhnsf,bhntsf->bhnts", q.astype(acc), k.astype(acc), decay)
+        sim = _decayed_scores(q, k, g, mask, acc)
     sim = jnp.where(mask, sim, 0)
     num = jnp.einsum("bhnts,bhnsm->bhntm", sim, v.astype(acc))
     den = None if z0 is None else jnp.sum(sim, axis=-1)
@@ -262,7 +382,7 @@ def _chunked_segment(carry, xs, *, eps, acc):
     q_in, k_out, v_out = q.astype(acc), k.astype(acc), v
     a = None
     if g is not None:
-        q_in = q_in * jnp.exp(jnp.cumsum(g, axis=3))
+        q_in = q_in * jnp.exp(_prefix_sum(g, axis=3))
         k_out = k_out * jnp.exp(_suffix_sum(g, axis=3))
         a = jnp.exp(jnp.sum(g, axis=3))
     if tail is not None:

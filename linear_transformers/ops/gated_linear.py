@@ -39,10 +39,6 @@ from linear_transformers.ops.feature_maps import make_feature_map
 from linear_transformers.ops.gated_forms import DEFAULT_CHUNK_SIZE, FORMS, IMPLS, apply_totals, block_totals
 from linear_transformers.ops.linear_state import LinearState, init_linear_state, normalise
 
-# Per-feature decays form a [C, C, F] factor per chunk (one exp per feature and pair of steps),
-# so their chunks are shorter (BENCHMARKS.md has the sweep).
-FEATURE_DECAY_CHUNK_SIZE = 16
-
 
 def check_log_decay(log_decay, shape_BTHF, *, name: str):
     """`log_decay` as a float array of shape [B, T, H, X] (X = 1 or F), or None.
@@ -213,7 +209,7 @@ def gated_linear_attention(
         non-negative feature map).
       impl: one of "quadratic", "associative_scan", "chunked", "scan" (`gated_forms.py`); all
         give the same result.
-      chunk_size: chunk length C for impl="chunked" (None: 64, 16 with per-feature decays).
+      chunk_size: chunk length C for impl="chunked" (None: `DEFAULT_CHUNK_SIZE`, 64).
       eps: added to the normaliser.
       initial_state: an `ops.LinearState` (s [B, H, F, M], z [B, H, F] or None without a
         normaliser) the sequence continues from. None: zeros. Gradients flow into it.
@@ -299,7 +295,7 @@ def attend(
         out = jnp.zeros((B, 0, H, M), v_BTHM.dtype)
         return (out, initial_state) if return_state else out
     if chunk_size is None:
-        chunk_size = FEATURE_DECAY_CHUNK_SIZE if g is not None and g.shape[-1] > 1 else DEFAULT_CHUNK_SIZE
+        chunk_size = DEFAULT_CHUNK_SIZE
     scale = D**-0.5 if scale is None else scale
     kw = dict(
         form=FORMS[impl], prep=dict(fm=fm, scale=scale, acc=acc), acc=acc, eps=eps, chunk_size=chunk_size
