@@ -1,9 +1,9 @@
 """Packed variable-length batches: several sequences per row, told apart by segment ids.
 
-Legend: R rows, T time (the row length).
+Legend: B batch (rows), T time (the row length).
 
-  tokens_RT, segment_ids_RT, positions_RT = pack_sequences(sequences, length)
-  logits = model(tokens_RT, segment_ids=segment_ids_RT, positions=positions_RT)
+  tokens_BT, segment_ids_BT, positions_BT = pack_sequences(sequences, length)
+  logits = model(tokens_BT, segment_ids=segment_ids_BT, positions=positions_BT)
 
 Segment ids number the sequences of a row 1, 2, ... (0 is padding); positions restart at 0 in
 every segment. Every attention kind, causal or not, computes each segment as if it were alone
@@ -25,8 +25,8 @@ def pack_sequences(sequences: Sequence, length: int, *, pad_id: int = 0):
 
     Each sequence goes whole into the first row with room for it (a new row when none has):
     no sequence is split, dropped or reordered within its row. Returns numpy arrays
-    (tokens [R, length] in the sequences' dtype, padded with `pad_id`; segment_ids [R, length]
-    int32, 1, 2, ... per row and 0 at padding; positions [R, length] int32, 0, 1, ... within
+    (tokens [B, length] in the sequences' dtype, padded with `pad_id`; segment_ids [B, length]
+    int32, 1, 2, ... per row and 0 at padding; positions [B, length] int32, 0, 1, ... within
     each sequence and 0 at padding). A sequence longer than `length`, or an empty one, is a
     ValueError naming it.
     """

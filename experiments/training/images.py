@@ -8,9 +8,10 @@ import pathlib
 import numpy as np
 
 
-def image_grid(images_NHWC: np.ndarray, num_classes: int, *, pad: int = 1) -> np.ndarray:
-    """Tile class-valued images [N, H, W, C] into one uint8 grid image, nearly square."""
-    images = np.asarray(images_NHWC)
+def image_grid(images: np.ndarray, num_classes: int, *, pad: int = 1) -> np.ndarray:
+    """Tile class-valued images [count, height, width, channels] into one uint8 grid image,
+    nearly square."""
+    images = np.asarray(images)
     n, h, w, c = images.shape
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
@@ -23,11 +24,11 @@ def image_grid(images_NHWC: np.ndarray, num_classes: int, *, pad: int = 1) -> np
     return grid
 
 
-def save_image_grid(path, images_NHWC, num_classes: int, *, scale: int = 1) -> pathlib.Path:
+def save_image_grid(path, images, num_classes: int, *, scale: int = 1) -> pathlib.Path:
     """Write a PNG grid of the images; `scale` enlarges small images (nearest neighbour)."""
     from PIL import Image
 
-    grid = image_grid(images_NHWC, num_classes)
+    grid = image_grid(images, num_classes)
     if scale > 1:
         grid = grid.repeat(scale, axis=0).repeat(scale, axis=1)
     path = pathlib.Path(path)

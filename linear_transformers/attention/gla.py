@@ -1,11 +1,10 @@
 """`"simple-gla"` and `"gla"`: gated linear attention (Yang et al., 2024) with decays computed
 from the input, one per head and step, or one per key feature and step.
 
-Legend: B batch, T time, E layer input width, H heads, D key features per head, R the rank of
-GLA's gate projection.
+Legend: B batch, T time, E layer input width, H heads, D key features per head.
 
   simple-gla (Mamba-2's SSD, FLA's simple GLA):  g_t = log_sigmoid(x_t W + b) / normalizer  [B, T, H]
-  gla:  g_t = log_sigmoid((x_t W1) W2 + b) / normalizer, W1 [E, R], W2 [R, H*D]           [B, T, H, D]
+  gla:  g_t = log_sigmoid((x_t W1) W2 + b) / normalizer, W1 [E, rank], W2 [rank, H*D]     [B, T, H, D]
 
 as FLA's `SimpleGatedLinearAttention` and `GatedLinearAttention` layers compute them (their
 normalizer 16: decays close to 1, so the state keeps a long memory at initialisation).
@@ -47,7 +46,7 @@ class GLAOptions(SimpleGLAOptions):
     """Options of `"gla"`: `SimpleGLAOptions` and
 
     Attributes:
-      gate_low_rank_dim: R, the rank of the gate projection (default 16).
+      gate_low_rank_dim: the rank of the gate projection (default 16).
     """
 
     gate_low_rank_dim: int = 16

@@ -3,12 +3,13 @@
 Legend: B batch, T query time, S key time (the same positions: causal self-attention), H
 heads, F feature-map features, M value features, X decay features (1: one decay per head and
 step; F: one per key feature), C chunk length, N chunks, G segments of chunks (the chunked
-form's `lax.scan` on CPU).
+form's `lax.scan` on CPU), I and O blocks of a chunk (a query's and a key's, in the exact form
+of per-feature decays).
 
 Every form takes what `gated_linear.py` prepared:
 
   phi_q_BTHF (scale applied), phi_k_BTHF and v_BTHM (zero where a key is padding),
-  g_BTHX     log decays (<= 0; 0 at padding), shape [B|1, T, H, 1|F], or None (no decay),
+  g_BTHX     log decays (<= 0; 0 at padding), shape [B, T, H, 1|F], or None (no decay),
   reset_BT   True where a segment begins (the state is dropped before that step), or None,
   s0_BHFM, z0_BHF: the initial state (z0 None: no normaliser),
 
@@ -17,11 +18,12 @@ and computes, with a_t = exp(g_t) and the state dropped at a reset,
   s_t = a_t * s_{t-1} + phi(k_t) v_t^T,   z_t = a_t * z_{t-1} + phi(k_t),
   out_t = phi(q_t) . s_t  (/ (phi(q_t) . z_t + eps) with a normaliser),
 
-returning (out_BTHM, (s_T, z_T)). Decays are only ever summed (exp of a sum of log decays
-between two steps, never exp(+cumulative sum) or a difference of two running sums), so no
-factor overflows and no cancellation loses precision however strong the decay. A reset is
-applied with `where`, never by multiplying by 0, so a non-finite value in an earlier segment
-cannot reach a later one.
+returning (out_BTHM, (s_T, z_T)). The decay between two steps is the exp of a sum of their
+log decays, never exp(+cumulative sum) nor a difference of two running sums, so no factor
+overflows and no cancellation loses precision however strong the decay; within a chunk the
+chunked form may instead rescale q and k relative to the chunk's midpoint, only where that
+stays within exp(+-FACTOR_RANGE) (below). A reset is applied with `where`, never by
+multiplying by 0, so a non-finite value in an earlier segment cannot reach a later one.
 
 - "quadratic": the dense [T, T] (or [T, T, F]) decay matrix; the reference.
 - "associative_scan": `lax.associative_scan` of (decay, reset, state) per step.
@@ -65,11 +67,11 @@ def _exclusive_cumsum(x, axis):
     return jnp.cumsum(shifted, axis=axis)
 
 
-def _masked_sums(weights_TI, g, axis):
+def _masked_sums(weights_TT, g, axis):
     """out_t = sum_i weights[t, i] * g_i along `axis` (weights 0 or +-1, one sign per row): a
     cumulative sum as a matmul, which XLA runs far faster on CPU than `cumsum` (a reduce-window)
     and which adds the same same-sign terms."""
-    out = jnp.tensordot(jnp.moveaxis(g, axis, -1), weights_TI.astype(g.dtype), axes=((-1,), (1,)))
+    out = jnp.tensordot(jnp.moveaxis(g, axis, -1), weights_TT.astype(g.dtype), axes=((-1,), (1,)))
     return jnp.moveaxis(out, -1, axis)
 
 
@@ -97,10 +99,10 @@ def _pair_log_decay(g_xTX, time_axis):
     if T > 128:
         later_TS = index[:, None] > index[None, :]
         return jnp.cumsum(jnp.where(later_TS[:, :, None], g[..., :, None, :], 0), axis=-3)
-    between_TSI = (index[None, None, :] > index[None, :, None]) & (
+    between_TTT = (index[None, None, :] > index[None, :, None]) & (
         index[None, None, :] <= index[:, None, None]
     )
-    return jnp.einsum("tsi,...ix->...tsx", between_TSI.astype(g.dtype), g)
+    return jnp.moveaxis(jnp.tensordot(g, between_TTT.astype(g.dtype), axes=((-2,), (2,))), -3, -1)
 
 
 def _runs(reset_xT):
@@ -267,8 +269,8 @@ def _from_midpoint(g, axis):
     sum of same-sign terms starting at m (no cancellation)."""
     n = g.shape[axis]
     t, i, m = jnp.arange(n)[:, None], jnp.arange(n)[None, :], n // 2
-    signed_TI = jnp.where((m < i) & (i <= t), 1.0, 0.0) - jnp.where((t < i) & (i <= m), 1.0, 0.0)
-    return _masked_sums(signed_TI, g, axis)
+    signed_TT = jnp.where((m < i) & (i <= t), 1.0, 0.0) - jnp.where((t < i) & (i <= m), 1.0, 0.0)
+    return _masked_sums(signed_TT, g, axis)
 
 
 def _factored_scores(q, k, u, acc):
@@ -302,7 +304,7 @@ def _blocked_scores(q, k, g, acc):
     )
     q_out = qb * jnp.exp(_prefix_sum(gb, axis=4))
     k_in = kb * jnp.exp(_suffix_sum(gb, axis=4))
-    across = jnp.einsum("bhnitf,bhnijf,bhnjsf->bhnijts", q_out, gap, k_in)
+    across = jnp.einsum("bhnitf,bhniof,bhnosf->bhniots", q_out, gap, k_in)
     earlier = block[:, None] > block[None, :]
     scores = jnp.where(earlier[:, :, None, None], across, 0) + jnp.where(
         jnp.eye(n, dtype=bool)[:, :, None, None], within[:, :, :, :, None], 0
