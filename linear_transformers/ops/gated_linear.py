@@ -120,16 +120,11 @@ def _prepare(q, k, v, g, key_lengths, segment_ids, *, fm, scale, acc, offset, pr
 
 
 def _one_device(q, k, v, g, key_lengths, segment_ids, initial_state, *, form, prep, **kw):
-    inputs = _prepare(
-        q, k, v, g, key_lengths, segment_ids, offset=0, previous_ids=segment_ids_first(segment_ids), **prep
-    )
+    # A call's first step continues the initial state: no segment begins there.
+    previous_ids = None if segment_ids is None else segment_ids[:, 0]
+    inputs = _prepare(q, k, v, g, key_lengths, segment_ids, offset=0, previous_ids=previous_ids, **prep)
     out_BTHM, state = form(*inputs, *initial_state, **kw)
     return out_BTHM, LinearState(*state)
-
-
-def segment_ids_first(segment_ids):
-    """The ids a call's first step continues from: its own (no segment begins at step 0)."""
-    return None if segment_ids is None else segment_ids[:, 0]
 
 
 def _sequence_parallel(q, k, v, g, key_lengths, segment_ids, initial_state, *, axis, form, prep, **kw):
