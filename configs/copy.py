@@ -20,6 +20,15 @@ constant 1e-3; `linformer` puts Linformer attention in the encoder (the decoder 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train \\
       --config configs/copy.py:long --workdir workdirs/copy_long
 
+`variable_length` (after the size) draws copies of 1 to (max_length - 1) // 2 - 1 symbols and
+packs several to a row (segment ids and positions per example, each computed alone; accuracies
+per example); `packed=false` trains on the same examples one per row, for comparison
+(measured: BENCHMARKS.md, "The linear-attention family"):
+
+  python -m experiments.train --config configs/copy.py:cpu,variable_length --workdir workdirs/c_packed
+  python -m experiments.train --config configs/copy.py:cpu,variable_length,packed=false \
+      --workdir workdirs/c_padded
+
 `--config.mesh.sequence=P` splits time over P devices for any config (data parallel over the
 rest, `--config.mesh.data`).
 

@@ -1,12 +1,23 @@
 """Shared fixtures: `x64` turns on float64 for one test; tests under tests/multidevice/ skip
-unless 8 devices are present."""
+unless 8 devices are present. XLA compiles at its lowest backend optimisation level here."""
 
 import contextlib
+import os
 import pathlib
 
-import jax
-import jax.numpy as jnp
-import pytest
+# Every program the tests compile is tiny (a few layers of width 16 to 64, a few steps): XLA's
+# LLVM optimisations at least double the compile time that dominates the suite on CPU and save
+# nothing at run time. The level changes no result beyond rounding (no fast math either way);
+# the tests and their tolerances pass at both. Set before JAX starts its backend (it reads
+# XLA_FLAGS then), so this process, its xdist workers and the subprocesses the tests start
+# (which inherit the environment) all compile the same way. A level given by the caller stays.
+_OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
+if _OPT_LEVEL_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_LEVEL_FLAG}=0".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
 
 
 def enable_x64():

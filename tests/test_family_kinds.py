@@ -17,6 +17,10 @@ from linear_transformers.attention import check_attention_options
 
 B, T, E, H = 2, 11, 16, 2
 GATED = ["retention", "simple-gla", "gla"]
+# Compiled once per module structure and shape, and reused: op-by-op dispatch is slow on CPU.
+_call = nnx.jit(lambda m, x: m(x))
+_step = nnx.jit(lambda m, state, x: m.step(state, x))
+_prefill = nnx.jit(lambda m, state, x, key_lengths: m.prefill(state, x, key_lengths=key_lengths))
 
 
 def _mha(kind, seed=0, **options):
@@ -51,15 +55,15 @@ def test_parallel_steps_and_prefills_agree(kind):
     the layer around them, gates and norm included."""
     mha = _mha(kind)
     x = _x(2)
-    parallel = mha(x)
+    parallel = _call(mha, x)
     state, steps = mha.init_state(B), []
     for t in range(T):
-        state, y_t = mha.step(state, x[:, t])
+        state, y_t = _step(mha, state, x[:, t])
         steps.append(y_t)
     chex.assert_trees_all_close(jnp.stack(steps, 1), parallel, rtol=2e-5, atol=2e-5)
     blocks, state2 = [], mha.init_state(B)
     for lo, hi in ((0, 3), (3, 4), (4, T)):
-        state2, y = mha.prefill(state2, x[:, lo:hi])
+        state2, y = _prefill(mha, state2, x[:, lo:hi], None)
         blocks.append(y)
     chex.assert_trees_all_close(jnp.concatenate(blocks, 1), parallel, rtol=2e-5, atol=2e-5)
     chex.assert_trees_all_close(state2, state, rtol=2e-5, atol=2e-5)
@@ -71,15 +75,15 @@ def test_prefill_with_key_lengths_leaves_the_state_of_the_real_tokens(kind):
     mha = _mha(kind)
     x = _x(3)
     lengths = jnp.asarray([T, 6])
-    state, _ = mha.prefill(mha.init_state(B), x, key_lengths=lengths)
-    short, _ = mha.prefill(mha.init_state(1), x[1:, :6])
+    state, _ = _prefill(mha, mha.init_state(B), x, lengths)
+    short, _ = _prefill(mha, mha.init_state(1), x[1:, :6], None)
     chex.assert_trees_all_close(jax.tree.map(lambda a: a[1:], state), short, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", GATED)
 def test_gradients_reach_every_parameter_the_decays_included(kind):
     mha = _mha(kind)
-    grads = nnx.grad(lambda m: jnp.sum(m(_x(4)) ** 2))(mha)
+    grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2)))(mha, _x(4))
     for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param)):
         assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0, path
 
@@ -90,9 +94,9 @@ def test_bfloat16_layers_keep_float32_states_and_agree_with_float32(kind):
     f32 = MultiHeadAttention(E, H, kind=kind, causal=True, rngs=nnx.Rngs(5))
     bf16 = MultiHeadAttention(E, H, kind=kind, causal=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(5))
     x = _x(6)
-    y16 = bf16(x.astype(jnp.bfloat16))
+    y16 = _call(bf16, x.astype(jnp.bfloat16))
     assert y16.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(y16, np.float32), f32(x), rtol=0.1, atol=0.1)
+    np.testing.assert_allclose(np.asarray(y16, np.float32), _call(f32, x), rtol=0.1, atol=0.1)
     state = bf16.init_state(B)
     assert state.linear.s_BHFM.dtype == jnp.float32
     TransformerConfig(**config)  # the kind builds from a config too

@@ -24,6 +24,19 @@ V, E = 13, 16
 CAUSAL_KINDS = ["softmax", "linear", "retention", "simple-gla", "gla"]
 
 
+# Compiled once per model structure and shape, and reused: op-by-op dispatch is slow on CPU.
+_call = nnx.jit(
+    lambda model, x, segment_ids, positions: model(x, segment_ids=segment_ids, positions=positions)
+)
+_prefill = nnx.jit(
+    lambda model, state, tokens, segment_ids: model.prefill(state, tokens, segment_ids=segment_ids)
+)
+_step = nnx.jit(lambda model, state, token: model.step(state, token))
+_decode = nnx.jit(
+    lambda model, x, memory, ids, memory_ids: model(x, memory, segment_ids=ids, memory_segment_ids=memory_ids)
+)
+
+
 def _config(attention, **kw):
     return TransformerConfig(num_layers=2, num_heads=2, model_dim=E, attention=attention, dropout=0.0, **kw)
 
@@ -76,30 +89,26 @@ def test_positions_restart_per_segment_and_continue_across_blocks():
 
 
 def _alone_vs_packed(model, sequences, length):
-    tokens, ids, positions = pack_sequences(sequences, length)
-    packed = np.asarray(
-        model(jnp.asarray(tokens), segment_ids=jnp.asarray(ids), positions=jnp.asarray(positions))
-    )
+    """-> the packed batch (tokens, ids, positions) and the model's output on it."""
+    tokens, ids, positions = (jnp.asarray(x) for x in pack_sequences(sequences, length))
+    packed = np.asarray(_call(model, tokens, ids, positions))
     index = 0
     for row in range(tokens.shape[0]):
-        for segment in range(1, ids[row].max() + 1):
-            alone = np.asarray(model(jnp.asarray(sequences[index])[None]))[0]
+        for segment in range(1, int(ids[row].max()) + 1):
+            alone = np.asarray(_call(model, jnp.asarray(sequences[index])[None], None, None))[0]
             np.testing.assert_allclose(packed[row][ids[row] == segment], alone, rtol=2e-5, atol=2e-5)
             index += 1
     assert index == len(sequences)
+    return (tokens, ids, positions), packed
 
 
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
 def test_a_packed_causal_lm_scores_each_sequence_as_if_alone(kind):
     model = CausalLM(_config(kind), V, rngs=nnx.Rngs(0))
-    _alone_vs_packed(model, _sequences([4, 6, 3, 5], seed=1), 10)
-    # Positions default to restarting in each segment.
-    tokens, ids, positions = pack_sequences(_sequences([4, 6]), 10)
-    chex_equal = np.testing.assert_allclose
-    chex_equal(
-        model(jnp.asarray(tokens), segment_ids=jnp.asarray(ids)),
-        model(jnp.asarray(tokens), segment_ids=jnp.asarray(ids), positions=jnp.asarray(positions)),
-    )
+    (tokens, ids, positions), packed = _alone_vs_packed(model, _sequences([4, 6, 3, 5], seed=1), 10)
+    # Positions default to restarting in each segment (the rows above: two segments each, one
+    # with padding after them).
+    np.testing.assert_allclose(_call(model, tokens, ids, None), packed)
 
 
 @pytest.mark.parametrize("kind", ["softmax", "linear"])
@@ -107,10 +116,10 @@ def test_a_packed_encoder_attends_within_each_segment(kind):
     encoder = Encoder(_config(kind), causal=False, rngs=nnx.Rngs(1))
     x = jax.random.normal(jax.random.key(2), (2, 9, E))
     ids = jnp.asarray([[1] * 4 + [2] * 5, [3] * 7 + [0] * 2])
-    packed = encoder(x, segment_ids=ids)
+    packed = _call(encoder, x, ids, None)
     for row, lo, hi in ((0, 0, 4), (0, 4, 9), (1, 0, 7)):
         np.testing.assert_allclose(
-            packed[row, lo:hi], encoder(x[row : row + 1, lo:hi])[0], rtol=2e-5, atol=2e-5
+            packed[row, lo:hi], _call(encoder, x[row : row + 1, lo:hi], None, None)[0], rtol=2e-5, atol=2e-5
         )
 
 
@@ -118,9 +127,13 @@ def test_a_packed_decoder_cross_attends_to_its_own_memory_segment():
     decoder = Decoder(_config("softmax"), rngs=nnx.Rngs(3))
     x, memory = (jax.random.normal(jax.random.key(s), (1, n, E)) for s, n in ((4, 7), (5, 8)))
     ids, memory_ids = jnp.asarray([[1] * 3 + [2] * 4]), jnp.asarray([[1] * 5 + [2] * 3])
-    packed = decoder(x, memory, segment_ids=ids, memory_segment_ids=memory_ids)
-    np.testing.assert_allclose(packed[0, :3], decoder(x[:, :3], memory[:, :5])[0], rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(packed[0, 3:], decoder(x[:, 3:], memory[:, 5:])[0], rtol=2e-5, atol=2e-5)
+    packed = _decode(decoder, x, memory, ids, memory_ids)
+    alone = [
+        _decode(decoder, x[:, :3], memory[:, :5], None, None),
+        _decode(decoder, x[:, 3:], memory[:, 5:], None, None),
+    ]
+    np.testing.assert_allclose(packed[0, :3], alone[0][0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(packed[0, 3:], alone[1][0], rtol=2e-5, atol=2e-5)
     linear = Decoder(_config("linear"), rngs=nnx.Rngs(3))
     with pytest.raises(ValueError, match="cannot cross-attend over a packed memory"):
         linear(x, memory, segment_ids=ids, memory_segment_ids=memory_ids)
@@ -138,13 +151,13 @@ def test_decoding_after_a_packed_prompt_continues_its_last_sequence(kind):
     tokens = np.concatenate([first, second, [0, 0]])[None]
     ids = np.asarray([[1] * 4 + [2] * 5 + [0] * 2])
     state = model.init_state(1, max_length=16)
-    state, _ = model.prefill(state, jnp.asarray(tokens), segment_ids=jnp.asarray(ids))
+    state, _ = _prefill(model, state, jnp.asarray(tokens), jnp.asarray(ids))
     np.testing.assert_array_equal(state.position, [5])
     logits = []
     for token in following:
-        state, logits_t = model.step(state, jnp.asarray([token]))
+        state, logits_t = _step(model, state, jnp.asarray([token]))
         logits.append(logits_t[0])
-    alone = model(jnp.asarray(np.concatenate([second, following]))[None])[0, len(second) :]
+    alone = _call(model, jnp.asarray(np.concatenate([second, following]))[None], None, None)[0, len(second) :]
     np.testing.assert_allclose(jnp.stack(logits), alone, rtol=2e-5, atol=2e-5)
 
 

@@ -17,7 +17,13 @@ cross-entropy on the copied symbols only and report, on a fixed held-out set of 
 
 The config's keys and defaults are `schema()` (the paper's setting); `VARIANTS` are its named
 variants (the replication's encoder-decoder, the attention baselines, the `cpu`, `smoke` and
-`long` sizes), for configs/copy.py and the copy comparison alike.
+`long` sizes, `variable_length`), for configs/copy.py and the copy comparison alike.
+
+Variable-length, packed (`variable_length`; decoder-only): examples of min_symbols and more
+symbols, several per row (`copy_task.PackedBatch`: segment ids and positions per example, the
+model called with them, so each example is computed as if it were alone); the accuracies stay
+per example (`sequence_accuracy` counts exact copies per packed segment, `sequences` the
+segments). `packed=false` lays the same examples out one per row, for comparison.
 
 With mesh.sequence > 1 time is padded up to a multiple of it (`pad_time`): padding sits after
 every real token with loss weight 0, the decoder is causal and the encoder masks keys past
@@ -28,6 +34,9 @@ Legend: B batch, T (target) time, S source time, V vocabulary.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -39,7 +48,7 @@ from experiments.training import greedy_recompute, schemas
 from experiments.training import mesh as mesh_lib
 from experiments.training.config_checks import check_sizes, model_config
 from experiments.training.trainer import Task, Trainer
-from linear_transformers.attention import attention_class
+from linear_transformers.attention import attention_class, kinds_with
 from linear_transformers.lm import CausalLM
 from linear_transformers.seq2seq import EncoderDecoder, greedy_decode
 from linear_transformers.transformer import TransformerConfig
@@ -53,9 +62,18 @@ def schema() -> ml_collections.ConfigDict:
     c.task = "copy"
     c.seed = 0
 
-    # Data: n symbols, n uniform in [max_length // 4, (max_length - 1) // 2).
+    # Data: n symbols, n uniform in [min_symbols, (max_length - 1) // 2); min_symbols 0 = the
+    # paper's max_length // 4, 1 = the widest range.
     c.max_length = 128
     c.num_symbols = 10
+    c.min_symbols = 0
+    # Decoder-only: examples drawn per step (0 = batch_size); the step trains on those that
+    # first-fit packs into batch_size rows of max_length - 1 tokens, up to the first that fits
+    # in none (experiments/data/copy_task.py). packed: they fill batch_size rows, told apart by
+    # segment ids; else each has a row of its own (examples_per_step rows, those of candidates
+    # that did not fit left empty): the same examples and loss, only the padding differs.
+    c.examples_per_step = 0
+    c.packed = False
 
     # Model: "decoder" (the paper's) or "encoder_decoder" (the replication's). config.model is
     # the decoder (TransformerConfig(**config.model)); config.encoder holds where the encoder
@@ -190,6 +208,18 @@ def long(c: ml_collections.ConfigDict) -> None:
     c.mesh.sequence = 8
 
 
+def variable_length(c: ml_collections.ConfigDict) -> None:
+    """Copies of 1 to (max_length - 1) // 2 - 1 symbols, packed several to a row: as many
+    examples per step as fill ~85% of the batch_size rows (examples_per_step; ~2% of the
+    candidates then do not fit and are left out). Put it after the size, which it reads;
+    `variable_length,packed=false` trains on the same examples, one per row."""
+    c.min_symbols = 1
+    c.packed = True
+    low, high = copy_task.length_range(c.max_length, c.min_symbols)
+    mean_tokens = low + high  # 2 * mean n + 1, n uniform in [low, high)
+    c.examples_per_step = int(0.85 * c.batch_size * (c.max_length - 1) / mean_tokens)
+
+
 VARIANTS = {
     "encoder_decoder": encoder_decoder,
     "linformer": linformer,
@@ -200,6 +230,7 @@ VARIANTS = {
     "cpu": cpu,
     "smoke": smoke,
     "long": long,
+    "variable_length": variable_length,
 }
 
 
@@ -222,9 +253,12 @@ def pad_time(batch, multiple: int):
 
 
 def _forward(model, batch):
-    """(logits [B, T, V], targets [B, T], mask [B, T]) for either layout."""
+    """(logits [B, T, V], targets [B, T], mask [B, T]) for any layout."""
     if isinstance(batch, copy_task.LanguageModelBatch):
         return model(batch.inputs_BT), batch.targets_BT, batch.mask_BT
+    if isinstance(batch, copy_task.PackedBatch):
+        logits = model(batch.inputs_BT, segment_ids=batch.segment_ids_BT, positions=batch.positions_BT)
+        return logits, batch.targets_BT, batch.mask_BT
     logits = model(batch.source_BS, batch.target_in_BT, source_lengths=batch.source_lengths_B)
     return logits, batch.target_out_BT, batch.mask_BT
 
@@ -234,18 +268,32 @@ def loss_and_counts(model, batch):
     logits_BTV, targets_BT, mask_BT = _forward(model, batch)
     ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
     loss = jnp.sum(ce_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
-    return loss, accuracy_counts(jnp.argmax(logits_BTV, -1), targets_BT, mask_BT)
+    segment_ids_BT = batch.segment_ids_BT if isinstance(batch, copy_task.PackedBatch) else None
+    return loss, accuracy_counts(jnp.argmax(logits_BTV, -1), targets_BT, mask_BT, segment_ids_BT)
 
 
-def accuracy_counts(predicted_BT, targets_BT, mask_BT) -> dict:
-    """Sums over a batch: correct copied symbols, copied symbols, exact sequences, sequences."""
+def accuracy_counts(predicted_BT, targets_BT, mask_BT, segment_ids_BT=None) -> dict:
+    """Sums over a batch: correct copied symbols, copied symbols, exact sequences, sequences.
+
+    A sequence is a row holding copied symbols or, with `segment_ids_BT` (packed rows), a
+    segment holding them: each example counts once, exact when all its copied symbols are.
+    """
     correct_BT = (predicted_BT == targets_BT) & (mask_BT > 0)
-    exact_B = jnp.all(correct_BT | (mask_BT == 0), axis=-1)
+    wrong_BT = (mask_BT > 0) & ~correct_BT
+    if segment_ids_BT is None:
+        present_S = jnp.any(mask_BT > 0, axis=-1)  # rows (a padded layout's empty rows: none)
+        wrong_S = jnp.any(wrong_BT, axis=-1)
+    else:  # one slot per (row, segment id); id 0 (padding) never holds copied symbols
+        B, T = segment_ids_BT.shape
+        slot_BT = segment_ids_BT + (T + 1) * jnp.arange(B)[:, None]
+        count = functools.partial(jax.ops.segment_sum, segment_ids=slot_BT.ravel(), num_segments=B * (T + 1))
+        present_S = count((mask_BT > 0).ravel().astype(jnp.int32)) > 0
+        wrong_S = count(wrong_BT.ravel().astype(jnp.int32)) > 0
     return {
         "correct": jnp.sum(correct_BT),
         "symbols": jnp.sum(mask_BT > 0),
-        "exact": jnp.sum(exact_B),
-        "sequences": jnp.asarray(exact_B.shape[0]),
+        "exact": jnp.sum(present_S & ~wrong_S),
+        "sequences": jnp.sum(present_S),
     }
 
 
@@ -285,12 +333,28 @@ class Copy(Task):
             num_symbols=c.num_symbols,
             architecture=c.architecture,
             seed=seed,
+            min_symbols=c.min_symbols,
+            examples_per_step=c.examples_per_step,
+            packed=c.packed,
         )
 
     def check(self) -> None:
         c = self.config
         check_sizes(c, positive=("num_symbols", "max_length", "eval_batches"))
-        self.copy_batches(c.seed)  # the architecture and max_length, as the data takes them
+        check_sizes(c, non_negative=("min_symbols", "examples_per_step"))
+        if c.architecture != "decoder" and (c.packed or c.examples_per_step):
+            raise ValueError(
+                f"config.packed={c.packed} and config.examples_per_step={c.examples_per_step} apply to "
+                f"architecture='decoder' only (set packed=false, examples_per_step=0); this config has "
+                f"architecture={c.architecture!r}."
+            )
+        if c.packed and not attention_class(c.model.attention).supports_segments:
+            raise ValueError(
+                f"config.packed=True needs an attention kind that takes segment ids; "
+                f"config.model.attention={c.model.attention!r} does not (kinds that do: "
+                f"{kinds_with('supports_segments')})."
+            )
+        self.copy_batches(c.seed)  # the architecture, max_length and min_symbols, as the data takes them
         if c.model.model_dim % 2:
             raise ValueError(
                 f"config.model.model_dim must be even (sine/cosine positions), got {c.model.model_dim}."
