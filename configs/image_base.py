@@ -5,7 +5,9 @@ Each starts from the task's keys and defaults (`experiments.tasks.image_generati
 or `paper_config(dataset)` for the paper's architectures), changes what differs, and ends with
 `apply(c, arg)`: the variants after the colon (`configs/digits.py:smoke,attention=softmax`), a
 name from `VARIANTS` below or `key=value`. The trainer rejects keys that are not in the schema,
-so a typo in a config or an override fails loudly instead of being ignored.
+so a typo in a config or an override fails loudly instead of being ignored. The attention kind's
+options are the kind's own names (`attention_options.feature_map=favor` after the colon, or
+`--config.model.attention_options.feature_map=favor`); the kind refuses those it does not take.
 """
 
 import ml_collections

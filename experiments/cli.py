@@ -9,11 +9,13 @@ once). `--verbosity=1` (or higher) re-raises instead, for the full traceback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pathlib
 import signal
 import sys
+import threading
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -79,3 +81,42 @@ def check_config_file(flag_name: str = "config") -> None:
             + (f"; the configs are configs/{{{','.join(choices)}}}" if choices else "")
             + "."
         )
+
+
+@contextlib.contextmanager
+def stop_at_once_on_interrupt():
+    """Inside: SIGINT or SIGTERM ends the process within moments, with one line and exit status
+    128 + the signal's number, for commands that have nothing to save (sampling).
+
+    Why not KeyboardInterrupt: Python runs a signal's handler only when the main thread is back
+    in the interpreter, and a compile or a compiled sampling loop keeps it in XLA for as long as
+    they take (a minute for a large model). The C-level handler still writes the signal's number
+    to the wakeup fd at once; a thread waiting on it (XLA releases the GIL while it works) prints
+    the line and ends the process.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def watch():
+        data = os.read(read_fd, 1)
+        if data:  # b"" once the block ends and the pipe is closed
+            name = signal.Signals(data[0]).name
+            print(f"{_program()}: {name} received: stopped, nothing written.", file=sys.stderr, flush=True)
+            os._exit(128 + data[0])
+
+    previous = {s: signal.signal(s, lambda signum, frame: None) for s in interrupts.HANDLED}
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=watch, name="interrupt-watcher", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        os.close(write_fd)
+        watcher.join()
+        os.close(read_fd)

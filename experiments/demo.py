@@ -13,4 +13,4 @@ from experiments import train
 
 if __name__ == "__main__":
     train.define_flags("configs/demo.py", "workdirs/demo")
-    app.run(train.main)
+    app.run(train.main, flags_parser=train.parse_flags)

@@ -16,7 +16,7 @@ without a cache). Writes a PNG grid and prints images/s.
 
 from absl import app, flags
 
-from experiments.cli import one_line_errors
+from experiments.cli import one_line_errors, stop_at_once_on_interrupt
 from experiments.tasks.image_sampling import sample_from_fast_transformers, sample_from_workdir
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (config.json, checkpoints/).")
@@ -64,40 +64,41 @@ _OUT = flags.DEFINE_string(
 @one_line_errors
 def main(argv):
     del argv
-    if (_WORKDIR.value is None) == (_CHECKPOINT.value is None):
-        raise ValueError(
-            "give exactly one of --workdir (a training run) and "
-            "--fast_transformers_checkpoint (a model of the authors' library)."
+    with stop_at_once_on_interrupt():  # nothing to save: Ctrl-C stops even mid-compile
+        if (_WORKDIR.value is None) == (_CHECKPOINT.value is None):
+            raise ValueError(
+                "give exactly one of --workdir (a training run) and "
+                "--fast_transformers_checkpoint (a model of the authors' library)."
+            )
+        if _CHECKPOINT.value is not None:
+            result = sample_from_fast_transformers(
+                _CHECKPOINT.value,
+                attention_type=_ATTENTION.value,
+                n_heads=_HEADS.value,
+                num_images=_NUM.value,
+                prefix_pixels=1 if _PREFIX.value is None else _PREFIX.value,
+                method=_METHOD.value,
+                seed=_SEED.value,
+                out=_OUT.value,
+                data_dir=_DATA_DIR.value,
+                manual_dir=_MANUAL_DIR.value,
+            )
+            source = f"{_CHECKPOINT.value}, {_ATTENTION.value} attention"
+        else:
+            result = sample_from_workdir(
+                _WORKDIR.value,
+                num_images=_NUM.value,
+                prefix_pixels=_PREFIX.value or 0,
+                method=_METHOD.value,
+                seed=_SEED.value,
+                step=_STEP.value,
+                out=_OUT.value,
+            )
+            source = f"step {result['step']}"
+        print(
+            f"wrote {result['path']}: {result['num_images']} images in {result['seconds']:.2f} s, "
+            f"{result['images_per_sec']:.2f} images/s ({result['method']}, {source})"
         )
-    if _CHECKPOINT.value is not None:
-        result = sample_from_fast_transformers(
-            _CHECKPOINT.value,
-            attention_type=_ATTENTION.value,
-            n_heads=_HEADS.value,
-            num_images=_NUM.value,
-            prefix_pixels=1 if _PREFIX.value is None else _PREFIX.value,
-            method=_METHOD.value,
-            seed=_SEED.value,
-            out=_OUT.value,
-            data_dir=_DATA_DIR.value,
-            manual_dir=_MANUAL_DIR.value,
-        )
-        source = f"{_CHECKPOINT.value}, {_ATTENTION.value} attention"
-    else:
-        result = sample_from_workdir(
-            _WORKDIR.value,
-            num_images=_NUM.value,
-            prefix_pixels=_PREFIX.value or 0,
-            method=_METHOD.value,
-            seed=_SEED.value,
-            step=_STEP.value,
-            out=_OUT.value,
-        )
-        source = f"step {result['step']}"
-    print(
-        f"wrote {result['path']}: {result['num_images']} images in {result['seconds']:.2f} s, "
-        f"{result['images_per_sec']:.2f} images/s ({result['method']}, {source})"
-    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from linear_transformers.attention import attention_class, check_sequence_axis
 from linear_transformers.builder_arguments import builder_fields
 from linear_transformers.multi_head_attention import core_options
+from linear_transformers.ops._checks import check_int
 
 # "gelu" is the exact erf form, as torch.nn.functional.gelu and the authors' layers compute it;
 # "gelu_tanh" is the tanh approximation (jax.nn.gelu's default).
@@ -114,6 +115,14 @@ class TransformerConfig:
         object.__setattr__(
             self, "param_dtype", float_dtype(self.param_dtype, "TransformerConfig.param_dtype")
         )
+        # A numpy integer is stored as an int; a bool or a float is refused, naming the field.
+        for name in ("num_layers", "num_heads", "model_dim"):
+            object.__setattr__(
+                self, name, check_int(getattr(self, name), f"TransformerConfig.{name}", minimum=None)
+            )
+        for name in ("query_dim", "value_dim", "feed_forward_dim"):
+            value = check_int(getattr(self, name), f"TransformerConfig.{name}", minimum=None, allow_none=True)
+            object.__setattr__(self, name, value)
         for name in ("num_layers", "num_heads", "model_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")

@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from linear_transformers.finite import check_finite_outputs, check_finite_parameters
+from linear_transformers.lm import check_token_ids
+
 
 def make_step_fn(module: nnx.Module):
     """Return (step_fn, params): `step_fn(params, state, x) -> (state, y)`, jit-compiled.
@@ -61,16 +64,19 @@ def _generate(graphdef, params, prompt_BT, key, num_steps, temperature):
             state, _ = jax.lax.scan(model.step, state, prompt_BT[:, :-1].T)
 
     def sample_step(carry, key_t):
-        state, token_B = carry
+        state, token_B, finite_B = carry
         state, logits_BV = model.step(state, token_B)
         greedy = jnp.argmax(logits_BV, axis=-1)
         sampled = jax.random.categorical(key_t, logits_BV / jnp.maximum(temperature, 1e-6))
         next_B = jnp.where(temperature > 0, sampled, greedy).astype(prompt_BT.dtype)
-        return (state, next_B), next_B
+        # argmax and categorical return a valid id for NaN logits: remember that they were not.
+        finite_B = finite_B & jnp.all(jnp.isfinite(logits_BV), axis=-1)
+        return (state, next_B, finite_B), next_B
 
     keys = jax.random.split(key, num_steps)
-    _, new_TB = jax.lax.scan(sample_step, (state, prompt_BT[:, -1]), keys)
-    return jnp.concatenate([prompt_BT, new_TB.T], axis=1)
+    carry = (state, prompt_BT[:, -1], jnp.ones((B,), bool))
+    (_, _, finite_B), new_TB = jax.lax.scan(sample_step, carry, keys)
+    return jnp.concatenate([prompt_BT, new_TB.T], axis=1), finite_B
 
 
 def generate(model: nnx.Module, prompt_BT, num_steps: int, *, key, temperature: float = 1.0):
@@ -80,7 +86,8 @@ def generate(model: nnx.Module, prompt_BT, num_steps: int, *, key, temperature: 
     (e.g. `CausalLM`), and must be in eval mode. The prompt, all but its last token, is read by
     one `prefill(state, tokens_BT)` where the model has one (token by token otherwise); the
     sampling loop then steps from its last token. temperature=0 decodes greedily.
-    Returns [B, T + num_steps] tokens.
+    Returns [B, T + num_steps] tokens. Parameters or logits holding NaN or inf are a
+    FloatingPointError (inside `jit` the parameters cannot be read: only the logits are).
     """
     prompt_BT = jnp.asarray(prompt_BT)
     if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
@@ -91,5 +98,11 @@ def generate(model: nnx.Module, prompt_BT, num_steps: int, *, key, temperature: 
         raise ValueError(f"generate: num_steps must be >= 0, got {num_steps}.")
     if temperature < 0:
         raise ValueError(f"generate: temperature must be >= 0, got {temperature}.")
+    embed = getattr(model, "embed", None)
+    if isinstance(getattr(embed, "num_embeddings", None), int):
+        check_token_ids(prompt_BT, embed.num_embeddings, "generate", "prompt tokens")
+    check_finite_parameters(model, "generate")
     graphdef, params = nnx.split(model)
-    return _generate(graphdef, params, prompt_BT, key, num_steps, jnp.float32(temperature))
+    tokens_BT, finite_B = _generate(graphdef, params, prompt_BT, key, num_steps, jnp.float32(temperature))
+    check_finite_outputs(finite_B, "generate")
+    return tokens_BT

@@ -36,9 +36,16 @@ import numpy as np
 from flax import nnx
 
 from linear_transformers.attention.base import check_inference_mode, keyword_state_arguments
-from linear_transformers.lm import POSITION_LAYOUTS, LMState, embed_tokens, sinusoidal_encoding
+from linear_transformers.finite import check_finite_parameters, nonfinite_parameters  # noqa: F401 - public here too
+from linear_transformers.lm import (
+    POSITION_LAYOUTS,
+    LMState,
+    check_token_ids,
+    embed_tokens,
+    sinusoidal_encoding,
+)
 from linear_transformers.mixture import mol_log_prob, mol_sample, num_params
-from linear_transformers.transformer import Encoder, TransformerConfig, dense, embedding
+from linear_transformers.transformer import Encoder, TransformerConfig, check_state_type, dense, embedding
 
 
 class ImageGenerator(nnx.Module):
@@ -202,7 +209,9 @@ class ImageGenerator(nnx.Module):
 
         Steps past max_length are not checked (the position is traced); softmax caches overflow.
         """
-        x_BE = self.transformer_inputs(jnp.asarray(token_B, jnp.int32), state.position)
+        check_state_type(state, LMState, "ImageGenerator.step", "ImageGenerator.init_state")
+        token_B = check_token_ids(token_B, self.embed.num_embeddings, "ImageGenerator.step", "input tokens")
+        x_BE = self.transformer_inputs(token_B.astype(jnp.int32), state.position)
         layers, y_BE = self.transformer.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
 
@@ -215,11 +224,28 @@ class ImageGenerator(nnx.Module):
         From `init_state`, `shifted_inputs(x_BT)[:, :k]` reads the first k positions of x.
         Positions past max_length are not checked (as in `step`).
         """
-        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        check_state_type(state, LMState, "ImageGenerator.prefill", "ImageGenerator.init_state")
+        tokens_BT = check_token_ids(
+            tokens_BT, self.embed.num_embeddings, "ImageGenerator.prefill", "input tokens"
+        )
+        tokens_BT = tokens_BT.astype(jnp.int32)
         T = tokens_BT.shape[1]
         x_BTE = self.transformer_inputs(tokens_BT, state.position[:, None] + jnp.arange(T, dtype=jnp.int32))
         layers, y_BTE = self.transformer.prefill(state.layers, x_BTE)
         return LMState(layers, state.position + T), self.head(y_BTE)
+
+
+def _check_drawn(images_BT, where: str):
+    """Raise where `mol_sample` found no distribution (-1): the outputs were not finite."""
+    if isinstance(images_BT, jax.core.Tracer):
+        return images_BT
+    undrawn = int(jnp.sum(images_BT < 0))
+    if undrawn:
+        raise FloatingPointError(
+            f"{where}: the model's outputs are not finite (its parameters are) at {undrawn} "
+            f"sub-pixels, so there is no distribution to sample them from."
+        )
+    return images_BT
 
 
 def _check_sampling_args(model: ImageGenerator, batch: int, prefix, where: str):
@@ -307,11 +333,18 @@ def sample_images(model: ImageGenerator, key, batch: int, *, prefix=None, num_st
     `sample_images_full_recompute` draws the same samples from the same key. `num_steps` stops
     after that many sub-pixels (the rest are 0): previews and benchmarks. The model must be in
     eval mode.
+
+    A broken model is never sampled into an image: parameters holding NaN or inf are a
+    FloatingPointError before sampling, and so are outputs that are not finite (overflow from
+    finite parameters) after it, rather than pixels of value 0.
     """
     prefix_BT = _check_sampling_args(model, batch, prefix, "sample_images")
     num_steps = _check_num_steps(model, num_steps, "sample_images")
+    check_finite_parameters(model, "sample_images")
     graphdef, params = nnx.split(model)
-    return _sample_recurrent(graphdef, params, key, batch, prefix_BT, num_steps)
+    return _check_drawn(
+        _sample_recurrent(graphdef, params, key, batch, prefix_BT, num_steps), "sample_images"
+    )
 
 
 def _check_num_steps(model: ImageGenerator, num_steps, where: str) -> int:
@@ -351,13 +384,16 @@ def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, pref
     softmax); the same draws as `sample_images` for the same key, so the two return the same
     images unless a draw lands within rounding error of a bin edge. Every step runs the model
     over the whole max_length buffer, so each costs the same. `prefix` and `num_steps` as in
-    `sample_images`.
+    `sample_images`, and so is the FloatingPointError of a model that is not finite.
     """
-    prefix_BT = _check_sampling_args(model, batch, prefix, "sample_images_full_recompute")
-    num_steps = _check_num_steps(model, num_steps, "sample_images_full_recompute")
+    where = "sample_images_full_recompute"
+    prefix_BT = _check_sampling_args(model, batch, prefix, where)
+    num_steps = _check_num_steps(model, num_steps, where)
+    check_finite_parameters(model, where)
     # Padded to max_length with the length traced: one compilation serves every prefix length.
     k = prefix_BT.shape[1]
     padded_BT = jnp.pad(prefix_BT, ((0, 0), (0, model.max_length - k)))
     prefix_length = jnp.int32(k)
     graphdef, params = nnx.split(model)
-    return _sample_full_recompute(graphdef, params, key, batch, padded_BT, prefix_length, num_steps)
+    images_BT = _sample_full_recompute(graphdef, params, key, batch, padded_BT, prefix_length, num_steps)
+    return _check_drawn(images_BT, where)

@@ -20,7 +20,27 @@ from jax.sharding import PartitionSpec
 
 from linear_transformers.attention.base import keyword_state_arguments
 from linear_transformers.packing import continue_positions, next_positions, segment_positions
-from linear_transformers.transformer import Encoder, TransformerConfig, dense, embedding
+from linear_transformers.transformer import Encoder, TransformerConfig, check_state_type, dense, embedding
+
+
+def check_token_ids(tokens, vocab_size: int, where: str, what: str = "tokens"):
+    """`tokens` as an integer array, or a ValueError naming `where`: ids must be integers in
+    [0, vocab_size) -- one outside would embed a row of NaN (or another token) silently. The
+    values are read where they are concrete (eager calls); traced ones (under `jit`, a
+    `lax.scan`) cannot be, at no cost."""
+    tokens = jnp.asarray(tokens)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"{where}: {what} must be integer ids in [0, {vocab_size}), got dtype {tokens.dtype}."
+        )
+    if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+        low, high = int(jnp.min(tokens)), int(jnp.max(tokens))
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"{where}: {what} must be ids in [0, {vocab_size}) (the vocabulary), got values in "
+                f"[{low}, {high}]."
+            )
+    return tokens
 
 
 def embed_tokens(embed: nnx.Embed, tokens):
@@ -96,6 +116,7 @@ class CausalLM(nnx.Module):
         """Logits [B, T, V]. segment_ids int [B, T]: packed sequences (0 = padding), each scored
         as if alone; positions int [B, T]: each token's position in its sequence (default:
         restarting at every segment, else 0..T-1)."""
+        tokens_BT = check_token_ids(tokens_BT, self.embed.num_embeddings, "CausalLM")
         if positions is None:
             positions = (
                 jnp.arange(tokens_BT.shape[1]) if segment_ids is None else segment_positions(segment_ids)
@@ -116,6 +137,8 @@ class CausalLM(nnx.Module):
 
     def step(self, state: LMState, token_B):
         """Consume one token per batch element; return the logits for the next one."""
+        check_state_type(state, LMState, "CausalLM.step", "CausalLM.init_state")
+        token_B = check_token_ids(token_B, self.embed.num_embeddings, "CausalLM.step")
         x_BE = token_inputs(self.embed, token_B, state.position)
         layers, y_BE = self.transformer.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
@@ -128,6 +151,8 @@ class CausalLM(nnx.Module):
         segment_ids int [B, T]: a packed prompt (0 = padding), whose first segment continues the
         state and whose later segments start afresh (positions from 0); `step` then continues
         each row's last segment."""
+        check_state_type(state, LMState, "CausalLM.prefill", "CausalLM.init_state")
+        tokens_BT = check_token_ids(tokens_BT, self.embed.num_embeddings, "CausalLM.prefill")
         if positions is None:
             positions = continue_positions(state.position, segment_ids, tokens_BT.shape[1])
         x_BTE = token_inputs(self.embed, tokens_BT, positions)

@@ -18,6 +18,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LOG_SCALE_MIN = -7.0
 
@@ -124,10 +125,23 @@ def mol_sample(key, params_Q, num_classes: int):
     A component is picked from the logits, a logistic drawn with its mean and scale
     exp(log_scale), and the draw mapped to the bin containing it (the nearest center, clipped to
     [0, V - 1], which is how the edge bins reach to infinity).
+
+    Params holding NaN or inf describe no distribution, and no class is drawn from them: an
+    eager call raises a FloatingPointError; under `jit` (traced params, where nothing can raise)
+    the draw at such a position is -1, never a class, for the caller to check (`sample_images`
+    does, and raises).
     """
     _check_num_classes(num_classes, "mol_sample")
     params_Q = jnp.asarray(params_Q)
     _check_params(params_Q, "mol_sample")
+    if not isinstance(params_Q, jax.core.Tracer):
+        finite = np.isfinite(np.asarray(params_Q, np.float32)).all(axis=-1)
+        if not finite.all():
+            raise FloatingPointError(
+                f"mol_sample: the mixture parameters are not finite at {int((~finite).sum())} of "
+                f"{finite.size} positions (NaN or inf): the model's parameters or outputs are not "
+                f"finite, so there is no distribution to sample from."
+            )
     return _sample(key, params_Q, num_classes)
 
 
@@ -141,7 +155,9 @@ def _sample(key, params_Q, num_classes: int):
     y = mean + jnp.exp(log_scale) * jax.random.logistic(logistic_key, mean.shape, jnp.float32)
     # Clip before the cast: a draw far outside [-1, 1] must not overflow the int conversion.
     index = jnp.clip(jnp.round((y + 1.0) * (0.5 * (num_classes - 1))), 0, num_classes - 1)
-    return index.astype(jnp.int32)
+    # NaN would cast to some class (0: a black pixel): -1 marks "no distribution" instead.
+    finite = jnp.all(jnp.isfinite(params_Q), axis=-1)
+    return jnp.where(finite, index.astype(jnp.int32), -1)
 
 
 def bits_per_dim(nll_nats):

@@ -30,8 +30,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_transformers.attention.base import keyword_state_arguments
-from linear_transformers.lm import token_inputs
-from linear_transformers.transformer import Decoder, Encoder, TransformerConfig, dense, embedding
+from linear_transformers.finite import check_finite_outputs, check_finite_parameters
+from linear_transformers.lm import check_token_ids, token_inputs
+from linear_transformers.transformer import (
+    Decoder,
+    Encoder,
+    TransformerConfig,
+    check_state_type,
+    dense,
+    embedding,
+)
 
 
 class Seq2SeqState(NamedTuple):
@@ -69,6 +77,9 @@ class EncoderDecoder(nnx.Module):
 
     def encode(self, source_BS, *, source_lengths=None):
         """The memory [B, S, E]; source tokens at index >= source_lengths are padding."""
+        source_BS = check_token_ids(
+            source_BS, self.embed.num_embeddings, "EncoderDecoder.encode", "source tokens"
+        )
         x_BSE = token_inputs(self.embed, source_BS, jnp.arange(source_BS.shape[1]))
         return self.encoder(x_BSE, key_lengths=source_lengths)
 
@@ -76,6 +87,9 @@ class EncoderDecoder(nnx.Module):
         """Teacher-forced decoder: logits [B, T, V] for the token after each input token;
         memory positions at index >= memory_lengths and target tokens at index >=
         target_lengths are padding."""
+        target_in_BT = check_token_ids(
+            target_in_BT, self.embed.num_embeddings, "EncoderDecoder.decode", "target tokens"
+        )
         y_BTE = token_inputs(self.embed, target_in_BT, jnp.arange(target_in_BT.shape[1]))
         return self.head(
             self.decoder(y_BTE, memory_BSE, memory_lengths=memory_lengths, target_lengths=target_lengths)
@@ -100,6 +114,8 @@ class EncoderDecoder(nnx.Module):
 
     def step(self, state: Seq2SeqState, token_B):
         """Consume one target token per batch element; return the logits for the next one."""
+        check_state_type(state, Seq2SeqState, "EncoderDecoder.step", "EncoderDecoder.init_state")
+        token_B = check_token_ids(token_B, self.embed.num_embeddings, "EncoderDecoder.step")
         x_BE = token_inputs(self.embed, token_B, state.position)
         layers, y_BE = self.decoder.step(state.layers, x_BE)
         return Seq2SeqState(layers, state.position + 1), self.head(y_BE)
@@ -108,6 +124,8 @@ class EncoderDecoder(nnx.Module):
         """Consume T target tokens per batch element at once, from `state`: -> (state, logits
         [B, T, V]), where logits at t score the token after tokens_BT[:, t]. Equal to T calls of
         `step`; the position advances by T."""
+        check_state_type(state, Seq2SeqState, "EncoderDecoder.prefill", "EncoderDecoder.init_state")
+        tokens_BT = check_token_ids(tokens_BT, self.embed.num_embeddings, "EncoderDecoder.prefill")
         T = tokens_BT.shape[1]
         x_BTE = token_inputs(self.embed, tokens_BT, state.position[:, None] + jnp.arange(T, dtype=jnp.int32))
         layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)
@@ -130,13 +148,16 @@ def _greedy_decode(graphdef, params, source_BS, num_steps, start_token, source_l
         state, _ = model.prefill(state, inputs_BT[:, :k])
 
     def body(carry, _):
-        state, token_B = carry
+        state, token_B, finite_B = carry
         state, logits_BV = model.step(state, token_B)
         token_B = jnp.argmax(logits_BV, axis=-1).astype(source_BS.dtype)
-        return (state, token_B), token_B
+        # argmax returns id 0 for NaN logits: remember that they were not finite.
+        finite_B = finite_B & jnp.all(jnp.isfinite(logits_BV), axis=-1)
+        return (state, token_B, finite_B), token_B
 
-    _, tokens_TB = jax.lax.scan(body, (state, inputs_BT[:, k]), length=num_steps)
-    return tokens_TB.T
+    carry = (state, inputs_BT[:, k], jnp.ones(source_BS.shape[:1], bool))
+    (_, _, finite_B), tokens_TB = jax.lax.scan(body, carry, length=num_steps)
+    return tokens_TB.T, finite_B
 
 
 def greedy_decode(
@@ -150,7 +171,8 @@ def greedy_decode(
 
     Encoding, the memory reduction, the prefill and every decoding step run in one compiled
     function; the decoder's self-attention must have a recurrent form (softmax, linear) and the
-    model must be in eval mode.
+    model must be in eval mode. Parameters or logits holding NaN or inf are a FloatingPointError
+    (inside `jit` the parameters cannot be read: only the logits are).
     """
     source_BS = jnp.asarray(source_BS)
     if source_BS.ndim != 2:
@@ -175,8 +197,13 @@ def greedy_decode(
                 f"{tuple(prefix_BT.shape)}."
             )
         prefix_BT = prefix_BT.astype(source_BS.dtype)
+    vocab_size = model.embed.num_embeddings
+    check_token_ids(source_BS, vocab_size, "greedy_decode", "source tokens")
+    check_token_ids(prefix_BT, vocab_size, "greedy_decode", "prefix tokens")
+    check_token_ids(jnp.asarray([start_token]), vocab_size, "greedy_decode", "start_token")
+    check_finite_parameters(model, "greedy_decode")
     graphdef, params = nnx.split(model)
-    return _greedy_decode(
+    tokens_BT, finite_B = _greedy_decode(
         graphdef,
         params,
         source_BS,
@@ -185,3 +212,5 @@ def greedy_decode(
         None if source_lengths is None else jnp.asarray(source_lengths),
         prefix_BT,
     )
+    check_finite_outputs(finite_B, "greedy_decode")
+    return tokens_BT

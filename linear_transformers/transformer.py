@@ -20,8 +20,10 @@ time axis is sharded over "seq" (P(None, "seq")), in the global view as usual.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
+import jax
 from flax import nnx
 
 from linear_transformers.attention.base import check_inference_mode, keyword_state_arguments
@@ -213,12 +215,77 @@ class DecoderLayer(nnx.Module):
         return DecoderLayerState(self_state, state.memory), x_BTE
 
 
+def describe_state(state) -> str:
+    """A state's kind in words, "KVCache(k_BSHD, v_BSHM, ...)" or "tuple of 2 states", for errors."""
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        fields = (
+            f"{name}={type(value).__name__}"
+            if isinstance(value, tuple) and hasattr(value, "_fields")
+            else name
+            for name, value in zip(state._fields, state)
+        )
+        return f"{type(state).__name__}({', '.join(fields)})"
+    if isinstance(state, (tuple, list)):
+        return f"a {type(state).__name__} of {len(state)} states"
+    return type(state).__name__
+
+
+def check_state_type(state, expected: type, where: str, made_by: str):
+    """Refuse a state that is not an `expected` (another model's), naming both."""
+    if not isinstance(state, expected):
+        raise ValueError(
+            f"{where}: the state must be a {expected.__name__} ({made_by}), got "
+            f"{describe_state(state)}: pass the state this model's init_state, step or prefill "
+            f"returned."
+        )
+
+
+_STATE_STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _self_attention_state(attention: MultiHeadAttention):
+    """The shape of the state `attention.init_state` makes (no arrays allocated); traced once
+    per layer, so an eager `step` does not pay for it each time."""
+    if attention not in _STATE_STRUCTURES:
+        try:
+            _STATE_STRUCTURES[attention] = jax.eval_shape(lambda: attention.init_state(1, max_length=1))
+        except ValueError:  # No recurrent form (or non-causal): the layer's own call says so.
+            _STATE_STRUCTURES[attention] = None
+    return _STATE_STRUCTURES[attention]
+
+
 class _Stack(nnx.Module):
     def _final(self, x):
         return self.final_norm(x) if self.final_norm is not None else x
 
+    def _check_state(self, state, method: str):
+        """Another model's state (another kind, number of layers or model) would fail deep in
+        an op, or be misread: name what this stack keeps and what was passed."""
+        where = f"{type(self).__name__}.{method}"
+        n = len(self.layers)
+        if not isinstance(state, tuple) or hasattr(state, "_fields") or len(state) != n:
+            raise ValueError(
+                f"{where}: the state must be a tuple of {n} per-layer states (this stack's "
+                f"init_state), got {describe_state(state)}."
+            )
+        for i, (layer, layer_state) in enumerate(zip(self.layers, state)):
+            if isinstance(layer, DecoderLayer):
+                if not isinstance(layer_state, DecoderLayerState):
+                    expected, got = DecoderLayerState(None, None), layer_state
+                else:
+                    expected, got = _self_attention_state(layer.self_attention), layer_state.self_attention
+            else:
+                expected, got = _self_attention_state(layer.attention), layer_state
+            if expected is not None and jax.tree.structure(got) != jax.tree.structure(expected):
+                raise ValueError(
+                    f"{where}: layer {i}'s state is {describe_state(got)}, but this model's layer {i} "
+                    f"keeps {describe_state(expected)}; pass the state this model's init_state, step "
+                    f"or prefill returned (another model's, or another attention kind's, does not fit)."
+                )
+
     def _step_layers(self, state, x, method: str, **kwargs):
         check_inference_mode(self)
+        self._check_state(state, method)
         new_state = []
         for layer, layer_state in zip(self.layers, state, strict=True):
             layer_state, x = getattr(layer, method)(layer_state, x, **kwargs)

@@ -1,23 +1,13 @@
 """Shared fixtures: `x64` turns on float64 for one test; tests under tests/multidevice/ skip
-unless 8 devices are present. XLA compiles at its lowest backend optimisation level here."""
+unless 8 devices are present."""
 
 import contextlib
-import os
+import gc
 import pathlib
 
-# Every program the tests compile is tiny (a few layers of width 16 to 64, a few steps): XLA's
-# LLVM optimisations at least double the compile time that dominates the suite on CPU and save
-# nothing at run time. The level changes no result beyond rounding (no fast math either way);
-# the tests and their tolerances pass at both. Set before JAX starts its backend (it reads
-# XLA_FLAGS then), so this process, its xdist workers and the subprocesses the tests start
-# (which inherit the environment) all compile the same way. A level given by the caller stays.
-_OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
-if _OPT_LEVEL_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_LEVEL_FLAG}=0".strip()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import pytest
 
 
 def enable_x64():
@@ -70,3 +60,14 @@ def _multidevice_tests_need_eight_devices(request):
             f"needs {MULTIDEVICE_COUNT} devices, found {jax.device_count()}: "
             "tests/test_multidevice.py runs this folder on 8 host CPU devices"
         )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Drop the programs each test module compiled once it is done. Why: every compiled XLA CPU
+    program keeps its code in memory mappings, and one worker runs hundreds of modules; past the
+    kernel's limit on mappings (vm.max_map_count, 65530 by default) the next compile crashes
+    the worker (a segfault or an abort inside XLA), and pytest-xdist then hangs."""
+    yield
+    jax.clear_caches()
+    gc.collect()

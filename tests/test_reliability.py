@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,24 +34,6 @@ _WAIT_FUNCTION, _WAIT_LINE = "verify", 'if not bool(metrics["finite"]):'
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tfds"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """Every run here compiles the same steps: a persistent cache for this module compiles them
-    once (a cached executable is the compiled one, so the numbers do not change)."""
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    before = {name: getattr(jax.config, name) for name in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    yield
-    for name, value in before.items():
-        jax.config.update(name, value)
 
 
 def _smoke(data_dir, extra=""):

@@ -210,8 +210,11 @@ class ImageGeneration(Task):
         images_BT = np.asarray(sample_images(trainer.eval_model(), key, self.config.num_samples))
         scale = max(1, 128 // self.info.image_shape[0])
         return images.save_image_grid(
-            pathlib.Path(directory) / f"step_{step:07d}.png",
+            self.samples_file(directory, step),
             images_BT.reshape(-1, *self.info.image_shape),
             self.info.num_classes,
             scale=scale,
         )
+
+    def samples_file(self, directory, step: int) -> pathlib.Path:
+        return pathlib.Path(directory) / f"step_{step:07d}.png"

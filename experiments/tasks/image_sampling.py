@@ -19,7 +19,11 @@ from experiments.training import mesh as mesh_lib
 from experiments.training.checkpoints import Checkpointer, CheckpointError, DamagedCheckpointError
 from experiments.training.trainer import Trainer
 from linear_transformers import interop
-from linear_transformers.image_generator import sample_images, sample_images_full_recompute
+from linear_transformers.image_generator import (
+    nonfinite_parameters,
+    sample_images,
+    sample_images_full_recompute,
+)
 
 METHODS = {"recurrent": sample_images, "recompute": sample_images_full_recompute}
 
@@ -86,6 +90,13 @@ def sample_from_workdir(
         ) from None
     finally:
         checkpointer.close()
+    model = trainer.eval_model()
+    bad = nonfinite_parameters(model)
+    if bad:  # Sampled, NaN would come out as black pixels.
+        raise FloatingPointError(
+            f"the model's parameters are not finite (step {step}): {len(bad)} arrays hold NaN or "
+            f"inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})."
+        )
     prefix = _test_prefix(
         config.dataset,
         num_images,
@@ -102,7 +113,7 @@ def sample_from_workdir(
             / f"sample_{method}_step{step}_k{prefix_pixels}.png"
         )
     )
-    result = _timed_sample(trainer.eval_model(), jax.random.key(seed), num_images, prefix, method, path, info)
+    result = _timed_sample(model, jax.random.key(seed), num_images, prefix, method, path, info)
     return {**result, "step": step}
 
 

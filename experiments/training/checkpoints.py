@@ -7,6 +7,10 @@ wrong numbers), so a restore verifies them first. Hashing is in the standard lib
 
 A checkpoint written before a module was renamed (`RENAMED_KEYS`) restores into the renamed
 model: its arrays are read under the old names and returned under the new ones.
+
+A save runs to its end whatever signals arrive (interrupts.completing_save); a save that fails
+for want of disk space is one `CheckpointSaveError` naming the directory, the space free there
+and the space needed, its half-written directory removed.
 """
 
 from __future__ import annotations
@@ -23,8 +27,14 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from experiments.training import interrupts, save_faults
+
 MANIFEST = "checksums.json"
 DAMAGED_DIR = "damaged_checkpoints"  # beside the checkpoint directory, outside Orbax's view
+# A saved dict's entry of JSON values (not arrays): written as the checkpoint's Orbax custom
+# metadata, committed with it, read back by `Checkpointer.custom_metadata`. Why not arrays: a
+# restore target (experiments.sample's, a test's) then need not know it is there.
+CUSTOM_METADATA = "custom_metadata"
 
 # Old -> new names of renamed dict keys (modules) in the saved tree. Why: a checkpoint stores
 # every array under its path in the model (params.<module>..., and the optimizer state's copies
@@ -190,17 +200,69 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def save(self, step: int, state) -> None:
-        """Write `state` as checkpoint `step` (a no-op if that step is already saved)."""
-        if step in self._manager.all_steps():
-            return
-        self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
-        self._manager.wait_until_finished()
-        if jax.process_index() == 0:
-            step_dir = self.directory / str(step)
-            manifest = step_dir / MANIFEST
-            partial = manifest.with_suffix(".tmp")
+        """Write `state` as checkpoint `step` (a no-op if that step is already saved).
+
+        Signals do not cut the save short (interrupts.completing_save). A full disk raises
+        CheckpointSaveError; the checkpoints saved before are left as they were. A dict's
+        CUSTOM_METADATA entry is saved as JSON beside the arrays (`custom_metadata`).
+        """
+        custom = state.get(CUSTOM_METADATA) if isinstance(state, dict) else None
+        if custom is not None:
+            state = {k: v for k, v in state.items() if k != CUSTOM_METADATA}
+        with interrupts.completing_save(step, self.directory):
+            if step in self._manager.all_steps():
+                return
+            _silence_failed_restore_aftermath()  # a failed write leaves the same reports
+            try:
+                with save_faults.writer_failures_reported_once():
+                    self._manager.save(
+                        step, args=ocp.args.StandardSave(state), force=True, custom_metadata=custom
+                    )
+                    self._manager.wait_until_finished()
+                    if jax.process_index() == 0:
+                        self._write_manifest(step)
+            except Exception as e:
+                number = save_faults.disk_full_errno(e)
+                if number is None:
+                    raise
+                raise self._disk_full_error(step, state, number) from e
+
+    def _write_manifest(self, step: int) -> None:
+        step_dir = self.directory / str(step)
+        manifest = step_dir / MANIFEST
+        partial = manifest.with_suffix(".tmp")
+        try:
             partial.write_text(json.dumps(_file_hashes(step_dir), indent=1))
-            os.replace(partial, manifest)  # atomic: a manifest is whole or absent
+        except OSError:
+            partial.unlink(missing_ok=True)
+            raise
+        os.replace(partial, manifest)  # atomic: a manifest is whole or absent
+
+    def _disk_full_error(self, step: int, state, number: int) -> save_faults.CheckpointSaveError:
+        """The error for a save of `step` that ran out of space, once what it had written is
+        removed (Orbax's temporary directory: never a checkpoint, and it holds the space)."""
+        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        self._manager.reload()
+        try:
+            free = save_faults.human_size(shutil.disk_usage(self.directory).free)
+        except OSError:
+            free = "unknown"
+        latest = self.latest_step()
+        if latest is None:
+            resume = "step 0 (there is no checkpoint)"
+            arrays = sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(state))
+            needed = f"its arrays alone take {save_faults.human_size(arrays)}"
+        else:
+            resume = f"checkpoint step {latest}"
+            taken = sum(p.lstat().st_blocks * 512 for p in (self.directory / str(latest)).rglob("*"))
+            needed = f"checkpoint step {latest} takes {save_faults.human_size(taken)}"
+        return save_faults.CheckpointSaveError(
+            f"cannot save checkpoint step {step} in {self.directory}: {save_faults.FULL[number].lower()} "
+            f"({free} free there; {needed}). Make room there, then run the same command again "
+            f"to resume from {resume}.",
+            number,
+        )
 
     def verify(self, step: int) -> None:
         """Raise DamagedCheckpointError unless checkpoint `step`'s files match its checksums.
@@ -322,6 +384,10 @@ class Checkpointer:
         """The saved tree of checkpoint `step` with each array's shape and dtype (no data read)."""
         return self._manager.item_metadata(step)
 
+    def custom_metadata(self, step: int) -> dict:
+        """The CUSTOM_METADATA entry saved with checkpoint `step` ({} when it has none)."""
+        return dict(self._manager.metadata(step).custom_metadata or {})
+
     def set_aside(self, step: int) -> pathlib.Path:
         """Move checkpoint `step` out of the checkpoint directory (into damaged_checkpoints/
         beside it), so a later save of the same step is not skipped; return where it went."""
@@ -348,12 +414,14 @@ def _flatten(tree, prefix=""):
 
 
 def config_differences(saved: dict, config: dict) -> list[str]:
-    """'key: saved -> new' for every (dotted) key whose value differs between two configs."""
+    """'key: saved -> new' for every (dotted) key whose value differs between two configs. A
+    key the saved config does not record (one added since it was written) is not listed: it
+    cannot explain what the checkpoint holds."""
     old, new = _flatten(saved), _flatten(config)
     return [
-        f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
-        for key in sorted(set(old) | set(new))
-        if old.get(key) != new.get(key)
+        f"{key}: {old[key]!r} -> {new.get(key, '(absent)')!r}"
+        for key in sorted(old)
+        if old[key] != new.get(key)
     ]
 
 

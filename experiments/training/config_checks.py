@@ -7,6 +7,8 @@ in its `Task.check()`, sizes with `check_sizes(config, positive=..., non_negativ
 
 from __future__ import annotations
 
+import difflib
+
 import ml_collections
 
 from experiments.training import mesh as mesh_lib
@@ -61,9 +63,12 @@ def check_keys(
     unknown = sorted(set(config) - set(defaults))
     missing = sorted(set(defaults) - set(config))
     if unknown or missing:
+        close = {k: difflib.get_close_matches(k, list(defaults), n=1) for k in unknown}
+        hints = [f"{prefix}{m[0]} (for {prefix}{k})" for k, m in close.items() if m]
         raise ValueError(
-            f"{prefix[:-1]} keys not understood: {unknown}; missing: {missing}. The "
-            f"trainer's keys are listed in {where}."
+            f"{prefix[:-1]} keys not understood: {unknown}; missing: {missing}."
+            + (f" Did you mean {', '.join(hints)}?" if hints else "")
+            + f" The keys of {prefix[:-1]} are {sorted(defaults)} ({where})."
         )
     for key, default in defaults.items():
         value = config[key]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 
 import numpy as np
@@ -25,7 +26,8 @@ def image_grid(images: np.ndarray, num_classes: int, *, pad: int = 1) -> np.ndar
 
 
 def save_image_grid(path, images, num_classes: int, *, scale: int = 1) -> pathlib.Path:
-    """Write a PNG grid of the images; `scale` enlarges small images (nearest neighbour)."""
+    """Write a PNG grid of the images; `scale` enlarges small images (nearest neighbour). The
+    file appears whole or not at all (a resumed trainer rewrites only a missing one)."""
     from PIL import Image
 
     grid = image_grid(images, num_classes)
@@ -33,5 +35,7 @@ def save_image_grid(path, images, num_classes: int, *, scale: int = 1) -> pathli
         grid = grid.repeat(scale, axis=0).repeat(scale, axis=1)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid).save(path)
+    partial = path.with_name(path.name + ".tmp")
+    Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid).save(partial, format="PNG")
+    os.replace(partial, path)
     return path

@@ -5,6 +5,11 @@ often while it waits on a step whose update has already been dispatched, so the 
 and the step counter no longer agree. Inside `deferred_signals()` the first SIGINT or SIGTERM
 only sets a flag; the training loop checks it between steps, saves, and raises `Interrupted`.
 A second SIGINT raises KeyboardInterrupt at once, for when the user really means "now".
+
+A checkpoint save is the exception: inside `completing_save()` signals are held until the save
+has finished (a save cut short leaves Orbax's writer threads failing one by one, hundreds of
+lines of tracebacks, and a half-written directory that a save in hand would race with). A
+second SIGINT held there then stops the run with `Interrupted`, the checkpoint complete.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ class SignalFlag:
         return self.signum is not None
 
 
+_flags: list[SignalFlag] = []  # the flags of the deferred_signals() blocks now open, innermost last
+
+
 @contextlib.contextmanager
 def deferred_signals():
     """Yield a SignalFlag that records SIGINT/SIGTERM instead of letting them raise.
@@ -57,8 +65,46 @@ def deferred_signals():
         flag.signum = flag.signum or signum
 
     previous = {s: signal.signal(s, handle) for s in HANDLED}
+    _flags.append(flag)
     try:
         yield flag
     finally:
+        _flags.remove(flag)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def completing_save(step: int, directory):
+    """Run the save of checkpoint `step` (in `directory`) to its end whatever signals arrive.
+
+    SIGINT and SIGTERM received meanwhile are held. Once the save has finished: inside
+    `deferred_signals()`, a second SIGINT (the flag already set, or two held) raises
+    `Interrupted` (the checkpoint of `step` is complete: re-running resumes from it), a first
+    one sets the flag as usual; outside it, each is raised again with the handlers of the
+    caller (a KeyboardInterrupt for SIGINT). A save that fails raises its own error; the signals
+    held are then only recorded in the flag.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in HANDLED}
+    try:
+        yield
+        completed = True
+    except BaseException:
+        completed = False
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        flag = _flags[-1] if _flags else None
+        for signum in held:
+            if flag is None:
+                if completed:
+                    signal.raise_signal(signum)
+            elif completed and flag.received and signum == signal.SIGINT:
+                raise Interrupted(signum, step, directory)
+            else:
+                flag.signum = flag.signum or signum

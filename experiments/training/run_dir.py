@@ -12,7 +12,6 @@ weights it holds cannot disagree however the run is stopped.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pathlib
 import tempfile
@@ -22,7 +21,8 @@ from absl import logging
 
 from experiments.training import interrupts
 from experiments.training.checkpoints import Checkpointer, restore_newest_intact
-from experiments.training.metrics import METRICS_FILE
+from experiments.training.metrics import drop_records_after
+from experiments.training.model_change import check_resumed_model
 from experiments.training.workdir_lock import WorkdirLock
 
 
@@ -78,12 +78,16 @@ class RunDirectory:
             self._lock.release()
 
     def resume(self, state):
-        """(state, step) of the newest intact checkpoint, or (state, 0). Metrics recorded
-        after that step (by a run killed before it could checkpoint) are dropped, so the
-        metrics file reads as one uninterrupted run."""
+        """(state, step) of the newest intact checkpoint, or (state, 0). A checkpoint of
+        another model is refused: by its shapes (restore_newest_intact), else by config.json's
+        model section (model_change.check_resumed_model; config.allow_model_change lets it
+        through). Metrics recorded after that step (by a run killed before it could
+        checkpoint) are dropped, so the metrics file reads as one uninterrupted run."""
         state, step = restore_newest_intact(self.checkpointer, state, self.path, self.config)
+        if step > 0:
+            check_resumed_model(self.path, self.config, step)
         if jax.process_index() == 0:
-            _drop_metrics_after(self.path / METRICS_FILE, step)
+            drop_records_after(self.path, step)
         return state, step
 
     def write_config(self, config) -> None:
@@ -119,25 +123,6 @@ class RunDirectory:
         """After a step: if SIGINT/SIGTERM arrived, checkpoint `state` and raise Interrupted."""
         if signals.received:
             raise interrupts.Interrupted(signals.signum, self.save(state), self.checkpointer.directory)
-
-
-def _drop_metrics_after(path: pathlib.Path, step: int) -> None:
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
-    if len(kept) != len(lines):
-        partial = path.with_suffix(".tmp")
-        partial.write_text("".join(kept))
-        os.replace(partial, path)
-
-
-def _step_of(line: str) -> int | None:
-    """A metrics line's step; None for a blank or cut-off line (a run killed mid-write)."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def save_state_in_hand(run: RunDirectory, state) -> None:

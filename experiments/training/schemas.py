@@ -101,12 +101,17 @@ def optimisation(c: ml_collections.ConfigDict) -> None:
 
 
 def bookkeeping(c: ml_collections.ConfigDict) -> None:
-    """When the trainer logs, evaluates and checkpoints (0 = never, except at the end)."""
+    """When the trainer logs, evaluates and checkpoints (0 = never, except at the end), and
+    whether a resumed run may change the model."""
     c.log_every = 50
     c.eval_every = 500
     c.checkpoint_every = 500
     c.keep_checkpoints = 2
     c.progress_bar = True
+    # Resuming a workdir with another model (config.json's model section differs: attention
+    # kind, options, dtype, ...) is an error unless this is True (fine-tuning the saved weights
+    # as the new model; config.json is then rewritten). experiments/training/model_change.py.
+    c.allow_model_change = False
 
 
 def devices(c: ml_collections.ConfigDict) -> None:

@@ -18,24 +18,29 @@ else is here, the same for every task:
   (optimizer.apply_if_finite); the flag of step s is read while step s + 1 runs, and always
   before anything is logged, evaluated or checkpointed, so no bad state reaches the disk.
 - metrics: `metrics.jsonl` (and TensorBoard when installed) every `log_every` steps, one
-  progress bar.
+  progress bar. Checkpoints hold the logging window (metrics.LogWindow), so a run resumed
+  mid-window logs the uninterrupted run's numbers; an evaluation or samples due at the resumed
+  step and missing from the workdir (the run stopped right after that checkpoint) are done
+  before training goes on.
 """
 
 from __future__ import annotations
 
 import abc
-import time
+import pathlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from absl import logging
 from flax import nnx
 
 from experiments.training import mesh as mesh_lib
+from experiments.training.checkpoints import CUSTOM_METADATA
 from experiments.training.config_checks import check_keys, check_mesh, check_values
-from experiments.training.metrics import MetricsWriter, read_metrics
+from experiments.training.metrics import LogWindow, MetricsWriter, evaluated_steps, read_metrics
 from experiments.training.optimizer import apply_if_finite, make_optimizer, make_schedule
 from experiments.training.run_dir import RunDirectory
 
@@ -112,6 +117,11 @@ class Task(abc.ABC):
 
     def write_samples(self, trainer: Trainer, directory, step: int) -> None:
         """Write samples of the current state (default: none)."""
+
+    def samples_file(self, directory, step: int) -> pathlib.Path | None:
+        """The file `write_samples(trainer, directory, step)` writes (a resumed run writes it
+        if it is missing); None: the task writes none."""
+        return None
 
     def progress(self, scalars: dict) -> dict:
         """What the progress bar shows of a logging window's scalars."""
@@ -228,13 +238,38 @@ def train_and_evaluate(
     with RunDirectory(workdir, config) as run:
         task.load_data()
         trainer = Trainer(config, task, mesh_lib.make_mesh(config))
-        trainer.state, step = run.resume(trainer.state)
+        trainer.state, step, window = _resume(run, trainer.state, config)
         wall_time = max(
             [r["wall_time"] for r in read_metrics(run.path) if "wall_time" in r and r["step"] <= step],
             default=0.0,
         )
         run.write_config(config)
-        return _train(config, run, trainer, step, wall_time, step_callback)
+        return _train(config, run, trainer, step, wall_time, window, step_callback)
+
+
+# The logging window's entry in a checkpoint's custom metadata (metrics.LogWindow.saved).
+WINDOW = "log_window"
+
+
+def _resume(run: RunDirectory, state, config) -> tuple[dict, int, LogWindow]:
+    """(state, step, logging window) of the newest intact checkpoint, or (state, 0, empty)."""
+    state, step = run.resume(state)
+    if step == 0:
+        return state, 0, LogWindow(0)
+    try:
+        saved = run.checkpointer.custom_metadata(step).get(WINDOW)
+    except Exception:  # unreadable: the arrays restored, only the window is lost
+        saved = None
+    if LogWindow.lost(saved) and (saved is not None or not due(step, config.log_every)):
+        logging.warning(
+            "checkpoint step %d in %s holds no logging window (%s): the next log line covers only "
+            "the steps after step %d, not every step since the last log line.",
+            step,
+            run.checkpointer.directory,
+            "written before checkpoints held it" if saved is None else "saved by a stop mid-step",
+            step,
+        )
+    return state, step, LogWindow.restored(saved, step)
 
 
 class _FiniteCheck:
@@ -269,40 +304,29 @@ class _FiniteCheck:
         return True
 
 
-class _Window:
-    """The metrics of the steps since the last log line: device arrays, read in groups (a long
-    window, e.g. log_every=0, does not keep every step's arrays alive)."""
-
-    FOLD_EVERY = 256  # steps whose metrics are read at once
-
-    def __init__(self):
-        self.pending, self.steps, self.loss_sum, self.sums, self.grad_norm = [], 0, 0.0, {}, float("nan")
-
-    def add(self, metrics: dict) -> None:
-        self.pending.append(metrics)
-        if len(self.pending) >= self.FOLD_EVERY:
-            self._fold()
-
-    def _fold(self) -> None:
-        for m in jax.device_get(self.pending):
-            self.steps += 1
-            self.loss_sum += float(m["loss"])
-            self.grad_norm = float(m["grad_norm"])
-            for k, v in m.items():
-                if k not in _STEP_METRICS:
-                    self.sums[k] = self.sums.get(k, 0.0) + float(v)
-        self.pending = []
-
-    def read(self) -> tuple[int, float, dict, float]:
-        """(steps, mean loss, summed aux metrics, last grad norm)."""
-        self._fold()
-        return self.steps, self.loss_sum / max(self.steps, 1), self.sums, self.grad_norm
-
-    def __bool__(self) -> bool:
-        return bool(self.pending) or self.steps > 0
+def _catch_up(config, run, trainer: Trainer, step: int, writer: MetricsWriter, result: dict) -> bool:
+    """Do what was due at the resumed `step` and is missing from the workdir (the run was
+    stopped between that step's checkpoint and them): its evaluation, its samples. Returns
+    whether it evaluated."""
+    if step == 0:
+        return False
+    task, last = trainer.task, step == config.num_steps
+    evaluated = False
+    if (due(step, config.eval_every) or last) and step not in evaluated_steps(read_metrics(run.path)):
+        evaluation = task.evaluate(trainer)
+        writer.write(step, evaluation)
+        result.update(evaluation)
+        evaluated = True
+    if (due(step, config.get("sample_every", 0)) or last) and jax.process_index() == 0:
+        path = task.samples_file(run.path / "samples", step)
+        if path is not None and not path.exists():
+            task.write_samples(trainer, run.path / "samples", step)
+    return evaluated
 
 
-def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_callback) -> dict:
+def _train(
+    config, run, trainer: Trainer, step: int, wall_time: float, window: LogWindow, step_callback
+) -> dict:
     task = trainer.task
     writer = MetricsWriter(run.path)
     progress = None
@@ -316,19 +340,58 @@ def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_call
             dynamic_ncols=True,
         )
     result = {"step": step}
-    evaluated = False
     finite = _FiniteCheck(run)
-    window, window_start = _Window(), time.perf_counter()
-    # On an abrupt stop the state in hand is saved only if its last step is known finite.
-    state_in_hand = lambda: trainer.state if finite.all_finite() else None  # noqa: E731
+
+    def checkpoint(state):  # of the state after `step`
+        return {**state, CUSTOM_METADATA: {WINDOW: window.saved(step)}}
+
+    def state_in_hand():
+        # On an abrupt stop the state in hand is saved only if its last step is known finite.
+        if not finite.all_finite():
+            return None
+        try:
+            held = int(jax.device_get(trainer.state["step"]))
+        except Exception:  # its buffers are gone: the save that follows fails and says so
+            held = None
+        return {**trainer.state, CUSTOM_METADATA: {WINDOW: window.saved(held)}}
+
+    def log(step):  # the window's line at `step`, and a new window after it
+        nonlocal window, wall_time
+        steps, loss, sums, grad_norm = window.read()
+        elapsed = window.elapsed()
+        wall_time += elapsed
+        scalars = {
+            "loss": loss,
+            **task.train_scalars(loss, sums),
+            "grad_norm": grad_norm,
+            "steps_per_sec": steps / elapsed,
+            "wall_time": wall_time,
+            "learning_rate": float(trainer.schedule(step - 1)),
+        }
+        writer.write(step, scalars)
+        result.update(step=step, **scalars)
+        if progress is not None:
+            progress.set_postfix(**task.progress(scalars), steps_s=f"{scalars['steps_per_sec']:.3g}")
+        window = window.next(step)
+
     sample_every = config.get("sample_every", 0)
     with run.stopping_at_step_boundaries(state_in_hand) as signals:
         try:
+            # A state saved by an abrupt stop right after a step due to be logged holds that
+            # step's window, not yet written: write it as the uninterrupted run did.
+            if window and window.end == step and (due(step, config.log_every) or step == config.num_steps):
+                log(step)
+            evaluated = _catch_up(config, run, trainer, step, writer, result)
+            if step < config.num_steps and signals.received:
+                run.stop_if_signalled(signals, checkpoint(trainer.state))
+            if not window:
+                window.restart_clock()
             while step < config.num_steps:
                 metrics = trainer.train(task.batch(step))
+                # Added before anything can stop the loop: a state in hand saved with its window.
+                window.add(metrics)
                 finite.expect(step, metrics)  # checks the previous step while this one runs
                 step += 1
-                window.add(metrics)
                 if step_callback is not None:
                     step_callback(step, metrics)
                 last = step == config.num_steps
@@ -339,28 +402,11 @@ def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_call
                 if logging_now or evaluating or sampling or saving:
                     finite.verify()
                 if logging_now:
-                    steps, loss, sums, grad_norm = window.read()
-                    elapsed = time.perf_counter() - window_start
-                    wall_time += elapsed
-                    scalars = {
-                        "loss": loss,
-                        **task.train_scalars(loss, sums),
-                        "grad_norm": grad_norm,
-                        "steps_per_sec": steps / elapsed,
-                        "wall_time": wall_time,
-                        "learning_rate": float(trainer.schedule(step - 1)),
-                    }
-                    writer.write(step, scalars)
-                    result.update(step=step, **scalars)
-                    if progress is not None:
-                        progress.set_postfix(
-                            **task.progress(scalars), steps_s=f"{scalars['steps_per_sec']:.3g}"
-                        )
-                    window = _Window()
+                    log(step)
                 if progress is not None:
                     progress.update(1)
                 if saving:
-                    run.save(trainer.state)
+                    run.save(checkpoint(trainer.state))
                 if evaluating:
                     evaluation = task.evaluate(trainer)
                     writer.write(step, evaluation)
@@ -370,11 +416,11 @@ def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_call
                     task.write_samples(trainer, run.path / "samples", step)
                 if not last and signals.received:
                     finite.verify()
-                    run.stop_if_signalled(signals, trainer.state)
+                    run.stop_if_signalled(signals, checkpoint(trainer.state))
                 if not window:  # a new window starts after checkpointing and evaluation
-                    window_start = time.perf_counter()
+                    window.restart_clock()
             finite.verify()
-            run.save(trainer.state)
+            run.save(checkpoint(trainer.state))
         finally:
             if progress is not None:
                 progress.close()
@@ -383,7 +429,3 @@ def _train(config, run, trainer: Trainer, step: int, wall_time: float, step_call
         result.update(task.evaluate(trainer))
     result["step"] = step
     return result
-
-
-# Metrics of a step that are not summed over a logging window.
-_STEP_METRICS = ("loss", "grad_norm", "finite")

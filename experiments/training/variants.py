@@ -3,6 +3,7 @@
 named variants are each experiment's own (a task's, e.g. `experiments.tasks.copy.VARIANTS`, or
 a family of configs', e.g. `configs/image_base.py`'s)."""
 
+import ast
 from collections.abc import Callable, Mapping
 
 import ml_collections
@@ -16,11 +17,13 @@ def apply(
     """Apply comma-separated variants, left to right: a name from `variants`, or `key=value`
     (value parsed like the field's type; `a.b=value` sets a nested field; a key that is not a
     top-level key but a field of config.model sets that field, so `attention=softmax` means
-    `model.attention=softmax`), e.g. "smoke,attention=softmax,mesh.sequence=4"."""
+    `model.attention=softmax`; an attention kind's options take any name,
+    `attention_options.feature_map=favor`), e.g. "smoke,attention=softmax,mesh.sequence=4"."""
     for item in filter(None, (part.strip() for part in arg.split(","))):
         if "=" in item:
             key, value = item.split("=", 1)
-            if key not in c and "." not in key and key in c.get("model", {}):
+            first = key.split(".")[0]
+            if first not in c and first in c.get("model", {}):
                 key = f"model.{key}"
             # A dotted key ("mesh.sequence=8") sets a field of a nested ConfigDict.
             *path, leaf = key.split(".")
@@ -29,6 +32,11 @@ def apply(
                 if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
                     raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: {sorted(node)}.")
                 node = node[name]
+            if leaf not in node and path and path[-1].endswith("_options"):
+                # An attention kind's options: any name (the kind's check refuses those it
+                # does not take, by name), the value read as a Python literal or a string.
+                node[leaf] = _literal(value)
+                continue
             if leaf not in node:
                 raise ValueError(f"config variant {item!r}: unknown key {key!r}; keys: {sorted(node)}.")
             kind = node.get_type(leaf)
@@ -53,3 +61,13 @@ def apply(
         else:
             raise ValueError(f"unknown config variant {item!r}; variants: {sorted(variants)} or key=value.")
     return c
+
+
+def _literal(value: str):
+    """`value` as a Python literal (64, 0.5, True/true, None), else the string itself."""
+    if value in ("true", "false"):
+        return value == "true"
+    try:
+        return ast.literal_eval(value)
+    except (SyntaxError, ValueError):
+        return value

@@ -302,6 +302,16 @@ def keyword_state_arguments(init_state):
     return checked
 
 
+def integer_option(options, name: str, *, where: str, allow_none: bool = False, note: str = ""):
+    """In an options class's `__post_init__`: check the integer field `name` of the frozen
+    `options` (`ops._checks.check_int`: a numpy integer is accepted and stored as an int; a
+    bool or a float is a ValueError naming the option)."""
+    value = ops._checks.check_int(
+        getattr(options, name), f"{where}: {name}", allow_none=allow_none, note=note
+    )
+    object.__setattr__(options, name, value)
+
+
 @dataclasses.dataclass(frozen=True)
 class NoOptions:
     """The options of a kind that takes none: `AttentionCore.options_class` by default."""
@@ -319,6 +329,10 @@ class AttentionCore(nnx.Module):
 
     Return order (the rule of the whole library): `step(state, ...)` and `prefill(state, ...)`
     return `(state, out)`; the parallel call returns `out`.
+
+    Masked rows (the rule of every kind and form): a query that sees no key -- every key masked
+    by `mask`, `key_lengths` 0, a padding query (segment id 0, never a key) or a query whose
+    segment has no key -- gives an output of 0, with finite gradients.
 
     Class attributes a kind may override:
       options_class: a frozen dataclass whose fields are the kind's options, with their

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_transformers import ops
-from linear_transformers.attention.base import AttentionCore, prefill_axis
+from linear_transformers.attention.base import AttentionCore, integer_option, prefill_axis
 from linear_transformers.packing import continue_positions, next_positions, segment_positions
 
 NORMS = ("rms", "group", None)
@@ -56,8 +56,7 @@ class GatedOptions:
         kind = type(self).__name__
         if self.impl not in ops.IMPLS:
             raise ValueError(f"{kind}: unknown impl {self.impl!r}; expected one of {ops.IMPLS}.")
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
-            raise ValueError(f"{kind}: chunk_size must be None or an integer >= 1, got {self.chunk_size!r}.")
+        integer_option(self, "chunk_size", where=kind, allow_none=True)
         if self.norm not in NORMS:
             raise ValueError(f"{kind}: norm must be one of {NORMS}, got {self.norm!r}.")
         if not self.norm_eps > 0:

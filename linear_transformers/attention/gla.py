@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.attention.base import register_attention
+from linear_transformers.attention.base import integer_option, register_attention
 from linear_transformers.attention.gated import GatedLinearCore, GatedOptions
 
 
@@ -53,10 +53,7 @@ class GLAOptions(SimpleGLAOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.gate_low_rank_dim, int) or self.gate_low_rank_dim < 1:
-            raise ValueError(
-                f"GLAOptions: gate_low_rank_dim must be an integer >= 1, got {self.gate_low_rank_dim!r}."
-            )
+        integer_option(self, "gate_low_rank_dim", where="GLAOptions")
 
 
 def _linear(rngs, param_dtype, dtype, i, o, *, use_bias):

@@ -13,7 +13,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_transformers import ops
-from linear_transformers.attention.base import AttentionCore, memory_queries, prefill_axis, register_attention
+from linear_transformers.attention.base import (
+    AttentionCore,
+    integer_option,
+    memory_queries,
+    prefill_axis,
+    register_attention,
+)
 
 
 class FeatureProjection(nnx.Variable):
@@ -43,18 +49,9 @@ class LinearOptions:
     def __post_init__(self):
         if self.impl not in ops.IMPLS:
             raise ValueError(f"linear attention: unknown impl {self.impl!r}; expected one of {ops.IMPLS}.")
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
-            raise ValueError(
-                f"linear attention: chunk_size must be None or an integer >= 1, got {self.chunk_size!r}."
-            )
+        integer_option(self, "chunk_size", where="linear attention", allow_none=True)
         if self.feature_map == "favor":
-            if self.num_features is not None and (
-                not isinstance(self.num_features, int) or self.num_features < 1
-            ):
-                raise ValueError(
-                    f"linear attention: num_features must be None or an integer >= 1, got "
-                    f"{self.num_features!r}."
-                )
+            integer_option(self, "num_features", where="linear attention", allow_none=True)
         else:
             if self.num_features is not None:
                 raise ValueError(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_transformers import ops
-from linear_transformers.attention.base import AttentionCore, register_attention
+from linear_transformers.attention.base import AttentionCore, integer_option, register_attention
 from linear_transformers.attention.softmax import softmax_over_memory
 
 
@@ -23,10 +23,13 @@ class LinformerMemory(NamedTuple):
     v_BJHM: jax.Array
 
 
+_MAX_LENGTH_NOTE = " (it is required: the most keys the layer accepts)"
+
+
 def _linformer_size_error(name: str, value) -> ValueError:
     return ValueError(
         f"linformer attention: {name} must be an integer >= 1, got {value!r}"
-        + (" (it is required: the most keys the layer accepts)" if name == "max_length" else "")
+        + (_MAX_LENGTH_NOTE if name == "max_length" else "")
         + "."
     )
 
@@ -50,10 +53,9 @@ class LinformerOptions:
     softmax_temp: float | None = None
 
     def __post_init__(self):
-        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
-            raise _linformer_size_error("max_length", self.max_length)
-        if not isinstance(self.projected_length, int) or self.projected_length < 1:
-            raise _linformer_size_error("projected_length", self.projected_length)
+        if self.max_length is not None:
+            integer_option(self, "max_length", where="linformer attention", note=_MAX_LENGTH_NOTE)
+        integer_option(self, "projected_length", where="linformer attention")
 
 
 @register_attention("linformer")

@@ -35,9 +35,11 @@ class ReformerOptions:
     softmax_temp: float | None = None
 
     def __post_init__(self):
-        ops.check_lsh_options(
+        checked = ops.check_lsh_options(
             num_rounds=self.num_rounds, num_buckets=self.num_buckets, chunk_size=self.chunk_size
         )
+        for name, value in zip(("num_rounds", "num_buckets", "chunk_size"), checked):
+            object.__setattr__(self, name, value)  # numpy integers stored as ints
 
 
 @register_attention("reformer")

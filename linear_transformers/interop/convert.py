@@ -23,6 +23,7 @@ a shape that does not fit the config, is an error naming it.
 from __future__ import annotations
 
 import os
+import zipfile
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -82,9 +83,28 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no state dict file at {path!r}.")
     if path.endswith(".npz"):
+        return _load_npz(path)
+    return load_torch_checkpoint(path)
+
+
+def _load_npz(path: str) -> dict[str, np.ndarray]:
+    """Every array of the archive at `path`, or one ValueError naming the file: numpy's own
+    errors for a damaged file are several frames deep, and for one that is not a zip archive
+    they advise allow_pickle, which would run code from the file."""
+    what = f"{path!r} is not a readable .npz state dict (a zip archive of arrays, np.savez)"
+    if not zipfile.is_zipfile(path):
+        size = os.path.getsize(path)
+        raise ValueError(f"{what}: it is not a zip archive ({size} bytes; truncated or another format).")
+    try:
         with np.load(path, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
-    return load_torch_checkpoint(path)
+    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        if "pickle" in str(e):
+            raise ValueError(
+                f"{what}: an array in it holds Python objects, which are not unpickled (that could "
+                f"run code from the file); save plain numeric arrays."
+            ) from None
+        raise ValueError(f"{what}: it is damaged or truncated ({type(e).__name__}: {e}).") from None
 
 
 def _is_state_dict(value) -> bool:
@@ -124,6 +144,18 @@ class _Loader:
         if tuple(array.shape) != expected:
             raise ValueError(
                 f"{self.what}: {key!r} has shape {tuple(array.shape)}; this config expects {expected}."
+            )
+        # An integer array would be cast silently, a NaN would reach every output.
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            raise ValueError(
+                f"{self.what}: {key!r} holds {array.dtype} values; weights must be floating point "
+                f"(float32, bfloat16, float16 or float64), not cast from another type."
+            )
+        bad = ~np.isfinite(array.astype(np.float32))
+        if bad.any():
+            raise ValueError(
+                f"{self.what}: {key!r} is not finite: {int(bad.sum())} of {array.size} values are NaN "
+                f"or inf, so the model would be too."
             )
         self.unused.discard(key)
         array = array.T if transpose else array

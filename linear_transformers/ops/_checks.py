@@ -68,6 +68,23 @@ def check_step_qkv(q_BHD, k_BHD, v_BHM, *, name: str) -> None:
         )
 
 
+def check_int(value, label: str, *, minimum: int | None = 1, allow_none: bool = False, note: str = ""):
+    """`value` as a Python int (>= `minimum` unless that is None; None where `allow_none`), else
+    a ValueError naming `label` ("linear attention: chunk_size"). Integral numpy scalars
+    (np.int64(64)) are ints; a bool (True is not a size) and a float (64.5, and 64.0 too: no
+    silent cast) are refused. `note` is appended to the message."""
+    if value is None and allow_none:
+        return None
+    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if not is_int or (minimum is not None and value < minimum):
+        what = (
+            ("None or " if allow_none else "") + "an integer" + ("" if minimum is None else f" >= {minimum}")
+        )
+        got = repr(value) if is_int or value is None else f"{value!r} ({type(value).__name__})"
+        raise ValueError(f"{label} must be {what}, got {got}{note}.")
+    return int(value)
+
+
 def check_key_lengths(key_lengths, batch: int, *, name: str, length: int | None = None):
     """Return key_lengths as an int32 [B] array, or raise if its shape is not [B].
 

@@ -15,10 +15,11 @@ decay features (1 or F), P devices on the sequence axis.
 | Mamba-2 (SSD), simple GLA      | a scalar per head and step      | [B, T, H]         |
 | GLA                            | one per key feature and step    | [B, T, H, F]      |
 
-`segment_ids` [B, T] packs several sequences into one row: 0 is padding (it adds nothing and
-changes no state), and the state is dropped where the id changes, so every segment is computed
-as if it were alone. The first step of a call continues `initial_state` (a prefill after a
-packed prompt carries on its last segment). Ids of one segment must be contiguous
+`segment_ids` [B, T] packs several sequences into one row: 0 is padding (it adds nothing,
+changes no state, and a padding query sees no key, so its output is 0), and the state is
+dropped where the id changes, so every segment is computed as if it were alone. The first step
+of a call continues `initial_state` (a prefill after a packed prompt carries on its last
+segment). Ids of one segment must be contiguous
 (`pack_sequences` makes them so).
 
 The forms are in `gated_forms.py`; `causal_linear_attention` is this op with the elu feature
@@ -263,8 +264,7 @@ def attend(
     """`gated_linear_attention` with its errors named after `name`, the op the caller called."""
     if impl not in IMPLS:
         raise ValueError(f"{name}: unknown impl {impl!r}; expected one of {IMPLS}.")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"{name}: chunk_size must be None or an integer >= 1, got {chunk_size!r}.")
+    chunk_size = _checks.check_int(chunk_size, f"{name}: chunk_size", allow_none=True)
     for flag, value in (("return_state", return_state), ("normalize", normalize)):
         if not isinstance(value, bool):
             raise ValueError(f"{name}: {flag} must be a bool, got {value!r}.")
@@ -315,6 +315,8 @@ def attend(
             (sp.TIME, sp.BATCH),
             batch=B,
         )
+    if segment_ids is not None:  # A padding query sees no key: 0, as in every kind.
+        out = jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
     return (out, state) if return_state else out
 
 

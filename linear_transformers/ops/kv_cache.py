@@ -6,7 +6,8 @@ features.
 The cache remembers which segment each slot belongs to, so a packed prompt (`segment_ids`)
 can be prefilled and decoding continues its last segment without seeing the others, as the
 linear kinds' state does: a block's first segment continues the cache's current one, each
-later segment of the block starts afresh, and padding (id 0) is never attended to.
+later segment of the block starts afresh, and padding (id 0) is never attended to (a padding
+query sees no key: its output is 0, as in the parallel form).
 """
 
 from __future__ import annotations
@@ -142,9 +143,11 @@ def softmax_attention_prefill(cache: KVCache, q_BTHD, k_BTHD, v_BTHM, *, scale=N
     runs_BT, current_B = _block_segments(cache, segment_ids, T)
     segment_BS = jax.lax.dynamic_update_slice_in_dim(cache.segment_BS, runs_BT, pos, axis=1)
     # Query t sits at slot pos + t and sees slots <= pos + t of its own run: the history and its
-    # block's past.
-    visible_BTS = (jnp.arange(capacity)[None, None] <= (pos + jnp.arange(T))[None, :, None]) & (
-        segment_BS[:, None, :] == runs_BT[:, :, None]
+    # block's past. A padding query (run -1) sees nothing, so its output is 0.
+    visible_BTS = (
+        (jnp.arange(capacity)[None, None] <= (pos + jnp.arange(T))[None, :, None])
+        & (segment_BS[:, None, :] == runs_BT[:, :, None])
+        & (runs_BT >= 0)[:, :, None]
     )
     w_BHTS = softmax_attention_weights(
         q_BTHD.astype(k_cache.dtype), k_cache, mask=visible_BTS[:, None], scale=scale

@@ -12,7 +12,8 @@ a key inside several windows is counted once (its logit is lowered by log of the
 windows holding it), so the result is exactly a softmax over that union. That definition is
 what `lsh_attention_reference` computes densely. Keys are the unit-normalised queries (shared
 QK); a token attends to itself only when nothing else is in reach (its logit is replaced by
-`SELF_LOGIT`), as in the Reformer. Causal and key-padding masks restrict the union further.
+`SELF_LOGIT`), as in the Reformer. Causal and key-padding masks restrict the union further; a
+query left with no valid key (padding, or key_lengths 0) gets 0, as in every kind.
 
 Causal LSH attends only to keys j <= i, but which of them share i's window depends on every
 position's hash, later ones included (they take places in the sorted order). That is the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linear_transformers.ops import _checks
 
@@ -43,19 +45,20 @@ def lsh_rotations(key, num_rounds: int, head_dim: int, num_buckets: int):
     return jax.random.normal(key, (num_rounds, head_dim, num_buckets // 2), jnp.float32)
 
 
-def check_lsh_options(*, num_rounds: int, num_buckets: int, chunk_size: int) -> None:
-    """Raise a ValueError naming the first unusable LSH option."""
-    if not isinstance(num_rounds, int) or num_rounds < 1:
-        raise ValueError(f"LSH attention: num_rounds must be an integer >= 1, got {num_rounds!r}.")
-    if not isinstance(num_buckets, int) or not (
-        num_buckets == 1 or (num_buckets >= 2 and num_buckets % 2 == 0)
-    ):
+def check_lsh_options(*, num_rounds: int, num_buckets: int, chunk_size: int) -> tuple[int, int, int]:
+    """(num_rounds, num_buckets, chunk_size) as Python ints, or a ValueError naming the first
+    unusable one (numpy integers are ints; bools and floats are refused)."""
+    num_rounds = _checks.check_int(num_rounds, "LSH attention: num_rounds")
+    is_int = isinstance(num_buckets, (int, np.integer)) and not isinstance(num_buckets, (bool, np.bool_))
+    if not is_int or not (num_buckets == 1 or (num_buckets >= 2 and num_buckets % 2 == 0)):
         raise ValueError(
             f"LSH attention: num_buckets must be 1 or an even integer >= 2 (angular "
-            f"hashing picks argmax over [xR, -xR]), got {num_buckets!r}."
+            f"hashing picks argmax over [xR, -xR]), got {num_buckets!r}"
+            + ("" if is_int else f" ({type(num_buckets).__name__})")
+            + "."
         )
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"LSH attention: chunk_size must be an integer >= 1, got {chunk_size!r}.")
+    chunk_size = _checks.check_int(chunk_size, "LSH attention: chunk_size")
+    return num_rounds, int(num_buckets), chunk_size
 
 
 def lsh_hashes(x_BTHD, rotations_RDU):
@@ -172,6 +175,12 @@ def lsh_attention(
     lse_RBHT = jnp.take_along_axis(lse_RBHNC.reshape(R, B, H, Tp), rank_RBHT, 3)
     weight_RBHT = jax.nn.softmax(lse_RBHT, axis=0)
     out_BHTM = jnp.einsum("rbht,rbhtm->bhtm", weight_RBHT, out_RBHTM)
+    # A query with no valid key in any round's window (padding, or key_lengths 0) gets 0: the
+    # softmax over MASKED_LOGIT alone would average (or, rounded, sum) the masked values.
+    has_key_RBHT = jnp.take_along_axis(
+        jnp.any(jnp.broadcast_to(allowed, logits.shape), axis=-1).reshape(R, B, H, Tp), rank_RBHT, 3
+    )
+    out_BHTM = jnp.where(jnp.any(has_key_RBHT, axis=0)[..., None], out_BHTM, jnp.zeros((), acc))
     return jnp.swapaxes(out_BHTM, 1, 2)[:, :T].astype(v_BTHM.dtype)
 
 
@@ -214,4 +223,5 @@ def lsh_attention_reference(
     logits = jnp.where(jnp.eye(T, dtype=bool), SELF_LOGIT, logits)
     logits = jnp.where(allowed_BHTS, logits, MASKED_LOGIT)
     out_BHTM = jnp.einsum("bhts,bshm->bhtm", jax.nn.softmax(logits, -1), v_BTHM[:, :T].astype(acc))
+    out_BHTM = jnp.where(jnp.any(allowed_BHTS, axis=-1)[..., None], out_BHTM, jnp.zeros((), acc))
     return jnp.swapaxes(out_BHTM, 1, 2).astype(v_BTHM.dtype)

@@ -66,8 +66,8 @@ def check_segments(segment_ids, key_segment_ids, shape_BTS, *, name: str):
 def softmax_attention_weights(q_BTHD, k_BSHD, *, causal=False, key_lengths=None, mask=None, scale=None):
     """Attention probabilities [B, H, T, S], float32 (or float64 for float64 inputs).
 
-    Masked entries get probability 0; a row with no valid key is uniform over its keys (as in
-    `jax.nn.dot_product_attention`), so its output is finite.
+    Masked entries get probability 0, and a row with no valid key (every key masked) is 0
+    throughout, so its output is 0: the library's rule for an all-masked query, in every kind.
     """
     B, T, H, D = q_BTHD.shape
     S = k_BSHD.shape[1]
@@ -76,9 +76,31 @@ def softmax_attention_weights(q_BTHD, k_BSHD, *, causal=False, key_lengths=None,
     logits_BHTS = precision.einsum_in(acc, "bthd,bshd->bhts", q_BTHD, k_BSHD)
     logits_BHTS = logits_BHTS * jnp.asarray(scale, acc)
     mask_BHTS = _build_mask_BHTS(B, H, T, S, causal=causal, key_lengths=key_lengths, mask=mask)
+    if mask_BHTS is None:
+        return jax.nn.softmax(logits_BHTS, axis=-1)
+    logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
+    # The softmax of a row with no valid key is uniform (finite, so are its gradients); the
+    # where on the result, not the logits, makes it 0 without a NaN in either pass.
+    has_key_BHT1 = jnp.any(mask_BHTS, axis=-1, keepdims=True)
+    return jnp.where(has_key_BHT1, jax.nn.softmax(logits_BHTS, axis=-1), jnp.zeros((), acc))
+
+
+def has_key_BTH1(t, s, *, causal, key_lengths, mask_BHTS):
+    """bool [B|1, T|1, H|1, 1]: the query sees at least one key through the masks (None: every
+    query does). Costs a reduction over the mask when one is given, else nothing of size T*S:
+    a causal query always sees key 0, so only key_lengths can leave a row empty."""
     if mask_BHTS is not None:
-        logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
-    return jax.nn.softmax(logits_BHTS, axis=-1)
+        seen_BHTS = mask_BHTS
+        if causal:
+            seen_BHTS = seen_BHTS & jnp.tril(jnp.ones((t, s), bool))
+        if key_lengths is not None:
+            seen_BHTS = seen_BHTS & _checks.key_padding_mask(key_lengths, s)[:, None, None, :]
+        return jnp.swapaxes(jnp.any(seen_BHTS, axis=-1), 1, 2)[..., None]
+    if s == 0:
+        return jnp.zeros((1, 1, 1, 1), bool)
+    if key_lengths is None:
+        return None
+    return (key_lengths > 0)[:, None, None, None]
 
 
 def validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths):
@@ -159,7 +181,9 @@ def softmax_attention(
         select it.
 
     Returns:
-      [B, T, H, M] in the dtype of v (outputs of padding queries are not meaningful).
+      [B, T, H, M] in the dtype of v. A query that sees no key (every key masked by the mask,
+      key_lengths 0 or its segment absent from the keys; segment id 0, padding, is never a
+      key) gets 0, with finite gradients.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -229,7 +253,7 @@ def _dense_softmax(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, full_ma
             q_BTHD, k_BSHD, v_BSHM, causal=causal, key_lengths=key_lengths, mask=mask, scale=scale
         )
     dtype = jnp.result_type(q_BTHD, k_BSHD, v_BSHM)
-    return jax.nn.dot_product_attention(
+    out_BTHM = jax.nn.dot_product_attention(
         q_BTHD.astype(dtype),
         k_BSHD.astype(dtype),
         v_BSHM.astype(dtype),
@@ -239,6 +263,12 @@ def _dense_softmax(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, full_ma
         key_value_seq_lengths=key_lengths,
         implementation=implementation,
     )
+    # jax.nn.dot_product_attention averages the values of a row with no valid key: make it 0,
+    # as the reference does (one where on the output).
+    has_key = has_key_BTH1(
+        q_BTHD.shape[1], k_BSHD.shape[1], causal=causal, key_lengths=key_lengths, mask_BHTS=full_mask
+    )
+    return out_BTHM if has_key is None else jnp.where(has_key, out_BTHM, jnp.zeros((), out_BTHM.dtype))
 
 
 def _sequence_parallel_softmax(
