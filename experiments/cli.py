@@ -64,23 +64,32 @@ def one_line_errors(main):
     return wrapped
 
 
+def missing_config_file(path: str, flag_name: str = "config") -> str | None:
+    """The message for a --config file `path` that does not exist, naming the configs there
+    are; None when it exists (or no path was given)."""
+    if not path or os.path.isfile(path):
+        return None
+    configs = pathlib.Path("configs")
+    choices = (
+        sorted(p.name for p in configs.glob("*.py") if "def get_config" in p.read_text())
+        if configs.is_dir()
+        else []
+    )
+    return (
+        f"config file {path!r} (--{flag_name}) does not exist"
+        + (f"; the configs are configs/{{{','.join(choices)}}}" if choices else "")
+        + "."
+    )
+
+
 def check_config_file(flag_name: str = "config") -> None:
     """A --config file that does not exist: a FileNotFoundError naming it and the choices.
 
     ml_collections only reports it, in several lines, when the config is first read."""
     path = config_flags.get_config_filename(flags.FLAGS[flag_name]).split(":", 1)[0]
-    if path and not os.path.isfile(path):
-        configs = pathlib.Path("configs")
-        choices = (
-            sorted(p.name for p in configs.glob("*.py") if "def get_config" in p.read_text())
-            if configs.is_dir()
-            else []
-        )
-        raise FileNotFoundError(
-            f"config file {path!r} (--{flag_name}) does not exist"
-            + (f"; the configs are configs/{{{','.join(choices)}}}" if choices else "")
-            + "."
-        )
+    message = missing_config_file(path, flag_name)
+    if message:
+        raise FileNotFoundError(message)
 
 
 @contextlib.contextmanager

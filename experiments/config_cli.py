@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import pathlib
 import re
 import sys
 
@@ -25,6 +24,8 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as config_flags_lib
+
+from experiments.cli import missing_config_file
 
 _FLAG = "config"
 _default_config = ""
@@ -123,15 +124,9 @@ def _unknown_group(argv) -> str | None:
 def flag_error_message(error: BaseException, argv) -> str:
     """One line saying what is wrong with the command line `argv`, from a parsing `error`."""
     text = str(error)
-    path = _config_argument(argv).split(":", 1)[0]
-    if path and not os.path.isfile(path):
-        configs = sorted(
-            p.name for p in pathlib.Path("configs").glob("*.py") if "def get_config" in p.read_text()
-        )
-        text = (
-            f"config file {path!r} (--{_FLAG}) does not exist; "
-            f"the configs are configs/{{{','.join(configs)}}}."
-        )
+    missing = missing_config_file(_config_argument(argv).split(":", 1)[0], _FLAG)
+    if missing:
+        text = missing
     elif "Error whilst parsing config file" in text:
         # get_config raised (an unknown variant, a bad key=value): its own message says it.
         inner = _innermost(error)

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from linear_transformers.attention.base import check_inference_mode, keyword_state_arguments
-from linear_transformers.finite import check_finite_parameters, nonfinite_parameters  # noqa: F401 - public here too
+from linear_transformers.finite import check_finite_parameters
 from linear_transformers.lm import (
     POSITION_LAYOUTS,
     LMState,

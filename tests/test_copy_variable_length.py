@@ -15,17 +15,10 @@ from experiments.tasks import copy as copy_task_lib
 
 
 def _batches(config, seed=0, **overrides):
-    fields = dict(
-        batch_size=config.batch_size,
-        max_length=config.max_length,
-        num_symbols=config.num_symbols,
-        architecture=config.architecture,
-        seed=seed,
-        min_symbols=config.min_symbols,
-        examples_per_step=config.examples_per_step,
-        packed=config.packed,
-    )
-    return ct.CopyBatches(**{**fields, **overrides})
+    """The task's own batches of `seed`, for `config` with `overrides`."""
+    config = config.copy_and_resolve_references()
+    config.update(overrides)
+    return copy_task_lib.Copy(config).copy_batches(seed)
 
 
 def _units(examples):

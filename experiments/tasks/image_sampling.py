@@ -19,11 +19,8 @@ from experiments.training import mesh as mesh_lib
 from experiments.training.checkpoints import Checkpointer, CheckpointError, DamagedCheckpointError
 from experiments.training.trainer import Trainer
 from linear_transformers import interop
-from linear_transformers.image_generator import (
-    nonfinite_parameters,
-    sample_images,
-    sample_images_full_recompute,
-)
+from linear_transformers.finite import nonfinite_parameters
+from linear_transformers.image_generator import sample_images, sample_images_full_recompute
 
 METHODS = {"recurrent": sample_images, "recompute": sample_images_full_recompute}
 
