@@ -1,9 +1,10 @@
-"""Train any experiment: the paper's image generator, the copy task, or the demo.
+"""Train any experiment: the paper's image generator, the copy task, speech recognition, or the demo.
 
   python -m experiments.train --config configs/digits.py --workdir workdirs/digits
   python -m experiments.train --config configs/mnist.py:attention=softmax --workdir workdirs/m \
       --config.manual_dir=/path/to/idx --config.num_steps=2000
   python -m experiments.train --config configs/copy.py:attention=linear --workdir workdirs/copy
+  python -m experiments.train --config configs/speech.py:cpu,linear --workdir workdirs/speech
 
 `config.task` picks the task (experiments/tasks/); one trainer runs them all
 (experiments/training/trainer.py). Re-running with the same workdir resumes from its newest

@@ -9,12 +9,12 @@ import pathlib
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from signal_senders import SignalWhileWaiting
 
 from configs import digits
 from experiments import tasks
@@ -27,8 +27,6 @@ from experiments.training.metrics import read_metrics
 from experiments.training.workdir_lock import WorkdirInUseError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Where the trainer waits on a step in flight (it reads step s's finite flag while s + 1 runs).
-_WAIT_FUNCTION, _WAIT_LINE = "verify", 'if not bool(metrics["finite"]):'
 
 
 @pytest.fixture(scope="module")
@@ -57,39 +55,6 @@ def straight(data_dir, tmp_path_factory):
     return losses, read_metrics(workdir)
 
 
-class _SignalWhileWaiting(threading.Thread):
-    """Sends `signals` to this process once the main thread, past step `after`, is blocked on
-    the metrics of the step in flight (its _WAIT_FUNCTION frame in the trainer sits on
-    _WAIT_LINE)."""
-
-    def __init__(self, signals, after, counter):
-        super().__init__(daemon=True)
-        self.signals, self.after, self.counter = signals, after, counter
-        self.filename = trainer.__file__
-        self.sent_at_step = None
-        self.stop = False
-
-    def _waiting(self) -> bool:
-        frame = sys._current_frames().get(threading.main_thread().ident)
-        while frame is not None:
-            if frame.f_code.co_name == _WAIT_FUNCTION and frame.f_code.co_filename == self.filename:
-                import linecache
-
-                return _WAIT_LINE in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-            frame = frame.f_back
-        return False
-
-    def run(self):
-        while not self.stop:
-            if len(self.counter) >= self.after and self._waiting():
-                self.sent_at_step = len(self.counter)
-                for signum in self.signals:
-                    os.kill(os.getpid(), signum)
-                    time.sleep(0.02)  # two signals sent at once could be handled as one
-                return
-            time.sleep(0.0005)
-
-
 @pytest.mark.parametrize(
     "signals",
     [(signal.SIGINT,), (signal.SIGTERM,), (signal.SIGINT, signal.SIGINT)],
@@ -100,7 +65,7 @@ def test_a_signal_while_a_step_is_in_flight_resumes_exactly(data_dir, straight, 
 
     losses = []
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    sender = _SignalWhileWaiting(signals, after=3, counter=losses)
+    sender = SignalWhileWaiting(signals, after=3, counter=losses)
     sender.start()
     expected = interrupts.Interrupted if len(signals) == 1 else KeyboardInterrupt
     try:
@@ -144,7 +109,7 @@ def test_the_copy_trainer_resumes_exactly_after_sigterm_mid_step(tmp_path):
         config, tmp_path / "straight", step_callback=lambda s, m: straight.append(float(m["loss"]))
     )
     losses = []
-    sender = _SignalWhileWaiting((signal.SIGTERM,), 3, losses)
+    sender = SignalWhileWaiting((signal.SIGTERM,), 3, losses)
     sender.start()
     try:
         with pytest.raises(interrupts.Interrupted, match="SIGTERM received: stopped after step"):

@@ -4,6 +4,7 @@
   image_generation  image_generation.py  the paper's image generator (MNIST, CIFAR-10, digits)
   copy              copy.py              the copy task, decoder-only or encoder-decoder
   progressions      progressions.py      the demo: arithmetic progressions, continued as an RNN
+  speech            speech.py            speech recognition with CTC: phoneme error rate
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import ml_collections
 from experiments.tasks.copy import Copy
 from experiments.tasks.image_generation import ImageGeneration
 from experiments.tasks.progressions import Progressions
+from experiments.tasks.speech import Speech
 from experiments.training import trainer
 
-TASKS = {task.name: task for task in (ImageGeneration, Copy, Progressions)}
+TASKS = {task.name: task for task in (ImageGeneration, Copy, Progressions, Speech)}
 
 
 def task_class(config: ml_collections.ConfigDict) -> type[trainer.Task]:

@@ -3,50 +3,21 @@ authors' library (pytorch-fast-transformers)."""
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import time
 
 import jax
-import ml_collections
 import numpy as np
 
 from experiments.data import pipeline
 from experiments.tasks.image_generation import ImageGeneration
-from experiments.training import images, schemas
-from experiments.training import mesh as mesh_lib
-from experiments.training.checkpoints import Checkpointer, CheckpointError, DamagedCheckpointError
-from experiments.training.trainer import Trainer
+from experiments.training import images
+from experiments.training.restore import load_config, restore_trainer
 from linear_transformers import interop
-from linear_transformers.finite import nonfinite_parameters
 from linear_transformers.image_generator import sample_images, sample_images_full_recompute
 
 METHODS = {"recurrent": sample_images, "recompute": sample_images_full_recompute}
-
-
-def load_config(workdir) -> ml_collections.ConfigDict:
-    """The config a workdir was trained with (its config.json)."""
-    workdir = pathlib.Path(workdir).expanduser()
-    if not workdir.is_dir():
-        raise FileNotFoundError(
-            f"workdir {workdir} is not a directory: --workdir must be a "
-            f"directory written by python -m experiments.train."
-        )
-    path = workdir / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} not found: --workdir must be a directory written by python -m experiments.train."
-        )
-    try:
-        saved = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(
-            f"{path} is not a valid config ({e}); it is written by "
-            f"python -m experiments.train when training starts: restore it, or "
-            f"re-run training with the run's config to rewrite it."
-        ) from None
-    return ml_collections.ConfigDict(schemas.upgrade_saved_config(saved))
 
 
 def sample_from_workdir(
@@ -73,27 +44,8 @@ def sample_from_workdir(
     length = math.prod(info.image_shape)
     if not 0 <= prefix_pixels < length:
         raise ValueError(f"prefix_pixels must be in [0, {length}), got {prefix_pixels}.")
-    trainer = Trainer(config, ImageGeneration(config), mesh_lib.mesh_from_shape((1, 1), jax.devices()[:1]))
-    checkpointer = Checkpointer(pathlib.Path(workdir).expanduser() / "checkpoints")
-    try:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"there is no checkpoint in {checkpointer.directory}.")
-        trainer.state = checkpointer.restore(trainer.state, step)
-    except DamagedCheckpointError as e:
-        others = [s for s in checkpointer.all_steps() if s != step]
-        raise DamagedCheckpointError(
-            f"{e} Sample another checkpoint with --step (steps: {others}), or resume training to replace it."
-        ) from None
-    finally:
-        checkpointer.close()
+    trainer, step = restore_trainer(workdir, config, ImageGeneration(config), step=step)
     model = trainer.eval_model()
-    bad = nonfinite_parameters(model)
-    if bad:  # Sampled, NaN would come out as black pixels.
-        raise FloatingPointError(
-            f"the model's parameters are not finite (step {step}): {len(bad)} arrays hold NaN or "
-            f"inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})."
-        )
     prefix = _test_prefix(
         config.dataset,
         num_images,
