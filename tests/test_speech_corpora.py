@@ -17,7 +17,7 @@ import pytest
 tfds = pytest.importorskip("tensorflow_datasets")
 soundfile = pytest.importorskip("soundfile")
 
-from experiments.data.speech import corpora, espeak, features, loading, phonemes  # noqa: E402
+from experiments.data.speech import audio_files, corpora, espeak, features, loading, phonemes, wsj_transcripts  # noqa: E402
 
 RATE = 16_000
 
@@ -185,7 +185,7 @@ def test_librispeech_missing_flac_is_named(tmp_path):
 def test_missing_soundfile_names_the_package(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "soundfile", None)  # makes `import soundfile` raise ImportError
     with pytest.raises(ImportError, match="pip install soundfile"):
-        corpora.read_flac(tmp_path / "x.flac")
+        audio_files.read_flac(tmp_path / "x.flac")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -227,13 +227,13 @@ def test_sphere_reader_returns_the_samples_written(tmp_path, byte_format):
     samples = np.array([0, 1, -1, 258, -259, 32767, -32768, 12345], np.int16)
     path = tmp_path / "a.wv1"
     path.write_bytes(sphere_bytes(samples, byte_format=byte_format, rate=8000))
-    read, rate = corpora.read_sphere(path)
+    read, rate = audio_files.read_sphere(path)
     assert rate == 8000 and read.dtype == np.int16
     np.testing.assert_array_equal(read, samples)
 
 
 def test_sphere_header_fields():
-    header = corpora.parse_sphere_header(sphere_bytes(np.zeros(5, np.int16), byte_format="10"))
+    header = audio_files.parse_sphere_header(sphere_bytes(np.zeros(5, np.int16), byte_format="10"))
     assert header["header_size"] == 1024
     assert header["sample_count"] == 5 and header["sample_rate"] == RATE
     assert header["sample_byte_format"] == "10" and header["sample_coding"] == "pcm"
@@ -245,29 +245,29 @@ def test_sphere_reader_refuses_shorten(tmp_path, coding):
     path = tmp_path / "011c0201.wv1"
     path.write_bytes(sphere_bytes(np.zeros(100, np.int16), coding=coding))
     with pytest.raises(ValueError, match=r"011c0201.wv1 is shorten-compressed.*sph2pipe -f wav"):
-        corpora.read_sphere(path)
+        audio_files.read_sphere(path)
 
 
 def test_sphere_reader_refuses_other_formats(tmp_path):
     path = tmp_path / "a.wv1"
     path.write_bytes(sphere_bytes(np.zeros(4, np.int16), n_bytes=1))
     with pytest.raises(ValueError, match="1-byte samples"):
-        corpora.read_sphere(path)
+        audio_files.read_sphere(path)
     path.write_bytes(sphere_bytes(np.zeros(4, np.int16), coding="ulaw"))
     with pytest.raises(ValueError, match="sample_coding 'ulaw'"):
-        corpora.read_sphere(path)
+        audio_files.read_sphere(path)
     path.write_bytes(sphere_bytes(np.zeros(4, np.int16))[:-2])
     with pytest.raises(ValueError, match="says 4 samples, but the file holds 3"):
-        corpora.read_sphere(path)
+        audio_files.read_sphere(path)
     path.write_bytes(b"RIFF....WAVEfmt ")
     with pytest.raises(ValueError, match="not a NIST SPHERE file"):
-        corpora.read_sphere(path)
+        audio_files.read_sphere(path)
 
 
 def test_wav_reader(tmp_path):
     samples = tone(0.1, 3)
     write_wav(tmp_path / "a.wav", samples, rate=8000)
-    read, rate = corpora.read_wav(tmp_path / "a.wav")
+    read, rate = audio_files.read_wav(tmp_path / "a.wav")
     assert rate == 8000
     np.testing.assert_array_equal(read, samples)
 
@@ -310,7 +310,7 @@ CLEANING = [
 
 @pytest.mark.parametrize("raw, cleaned", CLEANING)
 def test_wsj_transcript_cleaning(raw, cleaned):
-    assert corpora.clean_wsj_transcript(raw) == cleaned
+    assert wsj_transcripts.clean_wsj_transcript(raw) == cleaned
 
 
 def test_wsj_cleaned_transcripts_phonemise():
@@ -325,13 +325,13 @@ def test_read_wsj_transcripts(tmp_path):
         "\n"
         "[loud_breath] the th(e)- company (4K0C0302)\n"
     )
-    assert corpora.read_wsj_transcripts(path) == {
+    assert wsj_transcripts.read_wsj_transcripts(path) == {
         "4k0c0301": "Saatchi officials said the management re:structuring",
         "4k0c0302": "[loud_breath] the th(e)- company",
     }
     path.write_text("a line with no id\n")
     with pytest.raises(ValueError, match=r"4k0c0300.dot, line 1: expected 'transcript \(utterance_id\)'"):
-        corpora.read_wsj_transcripts(path)
+        wsj_transcripts.read_wsj_transcripts(path)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ def test_wsj_examples(wsj):
             assert features_TF.dtype == np.float32 and features_TF.shape[1] == 80
             assert abs(features_TF.shape[0] - SECONDS[utterance_id] * 100) <= 1
             np.testing.assert_allclose(features_TF, features.log_mel(samples, RATE), rtol=1e-6, atol=1e-6)
-            text = corpora.clean_wsj_transcript(RAW_TRANSCRIPTS[utterance_id])
+            text = wsj_transcripts.clean_wsj_transcript(RAW_TRANSCRIPTS[utterance_id])
             assert as_str(example["text"]) == text
             np.testing.assert_array_equal(example["phonemes"], expected_phonemes(text))
             assert as_str(example["voice"]) == utterance_id[:3]

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import wave
 from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
@@ -51,6 +49,8 @@ from absl import logging
 
 from experiments.data.speech import espeak, phonemes
 from experiments.data.speech import features as features_lib
+from experiments.data.speech.audio_files import read_flac, read_sphere, read_wav
+from experiments.data.speech.wsj_transcripts import clean_wsj_transcript, read_wsj_transcripts
 
 SPLITS = ("train", "validation", "test")
 PHONEMIZER_VOICE = "en-us"  # the eSpeak voice whose phonemes are the targets
@@ -205,32 +205,6 @@ def _check_manual_dir(manual_dir, corpus: str, what: str) -> str:
 # LibriSpeech
 
 
-def _soundfile():
-    """The `soundfile` module, imported only when FLAC files are read."""
-    try:
-        import soundfile
-    except (ImportError, OSError) as e:  # OSError: the module is there but libsndfile is not
-        raise ImportError(
-            "Reading LibriSpeech's FLAC files needs the `soundfile` package (libsndfile): "
-            "`pip install soundfile` (or the `experiments` extra: `pip install -e .[experiments]`)."
-        ) from e
-    return soundfile
-
-
-def read_flac(path: os.PathLike | str) -> tuple[np.ndarray, int]:
-    """The samples of the mono FLAC file `path` as int16 [num_samples], and its sample rate.
-
-    Decoded by `soundfile` (libsndfile): neither NumPy nor the standard library reads FLAC.
-
-    Raises:
-      ValueError: for a file with more than one channel.
-    """
-    audio, sample_rate = _soundfile().read(os.fspath(path), dtype="int16", always_2d=True)
-    if audio.shape[1] != 1:
-        raise ValueError(f"{path} has {audio.shape[1]} channels; LibriSpeech audio is mono.")
-    return np.ascontiguousarray(audio[:, 0]), int(sample_rate)
-
-
 def read_librispeech_transcripts(path: os.PathLike | str) -> dict[str, str]:
     """The lines "ID TRANSCRIPT" of a LibriSpeech `<speaker>-<chapter>.trans.txt`, as {id: transcript}.
 
@@ -348,185 +322,7 @@ class LtLibriSpeech(_SpeechCorpus, skip_registration=True):
 
 
 # ----------------------------------------------------------------------------------------------------
-# NIST SPHERE and WAV
-
-
-SPHERE_HEADER_MAGIC = b"NIST_1A"
-
-
-def parse_sphere_header(raw: bytes, path: os.PathLike | str = "<bytes>") -> dict[str, int | float | str]:
-    """The fields of a NIST SPHERE header (`NIST_1A`, its size, then "name -type value" lines to `end_head`).
-
-    `raw`: the file's bytes (at least its header). Types: `-i` integer, `-r` real, `-sN` a string of N
-    characters. Also returns `header_size`, the bytes before the samples (normally 1024).
-
-    Raises:
-      ValueError: naming `path`, for bytes that do not start with a SPHERE header or a malformed one.
-    """
-    magic, _, rest = raw[:64].partition(b"\n")
-    size = rest.split(b"\n", 1)[0].strip()
-    if magic.strip() != SPHERE_HEADER_MAGIC or not size.isdigit():
-        raise ValueError(f"{path} is not a NIST SPHERE file: it does not start with 'NIST_1A\\n   1024\\n'.")
-    header_size = int(size)
-    fields: dict[str, int | float | str] = {"header_size": header_size}
-    for line in raw[:header_size].decode("ascii", errors="replace").split("\n")[2:]:
-        if line.strip() == "end_head":
-            return fields
-        if not line.strip() or line.lstrip().startswith(";"):
-            continue
-        parts = line.split(None, 2)
-        if len(parts) < 3:
-            raise ValueError(f"{path}: SPHERE header line {line.strip()!r} is not 'name -type value'.")
-        name, kind, value = parts
-        try:
-            if kind == "-i":
-                fields[name] = int(value)
-            elif kind == "-r":
-                fields[name] = float(value)
-            elif re.fullmatch(r"-s\d+", kind):
-                fields[name] = value[: int(kind[2:])].strip()
-            else:
-                raise ValueError(f"unknown type {kind!r} (not -i, -r or -sN)")
-        except ValueError as e:
-            raise ValueError(f"{path}: SPHERE header line {line.strip()!r}: {e}.") from None
-    raise ValueError(f"{path}: the SPHERE header has no 'end_head' line within its {header_size} bytes.")
-
-
-def read_sphere(path: os.PathLike | str) -> tuple[np.ndarray, int]:
-    """The samples of an uncompressed 16-bit PCM mono NIST SPHERE file (WSJ's `.wv1`): int16 [n], rate.
-
-    Reads `sample_rate`, `sample_count`, `sample_n_bytes` (must be 2), `channel_count` (must be 1),
-    `sample_byte_format` ("01" little-endian, "10" big-endian) and `sample_coding` ("pcm" or absent).
-
-    Raises:
-      ValueError: for shorten-compressed files (as the LDC ships WSJ: convert them first with
-        `sph2pipe -f wav`), other codings, sample sizes or channel counts, or a truncated file.
-    """
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        raw = f.read()
-    header = parse_sphere_header(raw, path)
-    coding = str(header.get("sample_coding", "pcm")).lower()
-    if "shorten" in coding:
-        raise ValueError(
-            f"{path} is shorten-compressed (sample_coding {coding!r}), as the LDC distributes WSJ; it cannot "
-            "be read here. Convert the corpus first with sph2pipe (part of Kaldi's tools, or from the LDC): "
-            "for every .wv1 file, `sph2pipe -f wav FILE.wv1 FILE.wav`, keeping the .wav beside the .wv1 "
-            "(in the same folder): the .wav files are then read instead."
-        )
-    if coding != "pcm":
-        raise ValueError(f"{path}: sample_coding {coding!r} is not supported; only 16-bit 'pcm' is.")
-    for name in ("sample_rate", "sample_count"):
-        if name not in header:
-            raise ValueError(f"{path}: the SPHERE header has no {name} field.")
-    n_bytes, channels = header.get("sample_n_bytes", 2), header.get("channel_count", 1)
-    if n_bytes != 2 or channels != 1:
-        raise ValueError(
-            f"{path}: {n_bytes}-byte samples in {channels} channel(s); only 2-byte mono audio is supported."
-        )
-    byte_format = str(header.get("sample_byte_format", ""))
-    if byte_format not in ("01", "10"):
-        raise ValueError(
-            f"{path}: sample_byte_format {byte_format!r} is not '01' (little-endian) or '10' (big)."
-        )
-    count, start = int(header["sample_count"]), int(header["header_size"])
-    if len(raw) < start + 2 * count:
-        raise ValueError(
-            f"{path}: the header says {count} samples, but the file holds {(len(raw) - start) // 2}."
-        )
-    dtype = "<i2" if byte_format == "01" else ">i2"
-    samples = np.frombuffer(raw, dtype=dtype, count=count, offset=start).astype(np.int16)
-    return samples, int(header["sample_rate"])
-
-
-def read_wav(path: os.PathLike | str) -> tuple[np.ndarray, int]:
-    """The samples of a 16-bit PCM mono WAV file (as `sph2pipe -f wav` writes): int16 [n], rate.
-
-    Raises:
-      ValueError: for other sample sizes or channel counts.
-    """
-    with wave.open(os.fspath(path), "rb") as f:
-        if f.getsampwidth() != 2 or f.getnchannels() != 1:
-            raise ValueError(
-                f"{path}: {8 * f.getsampwidth()}-bit samples in {f.getnchannels()} channel(s); "
-                "only 16-bit mono WAV is supported."
-            )
-        frames = f.readframes(f.getnframes())
-        return np.frombuffer(frames, dtype="<i2").astype(np.int16), f.getframerate()
-
-
-# ----------------------------------------------------------------------------------------------------
 # WSJ
-
-# Verbalised punctuation (WSJ0's "VP" prompts): the punctuation mark the speaker named, then its name,
-# e.g. ",COMMA", ".PERIOD", "\"DOUBLE-QUOTE", "--DASH", "-HYPHEN", "%PERCENT", "(LEFT-PAREN".
-_VERBALISED_PUNCTUATION = re.compile(r"^[^\w\s'<*\[~]+([A-Za-z][A-Za-z-]*)$")
-_KALDI_MARKERS = {"noise", "spoken_noise", "unk", "sil", "silence", "vocalized-noise"}
-
-
-def _clean_wsj_word(word: str) -> str:
-    """One whitespace-separated token of a WSJ transcript, cleaned (see `clean_wsj_transcript`)."""
-    word = word.replace("\\", "")
-    if "[" in word or "]" in word or word in ("~", "."):
-        return ""
-    if word.startswith("<") and word.endswith(">"):
-        inner = word[1:-1]
-        return "" if inner.lower() in _KALDI_MARKERS else inner
-    punctuation = _VERBALISED_PUNCTUATION.match(word)
-    if punctuation:
-        return punctuation.group(1).replace("-", " ")
-    word = re.sub(r"\([^)]*\)", "", word)  # the unspoken part of a word fragment: "th(e)-"
-    word = re.sub(r"[^\w'.\-]", "", word)  # marks: "*" mispronounced, ":" lengthened, "!" stressed, "~"
-    return word.strip("-")
-
-
-def clean_wsj_transcript(transcript: str) -> str:
-    """The words spoken in a WSJ `.dot` (or `.lsn`) transcript, lower case, for eSpeak to phonemise.
-
-    Rules, after the CSR `.dot` specification (LDC93S6 `dot_spec.doc`) and Kaldi's `wsj/s5` normalisation,
-    applied to each whitespace-separated token:
-
-    - Backslashes, the escape character of the `.dot` files ("I\\. B\\. M\\.", "\\,COMMA"), are removed.
-    - Non-speech events in square brackets are dropped: "[loud_breath]", "[<door_slam]", "[door_slam>]",
-      "[/phone_ring]", "[phone_ring/]" (eSpeak has no phoneme for them).
-    - "~" (a truncated utterance) and a lone "." (a pause) are dropped.
-    - "<word>" keeps the word: the speaker said it (a verbal deletion, in Kaldi's reading); the noise
-      markers of Kaldi-normalised text ("<NOISE>", "<SPOKEN_NOISE>", "<UNK>") are dropped.
-    - Verbalised punctuation, a mark followed by its name (",COMMA", ".PERIOD", "\\"DOUBLE-QUOTE",
-      "--DASH", "%PERCENT", ".POINT"), becomes the name the speaker said: "comma", "double quote".
-    - Word fragments: the unspoken part in parentheses and the hyphen marking the cut are removed
-      ("th(e)-" -> "th").
-    - Remaining marks inside words are removed: "*" around mispronounced words ("*word*" -> "word"),
-      ":" of lengthened sounds ("re:structuring"), "!" of stressed words; letters, digits, apostrophes,
-      periods (abbreviations: "mr.", "u.s.") and inner hyphens are kept.
-
-    Everything is lower-cased (eSpeak spells out upper-case words) and whitespace is collapsed.
-    """
-    words = (_clean_wsj_word(word) for word in transcript.split())
-    return " ".join(" ".join(words).lower().split())
-
-
-_DOT_LINE = re.compile(r"^(.*?)\s*\((\w+)\)\s*$")
-
-
-def read_wsj_transcripts(path: os.PathLike | str) -> dict[str, str]:
-    """The lines "transcript (utterance_id)" of a WSJ `.dot` or `.lsn` file, as {id (lower case): transcript}.
-
-    Raises:
-      ValueError: naming the file and the line without a trailing "(utterance_id)".
-    """
-    transcripts = {}
-    with open(path, encoding="latin-1") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            match = _DOT_LINE.match(line.strip())
-            if not match:
-                raise ValueError(
-                    f"{path}, line {number}: expected 'transcript (utterance_id)', got {line.strip()!r}."
-                )
-            transcripts[match.group(2).lower()] = match.group(1)
-    return transcripts
 
 
 class LtWsj(_SpeechCorpus, skip_registration=True):
