@@ -237,6 +237,10 @@ def test_a_second_sigint_during_a_save_is_one_line_and_resumes_exactly(data_dir,
     assert _losses(workdir) == _losses(tmp_path / "straight")
 
 
+# In a process of its own (.ci/run runs the slow tests of this file with -n 0): in a shared
+# xdist worker, after other modules, the SIGINT it sends during the save has raised nothing
+# (seen three times); not yet explained.
+@pytest.mark.slow
 def test_a_sigint_during_a_save_outside_training_lets_it_finish_then_raises(tmp_path):
     # The Python API's saves, outside the trainer's signal handling: Ctrl-C is a
     # KeyboardInterrupt as usual, raised once the checkpoint is complete.
