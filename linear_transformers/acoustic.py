@@ -18,9 +18,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.ctc import _check_lengths
 from linear_transformers.lm import sinusoidal_encoding
-from linear_transformers.ops._checks import check_int
+from linear_transformers.ops._checks import check_int, check_lengths
 from linear_transformers.transformer import Encoder, TransformerConfig, dense
 
 
@@ -39,7 +38,7 @@ def _check_inputs(features_BTF, frame_lengths_B, input_dim: int, where: str):
             f"{where}: features must be floating-point (float32, bfloat16, ...), got {features_BTF.dtype}."
         )
     B, T, _ = features_BTF.shape
-    frame_lengths_B = _check_lengths(frame_lengths_B, B, T, name="frame_lengths", what="frames", where=where)
+    frame_lengths_B = check_lengths(frame_lengths_B, B, T, name="frame_lengths", what="frames", where=where)
     real_BT1 = (jnp.arange(T) < frame_lengths_B[:, None])[..., None]
     return jnp.where(real_BT1, features_BTF, jnp.zeros((), features_BTF.dtype)), frame_lengths_B
 

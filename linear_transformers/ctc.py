@@ -14,34 +14,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-
-def _concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
-def _check_lengths(lengths, batch: int, maximum: int, *, name: str, what: str, where: str):
-    """`lengths` as int32 [B]; concrete values outside [0, maximum] raise (under jit they cannot be
-    read, and act as clamped by the masks built from them)."""
-    lengths = jnp.asarray(lengths)
-    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(
-            f"{where}: {name} must be an integer array of shape ({batch},) (the number of valid "
-            f"{what} per row), got {lengths.dtype} array of shape {tuple(lengths.shape)}."
-        )
-    if _concrete(lengths) and batch:
-        values = np.asarray(lengths)
-        bad = values[(values < 0) | (values > maximum)]
-        if bad.size:
-            raise ValueError(
-                f"{where}: {name} must be in [0, {maximum}] (the padded length), got "
-                f"{bad.tolist()} in {values.tolist()}."
-            )
-    return lengths.astype(jnp.int32)
+from linear_transformers.ops._checks import check_lengths, is_concrete
 
 
 def _check_logits(logits_BTC, blank: int, where: str):
@@ -84,10 +61,10 @@ def ctc_loss(logits_BTC, frame_lengths_B, labels_BL, label_lengths_B, *, blank: 
     if not jnp.issubdtype(labels_BL.dtype, jnp.integer):
         raise ValueError(f"{where}: labels must be integer class ids, got dtype {labels_BL.dtype}.")
     L = labels_BL.shape[1]
-    frame_lengths_B = _check_lengths(frame_lengths_B, B, T, name="frame_lengths", what="frames", where=where)
-    label_lengths_B = _check_lengths(label_lengths_B, B, L, name="label_lengths", what="labels", where=where)
+    frame_lengths_B = check_lengths(frame_lengths_B, B, T, name="frame_lengths", what="frames", where=where)
+    label_lengths_B = check_lengths(label_lengths_B, B, L, name="label_lengths", what="labels", where=where)
     label_valid_BL = jnp.arange(L) < label_lengths_B[:, None]
-    if _concrete(labels_BL) and _concrete(label_lengths_B) and labels_BL.size:
+    if is_concrete(labels_BL) and is_concrete(label_lengths_B) and labels_BL.size:
         valid = np.asarray(labels_BL)[np.asarray(label_valid_BL)]
         bad = valid[(valid < 0) | (valid >= C) | (valid == blank)]
         if bad.size:
@@ -116,7 +93,7 @@ def greedy_decode(logits_BTC, frame_lengths_B, *, blank: int = 0):
     where = "greedy_decode"
     logits_BTC = _check_logits(logits_BTC, blank, where)
     B, T, _ = logits_BTC.shape
-    frame_lengths_B = _check_lengths(frame_lengths_B, B, T, name="frame_lengths", what="frames", where=where)
+    frame_lengths_B = check_lengths(frame_lengths_B, B, T, name="frame_lengths", what="frames", where=where)
     best_BT = jnp.argmax(logits_BTC, axis=-1).astype(jnp.int32)
     # A repeat is merged only with the frame right before it: a blank between two equal classes
     # keeps both (that is how CTC writes a doubled label).

@@ -112,6 +112,26 @@ def check_key_lengths(key_lengths, batch: int, *, name: str, length: int | None 
     return key_lengths.astype(jnp.int32)
 
 
+def check_lengths(lengths, batch: int, maximum: int, *, name: str, what: str, where: str):
+    """`lengths` as int32 [B]; concrete values outside [0, maximum] raise (under jit they cannot be
+    read, and act as clamped by the masks built from them)."""
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(
+            f"{where}: {name} must be an integer array of shape ({batch},) (the number of valid "
+            f"{what} per row), got {lengths.dtype} array of shape {tuple(lengths.shape)}."
+        )
+    if is_concrete(lengths) and batch:
+        values = np.asarray(lengths)
+        bad = values[(values < 0) | (values > maximum)]
+        if bad.size:
+            raise ValueError(
+                f"{where}: {name} must be in [0, {maximum}] (the padded length), got "
+                f"{bad.tolist()} in {values.tolist()}."
+            )
+    return lengths.astype(jnp.int32)
+
+
 def check_segment_ids(segment_ids, shape_BT, *, name: str, what: str = "segment_ids"):
     """Return segment ids as an int32 [B, T] array (or None), else a ValueError naming them.
 
