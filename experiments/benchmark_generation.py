@@ -7,11 +7,13 @@
 
 Paper architectures (configs/mnist.py, configs/cifar10.py) with untrained weights, which cost
 the same as trained ones: linear/recurrent (the RNN), softmax/kv-cache (preallocated cache),
-softmax/recompute (full forward per sub-pixel, the paper's baseline). Long runs are timed over
-their first --timed_steps sub-pixels (every step costs the same; see generation_bench) and
-scaled to the whole image. Also prints peak memory vs generated length and the machine's matmul
-throughput for comparison. `--peers=fast-transformers` times the authors' recurrent model on
-the MNIST architecture in the same run and prints theirs / ours per step.
+softmax/recompute (full forward per sub-pixel, the paper's baseline). The recurrent and
+recompute runs are timed over their first --timed_steps (--recompute_steps) sub-pixels (each of
+their steps costs the same; see generation_bench) and scaled to the whole image; the KV cache's
+step grows with the filled cache, so softmax/kv-cache is always timed over the whole image.
+Also prints peak memory vs generated length and the machine's matmul throughput for comparison.
+`--peers=fast-transformers` times the authors' recurrent model on the MNIST architecture in the
+same run and prints theirs / ours per step.
 """
 
 from absl import app, flags
@@ -23,7 +25,9 @@ _METHODS = flags.DEFINE_list(
     "linear/recurrent, softmax/kv-cache, softmax/recompute, linear/recompute.",
 )
 _BATCHES = flags.DEFINE_list("batches", ["1", "16"], "Batch sizes.")
-_TIMED = flags.DEFINE_integer("timed_steps", 128, "Sub-pixels timed per image (0: all).")
+_TIMED = flags.DEFINE_integer(
+    "timed_steps", 128, "Sub-pixels timed per image (0: all); softmax/kv-cache is always timed whole."
+)
 _RECOMPUTE = flags.DEFINE_integer("recompute_steps", 1, "Sub-pixels timed for recompute methods.")
 _MEM_LENGTHS = flags.DEFINE_list(
     "memory_lengths",

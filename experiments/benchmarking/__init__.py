@@ -7,6 +7,9 @@ entry points.
 - `generation_bench`: images/s of autoregressive generation (recurrent, KV cache, recompute).
 - `prefill_bench`: time to first token, one prefill against token by token.
 - `sequence_parallel_bench`: memory and step time with time split over devices.
+- `gated_bench`: the gated op, what a decay costs.
+- `speech_bench`: the speech comparison's table (PER, epoch time, longest utterance).
+- `accelerator_bench`: every GPU measurement in one run and one report.
 - `copy_bench`: the copy task's runs (paper section 4.1): table, curves and plot.
 - `peers`: the authors' library timed on the same cases in the same run.
 - `report`: tables on stdout, CSV/JSON files, log-log PNG plots.

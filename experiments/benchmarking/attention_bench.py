@@ -78,7 +78,8 @@ def default_kinds(platform: str) -> tuple[str, ...]:
 def attention_fn(kind: str, chunk_size: int):
     """(q, k, v) -> out for one benchmark kind."""
     if kind == "softmax":
-        return lambda q, k, v: ops.softmax_attention(q, k, v, causal=True, implementation="xla")
+        # The library's default: blocks of queries on CPU, jax.nn.dot_product_attention elsewhere.
+        return lambda q, k, v: ops.softmax_attention(q, k, v, causal=True)
     if kind == "softmax-cudnn":
         return lambda q, k, v: ops.softmax_attention(q, k, v, causal=True, implementation="cudnn")
     if kind == "linear":
@@ -199,20 +200,24 @@ def run(opts: AttentionBenchOptions, *, log=print) -> list[dict]:
                 rows.append(row)
                 log(format_row(row))
                 if opts.peers and kind in peers.ATTENTION_KINDS:
-                    rows.append(_peer_case(opts, kind, pass_, n, row, too_slow))
+                    rows.append(_peer_case(opts, kind, pass_, n, row, too_slow, budget))
                     log(format_row(rows[-1]))
     return rows
 
 
 def _peer_case(
-    opts: AttentionBenchOptions, kind: str, pass_: str, n: int, ours: dict, too_slow: dict
+    opts: AttentionBenchOptions, kind: str, pass_: str, n: int, ours: dict, too_slow: dict, budget: int
 ) -> dict:
-    """The authors' library on our case's shapes; skipped where ours was skipped for memory
-    (theirs forms the same matrices) or where theirs grew too slow at a shorter N."""
+    """The authors' library on our case's shapes; skipped where ours was skipped for memory,
+    where theirs would need more than the budget (`peers.attention_peak_bytes`), or where
+    theirs grew too slow at a shorter N."""
     peer_kind = "fast-transformers:" + peers.ATTENTION_KINDS[kind]
     reason = too_slow.get((peer_kind, pass_))
+    needs = peers.attention_peak_bytes(kind, pass_, n, ours["batch"], opts.heads)
     if ours["status"].startswith("skipped: needs"):
         reason = "skipped: over the memory budget (as ours)"
+    elif needs > budget:
+        reason = f"skipped: needs at least {needs / 2**30:.1f} GiB, budget {budget / 2**30:.1f} GiB"
     if reason:
         return {
             **ours,

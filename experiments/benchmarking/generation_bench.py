@@ -11,10 +11,14 @@ weights. Methods:
   paper's softmax baseline).
 - linear/recompute: the same baseline with linear attention (not run by default).
 
-Every step of each method costs the same by construction (fixed-size state, fixed-capacity cache
-read in full, full-length recompute), so a method may be timed over its first `timed_steps`
-sub-pixels and the time scaled to the whole image; the `timed_steps` column says when that was
-done.
+Every step of linear/recurrent (a fixed-size state) and of the recompute methods (the full-length
+forward) costs the same by construction, so they may be timed over their first `timed_steps`
+(`recompute_steps`) sub-pixels and the time scaled to the whole image. A KV-cache step reads only
+the filled blocks of its cache, so step t costs O(t) and the first steps are the cheapest:
+softmax/kv-cache is always timed over the whole image, whatever `timed_steps`, and its ms/step
+is the mean over the image. The `timed_steps` column says how many sub-pixels were timed. The
+step's FLOPs (`step_gflop`, `achieved_gflops`) are XLA's cost analysis of one step, given only
+where every step costs the same.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ METHODS = {
     "linear/recompute": ("linear", sample_images_full_recompute),
 }
 DEFAULT_METHODS = ("linear/recurrent", "softmax/kv-cache", "softmax/recompute")
+# Methods whose step cost grows with the step: timed over the whole image, never scaled.
+WHOLE_IMAGE_METHODS = ("softmax/kv-cache",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +52,7 @@ class GenerationBenchOptions:
     archs: tuple[str, ...] = ARCHS
     methods: tuple[str, ...] = DEFAULT_METHODS
     batches: tuple[int, ...] = (1, 16)
-    timed_steps: int = 128  # at most this many sub-pixels timed per image (0 = all)
+    timed_steps: int = 128  # at most this many sub-pixels timed per image (0 = all; KV cache: all)
     recompute_steps: int = 1  # ... for the recompute methods
     memory_lengths: tuple[int, ...] = (256, 1024, 4096, 16384, 65536)
     memory_batch: int = 1
@@ -55,9 +61,15 @@ class GenerationBenchOptions:
     memory_fraction: float = 0.6  # of free memory; a case needing more is skipped
     seed: int = 0
     peers: tuple[str, ...] = ()  # "fast-transformers": the authors' library, MNIST shapes
+    dtype: str = "float32"  # the model's compute dtype (parameters stay float32)
+    num_layers: int | None = None  # None: the paper's depth (fewer: quick tests)
 
     def __post_init__(self):
         peers.check_peers(self.peers)
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1 or None, got {self.num_layers}.")
         for a in self.archs:
             if a not in ARCHS:
                 raise ValueError(f"unknown architecture {a!r}; expected some of {ARCHS}.")
@@ -77,12 +89,14 @@ def paper_model(
     max_length: int | None = None,
     seed: int = 0,
     num_layers: int | None = None,
+    dtype: str = "float32",
 ):
     """The paper's image generator for `arch` ("mnist" or "cifar10") with `attention`, in eval
     mode (untrained); `max_length` changes the generated length, `num_layers` the depth (quick
-    tests)."""
+    tests), `dtype` the compute dtype."""
     config = image_generation.paper_config(arch)
     config.model.attention = attention
+    config.model.dtype = dtype
     config.seed = seed
     if num_layers is not None:
         config.model.num_layers = num_layers
@@ -121,10 +135,10 @@ def step_flops(model, batch: int) -> float | None:
 
 def time_method(opts: GenerationBenchOptions, arch: str, method: str, batch: int) -> dict:
     attention, sample = METHODS[method]
-    model = paper_model(arch, attention, seed=opts.seed)
+    model = paper_model(arch, attention, seed=opts.seed, num_layers=opts.num_layers, dtype=opts.dtype)
     length = model.max_length
     limit = opts.recompute_steps if method.endswith("recompute") else opts.timed_steps
-    steps = min(length, limit) if limit else length
+    steps = min(length, limit) if limit and method not in WHOLE_IMAGE_METHODS else length
     compiled, args = _compiled_sampler(model, sample, batch, steps)
     row = {
         "arch": arch,
@@ -156,7 +170,9 @@ def time_method(opts: GenerationBenchOptions, arch: str, method: str, batch: int
         repeats=timing.repeats,
         status="ok",
     )
-    if not method.endswith("recompute"):
+    # XLA counts a loop body once, and the KV-cache step loops over the filled blocks: its
+    # cost analysis would be one block's, not a step's.
+    if not method.endswith("recompute") and method not in WHOLE_IMAGE_METHODS:
         flops = step_flops(model, batch)
         row["step_gflop"] = flops / 1e9 if flops else math.nan
         row["achieved_gflops"] = flops / seconds_per_step / 1e9 if flops else math.nan
@@ -168,7 +184,14 @@ def memory_vs_length(opts: GenerationBenchOptions, method: str) -> list[dict]:
     attention, sample = METHODS[method]
     rows = []
     for length in opts.memory_lengths:
-        model = paper_model("mnist", attention, max_length=length, seed=opts.seed)
+        model = paper_model(
+            "mnist",
+            attention,
+            max_length=length,
+            seed=opts.seed,
+            num_layers=opts.num_layers,
+            dtype=opts.dtype,
+        )
         compiled, _ = _compiled_sampler(model, sample, opts.memory_batch, length)
         peak = measure.peak_bytes(compiled)
         rows.append(

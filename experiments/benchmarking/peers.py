@@ -63,6 +63,18 @@ def attention_module(name: str, head_dim: int):
     return FullAttention(attention_dropout=0.0)
 
 
+def attention_peak_bytes(kind: str, pass_: str, n: int, batch: int, heads: int) -> int:
+    """A lower bound on the peer's memory for one case, from its code rather than a run (torch
+    has no ahead-of-time figure): their `FullAttention` holds [B, H, N, N] float32 matrices:
+    the scores, the masked and scaled scores and their softmax in the forward, and autograd's
+    saved softmax and the gradients in the backward (3 and 5 of them). The linear kinds hold
+    O(N) arrays, counted as 0."""
+    if ATTENTION_KINDS[kind] != "full":
+        return 0
+    matrices = 3 if pass_ == "forward" else 5
+    return matrices * batch * heads * n * n * 4
+
+
 def attention_row(
     kind: str,
     pass_: str,

@@ -37,7 +37,7 @@ class SoftmaxOptions:
     Attributes:
       softmax_temp: logit scale, default 1/sqrt(head_dim).
       attention_dropout: dropout on the attention probabilities while training, in [0, 1).
-      implementation: passed to `ops.softmax_attention` (None, "xla", "cudnn", "reference").
+      implementation: passed to `ops.softmax_attention` (None, "xla", "cudnn", "blocked", "reference").
       sow_weights: record the probabilities [B, H, T, S] as `nnx.Intermediate`
         "attention_weights" (read them with `nnx.capture`); uses the explicit-weights path.
     """

@@ -21,8 +21,9 @@ parallel and carried on from where it ended (`return_state=True` gives (s_T, z_T
 - "chunked": within a chunk of C steps the masked [C, C] product, between chunks the prefix sum of
   per-chunk states; O(T*C + (T/C)*F*M) memory, matmul-shaped work. The default. On CPU the
   chunks go in segments of `segment_length()` steps through a `lax.scan` carrying (s, z), which
-  keeps each segment in cache. (A hand-written VJP made of the same chunked products was slower
-  and larger on CPU than autodiff: BENCHMARKS.md.)
+  keeps each segment in cache. Feature maps, masking and relayout happen a segment at a time,
+  and the backward pass recomputes each segment from the state entering it rather than storing
+  it (`chunk_segments.py`): forward+backward keeps the inputs and one state per segment.
 - "scan": the RNN, `lax.scan` of the (s, z) update; O(F*M) state, T sequential steps.
 
 With `sequence_axis`, the time axis is split over the devices of a mesh axis (LASP-2, Sun et al.

@@ -30,7 +30,9 @@ multiplying by 0, so a non-finite value in an earlier segment cannot reach a lat
 - "chunked": within a chunk of C steps the masked, decayed [C, C] product; between chunks a
   recurrence over the N chunk states (a cumulative sum without decays or resets, an
   associative scan with them). On CPU the chunks go in segments of `segment_length()` steps
-  through a `lax.scan` carrying (s, z).
+  through a `lax.scan` carrying (s, z); the backward pass recomputes each segment from the state
+  entering it (`chunk_segments.py`). `chunked_from_raw` also prepares the inputs (feature maps,
+  masks) a segment at a time, so no prepared copy of the sequence is kept.
 - "scan": the RNN, `lax.scan` of the update; T sequential steps.
 """
 
@@ -41,7 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _nonfinite, precision
+from linear_transformers.ops import _nonfinite, chunk_segments, precision
 from linear_transformers.ops.linear_state import normalise
 
 DEFAULT_CHUNK_SIZE = 64
@@ -413,46 +415,97 @@ def _chunked_segment(carry, xs, *, eps, acc):
     return carry, _finish(num, den, eps, v.dtype)
 
 
-def _chunked(phi_q, phi_k, v, g, reset, s0, z0, *, eps, acc, chunk_size):
-    B, T, H, _ = phi_q.shape
-    M = v.shape[-1]
+def _layout(x_BLHX, N: int, C: int):
+    """[B, L, H, X] -> [B, H, N, C, X]: heads next to batch, so every einsum of a segment is a
+    batched matmul over (b, h, n) without a transpose of its own."""
+    B, _, H, X = x_BLHX.shape
+    return jnp.swapaxes(x_BLHX, 1, 2).reshape(B, H, N, C, X)
+
+
+def _segment_of_chunks(consts, carry, inputs, flags, *, prepare, N, C, eps, acc):
+    """One segment from its raw [B, L, H, X] inputs: prepared (`prepare`), laid out, and run by
+    `_chunked_segment`; its output back in [B, L, H, M]."""
+    q, k, v, g = inputs
+    valid, reset = flags
+    if prepare is not None:
+        q, k, v, g = prepare(q, k, v, g, valid, *consts)
+    xs = tuple(None if x is None else _layout(x, N, C) for x in (q, k, v, g))
+    reset = None if reset is None else reset.reshape(reset.shape[0], 1, N, C)
+    carry, out_BHNCM = _chunked_segment(carry, (*xs, reset), eps=eps, acc=acc)
+    B, H, _, _, M = out_BHNCM.shape
+    return carry, jnp.swapaxes(out_BHNCM.reshape(B, H, N * C, M), 1, 2)
+
+
+def _segments(T: int, chunk_size: int):
+    """(G, N, C): G segments of N chunks of C steps covering T (G = 1: everything in parallel)."""
     segment = segment_length()
     C = min(chunk_size, T)
     num_chunks = -(-T // C)
-    # G segments of N chunks each, scanned in sequence (G = 1: everything in parallel).
     G = 1 if segment is None else max(1, -(-num_chunks * C // segment))
-    N = -(-num_chunks // G)
+    return G, -(-num_chunks // G), C
+
+
+def _pad_time(x, pad: int):
+    return None if x is None or not pad else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _chunks_in_segments(prepare, q, k, v, g, valid, reset, s0, z0, *, eps, acc, chunk_size):
+    """The chunked form over segments of chunks (`chunk_segments.run_segments`: the backward
+    recomputes each segment). `prepare(*consts, q, k, v, g, valid)` maps a segment's raw inputs
+    to what `_chunked_segment` takes (None: they are prepared already); closure-converted so
+    that arrays it closes over (a feature map's projection) are differentiated."""
+    B, T, H, _ = q.shape
+    M = v.shape[-1]
+    G, N, C = _segments(T, chunk_size)
     pad = G * N * C - T
-    arrays = [phi_q, phi_k, v, g, None if reset is None else reset[:, :, None, None]]
     if pad:
-        # Padding goes after every real step; its phi(k) is 0, its decay 0 (a factor of 1) and
-        # it begins no segment, so it reaches neither a real output nor the final state.
-        arrays = [
-            None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in arrays
-        ]
-    # Heads next to batch once, so every einsum is a batched matmul over (b, h, n) without a
-    # transpose of its own; segments lead for the scan.
-    xs = tuple(
-        None
-        if x is None
-        else jnp.moveaxis(jnp.swapaxes(x, 1, 2).reshape(x.shape[0], x.shape[2], G, N, C, x.shape[-1]), 2, 0)
-        for x in arrays
+        # Padding goes after every real step and is no key (valid False; prepared inputs: phi(k)
+        # 0), its decay 0 (a factor of 1), and it begins no segment: it reaches neither a real
+        # output nor the final state.
+        if prepare is not None:
+            valid = jnp.arange(T + pad)[None] < T if valid is None else _pad_time(valid, pad)
+        q, k, v, g, reset = (x if x is None else _pad_time(x, pad) for x in (q, k, v, g, reset))
+    consts = ()
+    if prepare is not None:
+        segment_args = tuple(None if x is None else x[:, : N * C] for x in (q, k, v, g, valid))
+        prepare, consts = jax.closure_convert(prepare, *segment_args)
+    segment_fn = functools.partial(_segment_of_chunks, prepare=prepare, N=N, C=C, eps=eps, acc=acc)
+    out_spec = ((B, G * N * C, H, M), v.dtype)
+    out_BTHM, carry = chunk_segments.run_segments(
+        segment_fn, tuple(consts), (q, k, v, g), (valid, reset), (s0, z0), G, N * C, out_spec
     )
-    if xs[4] is not None:
-        xs = xs[:4] + (xs[4][..., 0],)  # reset: [G, B, 1, N, C]
-    carry = (s0, z0)
-    if G == 1:
-        carry, out_GBHNCM = _chunked_segment(
-            carry, tuple(None if x is None else x[0] for x in xs), eps=eps, acc=acc
-        )
-        out_GBHNCM = out_GBHNCM[None]
-    else:
-        # Rematerialised: the backward pass recomputes a segment's blocks while they are in
-        # cache instead of storing them all (less memory, and faster at long T on CPU).
-        segment_fn = jax.checkpoint(functools.partial(_chunked_segment, eps=eps, acc=acc))
-        carry, out_GBHNCM = jax.lax.scan(segment_fn, carry, xs)
-    out_BHTM = jnp.moveaxis(out_GBHNCM, 0, 2).reshape(B, H, G * N * C, M)
-    return jnp.swapaxes(out_BHTM, 1, 2)[:, :T], carry
+    return out_BTHM[:, :T], carry
+
+
+def _chunked(phi_q, phi_k, v, g, reset, s0, z0, *, eps, acc, chunk_size):
+    return _chunks_in_segments(
+        None, phi_q, phi_k, v, g, None, reset, s0, z0, eps=eps, acc=acc, chunk_size=chunk_size
+    )
+
+
+def chunked_from_raw(prepare, q, k, v, g, valid, reset, s0, z0, *, eps, acc, chunk_size):
+    """The "chunked" form (with its guard for non-finite values) from raw inputs: `prepare(q, k,
+    v, g, valid)` -> (phi_q, phi_k, v, g) as `gated_linear` prepares them, applied a segment at a
+    time, so neither the forward nor the backward keeps a prepared copy of the sequence.
+    `valid` [B, T] (or None: every key) marks the keys that count."""
+
+    def prepare_finite(q, k, v, g, valid):
+        phi_q, phi_k, v, g = prepare(q, k, v, g, valid)
+        return phi_q, phi_k, _nonfinite.finite_part(v), g
+
+    result = _chunks_in_segments(
+        prepare_finite, q, k, v, g, valid, reset, s0, z0, eps=eps, acc=acc, chunk_size=chunk_size
+    )
+    v_seen = v if valid is None else jnp.where(valid[:, :, None, None], v, jnp.zeros((), v.dtype))
+    return _nonfinite.mark_unless_all_finite(v, result, functools.partial(_mark_seen, v_seen, reset))
+
+
+def _mark_seen(v, reset, result):
+    """NaN in the outputs (and the columns of the final s) that see a non-finite value of v."""
+    out_BTHM, (s_BHFM, z_BHF) = result
+    seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v, num_queries=v.shape[1], causal=True, reset_BT=reset)
+    s_BHFM = _nonfinite.mark_seen(s_BHFM, seen_BTHM[:, -1][:, :, None, :])
+    return _nonfinite.mark_seen(out_BTHM, seen_BTHM), (s_BHFM, z_BHF)
 
 
 def _finite_products(form):
@@ -462,14 +515,7 @@ def _finite_products(form):
 
     def guarded(phi_q, phi_k, v, g, reset, s0, z0, **kw):
         result = form(phi_q, phi_k, _nonfinite.finite_part(v), g, reset, s0, z0, **kw)
-
-        def mark(result):
-            out_BTHM, (s_BHFM, z_BHF) = result
-            seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v, num_queries=v.shape[1], causal=True, reset_BT=reset)
-            s_BHFM = _nonfinite.mark_seen(s_BHFM, seen_BTHM[:, -1][:, :, None, :])
-            return _nonfinite.mark_seen(out_BTHM, seen_BTHM), (s_BHFM, z_BHF)
-
-        return _nonfinite.mark_unless_all_finite(v, result, mark)
+        return _nonfinite.mark_unless_all_finite(v, result, functools.partial(_mark_seen, v, reset))
 
     return guarded
 

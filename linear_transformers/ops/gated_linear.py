@@ -37,7 +37,14 @@ import numpy as np
 from linear_transformers.ops import _checks
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.feature_maps import make_feature_map
-from linear_transformers.ops.gated_forms import DEFAULT_CHUNK_SIZE, FORMS, IMPLS, apply_totals, block_totals
+from linear_transformers.ops.gated_forms import (
+    DEFAULT_CHUNK_SIZE,
+    FORMS,
+    IMPLS,
+    apply_totals,
+    block_totals,
+    chunked_from_raw,
+)
 from linear_transformers.ops.linear_state import LinearState, init_linear_state, normalise
 
 
@@ -96,33 +103,55 @@ def check_linear_state(state, expected_BHFM, *, normalize: bool, name: str) -> L
     return state
 
 
-def _prepare(q, k, v, g, key_lengths, segment_ids, *, fm, scale, acc, offset, previous_ids):
-    """phi(q) * scale, and phi(k), v, g zeroed where a key is padding (index >= key_lengths[b],
-    or segment id 0); the steps where a segment begins. `where`, not a product: padded values
-    may hold inf or NaN."""
-    phi_q, phi_k = fm.query(q), fm.key(k)
-    if scale != 1.0:
-        phi_q = phi_q * jnp.asarray(scale, phi_q.dtype)
-    g = None if g is None else g.astype(acc)
+def _valid_and_resets(T, key_lengths, segment_ids, *, offset, previous_ids):
+    """bool [B, T] each: the keys that count (index < key_lengths[b], segment id not 0), and the
+    steps where a segment begins (the state is dropped before them); None where all count / none
+    begins."""
     valid_BT = reset_BT = None
     if key_lengths is not None:
-        valid_BT = offset + jnp.arange(k.shape[1])[None, :] < key_lengths[:, None]
+        valid_BT = offset + jnp.arange(T)[None, :] < key_lengths[:, None]
     if segment_ids is not None:
         previous_BT = jnp.concatenate([previous_ids[:, None], segment_ids[:, :-1]], axis=1)
         present_BT = segment_ids != 0
         valid_BT = present_BT if valid_BT is None else valid_BT & present_BT
         reset_BT = valid_BT & (segment_ids != previous_BT)
+    return valid_BT, reset_BT
+
+
+def _prepare_block(q, k, v, g, valid_BT, *, fm, scale, acc):
+    """phi(q) * scale, and phi(k), v, g zeroed where a key does not count, for any stretch of
+    steps. `where`, not a product: padded values may hold inf or NaN."""
+    phi_q, phi_k = fm.query(q), fm.key(k)
+    if scale != 1.0:
+        phi_q = phi_q * jnp.asarray(scale, phi_q.dtype)
+    g = None if g is None else g.astype(acc)
     if valid_BT is not None:
         valid_BT11 = valid_BT[:, :, None, None]
         phi_k = jnp.where(valid_BT11, phi_k, 0)
         v = jnp.where(valid_BT11, v, 0)
         g = None if g is None else jnp.where(valid_BT11, g, 0)
-    return phi_q, phi_k, v, g, reset_BT
+    return phi_q, phi_k, v, g
+
+
+def _prepare(q, k, v, g, key_lengths, segment_ids, *, fm, scale, acc, offset, previous_ids):
+    """What every form takes: the prepared block (`_prepare_block`) and its resets."""
+    valid_BT, reset_BT = _valid_and_resets(
+        k.shape[1], key_lengths, segment_ids, offset=offset, previous_ids=previous_ids
+    )
+    return (*_prepare_block(q, k, v, g, valid_BT, fm=fm, scale=scale, acc=acc), reset_BT)
 
 
 def _one_device(q, k, v, g, key_lengths, segment_ids, initial_state, *, form, prep, **kw):
     # A call's first step continues the initial state: no segment begins there.
     previous_ids = None if segment_ids is None else segment_ids[:, 0]
+    if form is FORMS["chunked"]:
+        # Prepared a segment at a time inside the form: no prepared copy of the sequence.
+        valid_BT, reset_BT = _valid_and_resets(
+            q.shape[1], key_lengths, segment_ids, offset=0, previous_ids=previous_ids
+        )
+        prepare = functools.partial(_prepare_block, **prep)
+        out_BTHM, state = chunked_from_raw(prepare, q, k, v, g, valid_BT, reset_BT, *initial_state, **kw)
+        return out_BTHM, LinearState(*state)
     inputs = _prepare(q, k, v, g, key_lengths, segment_ids, offset=0, previous_ids=previous_ids, **prep)
     out_BTHM, state = form(*inputs, *initial_state, **kw)
     return out_BTHM, LinearState(*state)

@@ -1,12 +1,18 @@
 """Non-causal linear attention and the recurrent (RNN) step of causal linear attention.
 
 Legend: B batch, T query time, S key time, H heads, D key/query features, F feature-map
-features (F = D for elu and relu), M value features.
+features (F = D for elu and relu), M value features, G = B * H (heads merged into the batch).
 
   out_t = phi(q_t) . s / (phi(q_t) . z + eps),   s = sum_i phi(k_i) v_i^T,  z = sum_i phi(k_i)
 
 with the sums over all keys (non-causal) or over keys i <= t (causal). The state (s, z) is
 accumulated in float32 (or wider) whatever the input dtype.
+
+Layout: the contractions over time run with the heads moved next to the batch and the two
+merged, G = B * H ([G, S, F] x [G, S, M] -> [G, F, M]): a plain batched matmul. XLA:CPU runs
+"bshf,bshm->bhfm" (batch dims b, h around the contracted s) several times slower, at ~22
+GFLOP/s against ~150 for a large matmul; the transposes fuse into the feature map and the
+normalisation (BENCHMARKS.md section 1). `linear_attention_reference` is the explicit formula.
 """
 
 from __future__ import annotations
@@ -23,17 +29,31 @@ from linear_transformers.ops.gated_linear import gated_linear_attention
 from linear_transformers.ops.linear_state import LinearState, normalise
 
 
+def heads_major(x_BSHF):
+    """[B, S, H, F] -> [G, S, F] with G = B * H (batch-major, then heads)."""
+    B, S, H, F = x_BSHF.shape
+    return jnp.swapaxes(x_BSHF, 1, 2).reshape(B * H, S, F)
+
+
+def time_major(x_GTM, batch: int):
+    """The inverse of `heads_major`: [G, T, M] -> [B, T, H, M]."""
+    G, T, M = x_GTM.shape
+    return jnp.swapaxes(x_GTM.reshape(batch, G // batch, T, M), 1, 2)
+
+
 def _local_state(k_BSHD, v_BSHM, key_lengths, *, fm, offset):
     acc = _checks.accumulation_dtype(v_BSHM.dtype)
+    B, _, H, _ = k_BSHD.shape
     phi_k_BSHF = fm.key(k_BSHD)
     if key_lengths is not None:
         valid_BS11 = (offset + jnp.arange(k_BSHD.shape[1])[None, :] < key_lengths[:, None])[:, :, None, None]
         # where, not multiply: padded values may hold inf or NaN.
         phi_k_BSHF = jnp.where(valid_BS11, phi_k_BSHF, 0)
         v_BSHM = jnp.where(valid_BS11, v_BSHM, 0)
-    s_BHFM = precision.einsum_in(acc, "bshf,bshm->bhfm", phi_k_BSHF, v_BSHM)
-    z_BHF = jnp.sum(phi_k_BSHF.astype(acc), axis=1)
-    return LinearState(s_BHFM, z_BHF)
+    phi_k_GSF = heads_major(phi_k_BSHF)
+    s_GFM = precision.einsum_in(acc, "gsf,gsm->gfm", phi_k_GSF, heads_major(v_BSHM))
+    z_GF = jnp.sum(phi_k_GSF.astype(acc), axis=1)
+    return LinearState(s_GFM.reshape(B, H, *s_GFM.shape[1:]), z_GF.reshape(B, H, -1))
 
 
 def _sequence_parallel_state(k_BSHD, v_BSHM, key_lengths, *, fm, axis):
@@ -76,12 +96,16 @@ def linear_attention_from_state(state: LinearState, q_xHD, *, feature_map="elu",
     """Queries [..., H, D] attend to a fixed summary state; returns [..., H, M]."""
     fm = make_feature_map(feature_map)
     phi_q_xHF = fm.query(q_xHD).astype(state.s_BHFM.dtype)
-    if q_xHD.ndim == 4:  # [B, T, H, D]
-        num = jnp.einsum("bthf,bhfm->bthm", phi_q_xHF, state.s_BHFM)
-        den = jnp.einsum("bthf,bhf->bth", phi_q_xHF, state.z_BHF)
-    else:  # [B, H, D]
-        num = jnp.einsum("bhf,bhfm->bhm", phi_q_xHF, state.s_BHFM)
-        den = jnp.einsum("bhf,bhf->bh", phi_q_xHF, state.z_BHF)
+    if q_xHD.ndim == 4:  # [B, T, H, D]: heads next to the batch (module docstring)
+        B, _, H, _ = q_xHD.shape
+        phi_q_GTF = heads_major(phi_q_xHF)
+        s_GFM = state.s_BHFM.reshape(B * H, *state.s_BHFM.shape[2:])
+        num_GTM = jnp.einsum("gtf,gfm->gtm", phi_q_GTF, s_GFM)
+        den_GT = jnp.einsum("gtf,gf->gt", phi_q_GTF, state.z_BHF.reshape(B * H, -1))
+        return time_major(normalise(num_GTM, den_GT, eps, out_dtype or q_xHD.dtype), B)
+    # [B, H, D]: one query per head
+    num = jnp.einsum("bhf,bhfm->bhm", phi_q_xHF, state.s_BHFM)
+    den = jnp.einsum("bhf,bhf->bh", phi_q_xHF, state.z_BHF)
     return normalise(num, den, eps, out_dtype or q_xHD.dtype)
 
 

@@ -2,6 +2,11 @@
 
 Legend: B batch, T query time, S key time, H heads, D key/query features, M value features.
 Logits and the softmax are computed in float32 (or wider) whatever the input dtype.
+
+On the CPU the default implementation is `softmax_blocked` (heads next to the batch, query
+blocks that skip the causal upper triangle, a written-out backward), faster there than
+`jax.nn.dot_product_attention(implementation="xla")` (BENCHMARKS.md section 1). Elsewhere the
+default stays `jax.nn.dot_product_attention` (cuDNN flash attention on NVIDIA GPUs).
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ import jax.numpy as jnp
 
 from linear_transformers.ops import _checks, _nonfinite, precision
 from linear_transformers.ops import sequence_parallel as sp
+from linear_transformers.ops.softmax_blocked import blocked_softmax_attention
 
-IMPLEMENTATIONS = (None, "xla", "cudnn", "reference")
+IMPLEMENTATIONS = (None, "xla", "cudnn", "blocked", "reference")
 
 
 def _build_mask_BHTS(batch, heads, t, s, *, causal, key_lengths, mask):
@@ -166,9 +172,11 @@ def softmax_attention(
       mask: boolean [T, S] or [B, H, T, S] (size-1 dimensions broadcast), True = attend; a
         float (additive) mask or a 3-D one is refused (`ops._checks.check_mask`).
       scale: multiplies the logits (softmax temperature); default 1/sqrt(D).
-      implementation: None (jax.nn.dot_product_attention where it applies, i.e. D == M, else the
-        reference), "xla" or "cudnn" (jax.nn.dot_product_attention with that implementation;
-        "cudnn" is flash attention on NVIDIA GPUs), or "reference" (explicit weights).
+      implementation: None ("blocked" on the CPU; elsewhere jax.nn.dot_product_attention where
+        it applies, i.e. D == M, else the reference), "xla" or "cudnn"
+        (jax.nn.dot_product_attention with that implementation; "cudnn" is flash attention on
+        NVIDIA GPUs), "blocked" (`softmax_blocked`: query blocks in a [B, H, T, D] layout, the
+        CPU's fast form) or "reference" (explicit weights).
       segment_ids: int [B, T] of packed sequences (0 = padding): a query attends only to keys
         of its own segment, so each segment is computed alone. `key_segment_ids` [B, S] are the
         keys' ids where they differ (cross-attention over a packed memory; default the same).
@@ -247,6 +255,12 @@ def _dense_softmax(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, full_ma
             f"softmax_attention: implementation={implementation!r} (jax.nn.dot_product_attention) "
             f"needs value features M equal to key features D, got D={q_BTHD.shape[-1]}, "
             f"M={v_BSHM.shape[-1]}; use implementation=None or 'reference'."
+        )
+    if implementation is None and jax.default_backend() == "cpu":
+        implementation = "blocked"
+    if implementation == "blocked":
+        return blocked_softmax_attention(
+            q_BTHD, k_BSHD, v_BSHM, causal=causal, key_lengths=key_lengths, mask=full_mask, scale=scale
         )
     if implementation == "reference" or (implementation is None and not same_dims):
         return softmax_attention_reference(

@@ -1,0 +1,776 @@
+"""Every accelerator measurement BENCHMARKS.md asks for, from one command, into one report.
+
+A GPU is lent rarely and briefly, so one run measures everything its "GPU" section lists, each
+part by the benchmark module that already measures it on the CPU:
+
+  attention   attention_bench: causal-linear/chunked vs softmax (cuDNN flash attention and XLA),
+              bf16, B=8, H=8, D=M=64, N = 16k and 64k, forward and forward+backward; the
+              targets chunked >= 8x / 30x cuDNN at 16k / 64k.
+  generation  generation_bench: the MNIST architecture (configs/mnist.py), linear recurrent vs
+              softmax KV cache, bf16, batch 1 / 256 / 1024, whole images; the targets >= 3,500
+              images/s and recurrent >= 4x the KV cache.
+  train_step  the trainer's own jitted step (`Trainer.train`) of the paper's MNIST model on
+              random sub-pixels, bf16 and float32: steps/s and tokens/s (no data, no training run).
+  chunk_size  attention_bench's chunked form at one length, float32 and bf16, C = 32 .. 256.
+  prefill     prefill_bench: a prompt read in one parallel pass vs token by token.
+  gated       gated_bench: the decayed kinds against plain causal linear, bf16.
+
+Every part has a time budget and the whole run a limit (`max_minutes`): a part stops starting
+cases once its budget is spent (a case in flight finishes: a running XLA call cannot be
+interrupted, so cases are sized to take seconds), and what was not run is listed with the
+reason. A case that raises is recorded as failed and the part goes on; a part whose cases cannot
+even be built is recorded as skipped and the next part runs. The report (accelerator.md and
+accelerator.csv) is rewritten after every case, so a run killed half way (its lease ended)
+still leaves every figure measured before.
+
+`sizes="tiny"` runs every part at toy sizes in seconds (tests, a check of an install, on the
+CPU too); the accelerator sizes refuse to run on a CPU (see `check_platform`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import pathlib
+import platform
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from experiments.benchmarking import (
+    attention_bench,
+    gated_bench,
+    generation_bench,
+    measure,
+    prefill_bench,
+    report,
+)
+
+PARTS = ("attention", "generation", "train_step", "chunk_size", "prefill", "gated")
+SIZES = ("accelerator", "tiny")
+CHUNKED = "causal-linear/chunked"
+CUDNN = "softmax-cudnn"
+# BENCHMARKS.md's GPU targets.
+ATTENTION_TARGETS = {16384: 8.0, 65536: 30.0}  # N: chunked at least this many times cuDNN's speed
+IMAGES_PER_S_TARGET = 3500.0  # MNIST architecture, linear recurrent, at the best batch
+RECURRENT_OVER_KV_TARGET = 4.0  # linear recurrent images/s over the bf16 KV cache's, same batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What every part measures at one size. The benchmark modules' own options carry their
+    shapes; only what those options cannot say (the batch per N, the dtypes and chunk sizes to
+    sweep, the training model) is here."""
+
+    attention: attention_bench.AttentionBenchOptions  # lengths, passes, heads, dims, dtype, repeats
+    attention_batch: int  # B at every N (the module's `tokens` is set to B * N)
+    chunk_length: int  # N of the chunk-size sweep (same B, H, D)
+    chunk_dtypes: tuple[str, ...]
+    chunk_sizes: tuple[int, ...]
+    generation: generation_bench.GenerationBenchOptions
+    generation_dtype: str
+    generation_layers: int | None  # None: the paper's 8
+    train_dataset: str  # its image shape sets the sequence length
+    train_model: tuple[tuple[str, object], ...]  # config.model overrides of the paper's MNIST model
+    train_batches: tuple[int, ...]
+    train_dtypes: tuple[str, ...]
+    train_min_seconds: float
+    prefill: prefill_bench.PrefillBenchOptions
+    gated: gated_bench.GatedBenchOptions
+    budgets_s: tuple[tuple[str, float], ...]  # (part, seconds)
+
+    def budget_s(self, part: str) -> float:
+        return dict(self.budgets_s)[part]
+
+
+def _sizes(name: str) -> Sizes:
+    if name == "accelerator":
+        return Sizes(
+            attention=attention_bench.AttentionBenchOptions(
+                lengths=(16384, 65536), heads=8, head_dim=64, value_dim=64, dtype="bfloat16", min_seconds=0.5
+            ),
+            attention_batch=8,
+            chunk_length=16384,
+            chunk_dtypes=("float32", "bfloat16"),
+            chunk_sizes=(32, 64, 128, 256),
+            generation=generation_bench.GenerationBenchOptions(
+                archs=("mnist",),
+                methods=("linear/recurrent", "softmax/kv-cache"),
+                batches=(1, 256, 1024),
+                timed_steps=0,  # whole images: the GPU section's figures are per image
+                memory_lengths=(),
+                min_seconds=1.0,
+            ),
+            generation_dtype="bfloat16",
+            generation_layers=None,
+            train_dataset="mnist",
+            train_model=(),
+            train_batches=(16, 128),  # 16: configs/mnist.py's batch
+            train_dtypes=("bfloat16", "float32"),  # float32 to say what bf16 buys
+            train_min_seconds=1.0,
+            prefill=prefill_bench.PrefillBenchOptions(
+                prompt_lengths=(512, 2048, 8192),
+                batches=(1,),
+                softmax_lengths=(512, 2048),
+                # Image completion compiles two 8-layer samplers per case (~a minute in all):
+                # the MNIST model's speed is the generation part's.
+                image_arch="",
+                min_seconds=0.5,
+            ),
+            gated=gated_bench.GatedBenchOptions(
+                lengths=(4096, 16384), batch=8, dtype="bfloat16", impls=("chunked",), min_seconds=0.5
+            ),
+            # 510 s in all (max_minutes 8.5): with JAX's start and a last case running over, the
+            # run fits a 10-minute device command.
+            budgets_s=(
+                ("attention", 100.0),
+                ("generation", 140.0),
+                ("train_step", 80.0),
+                ("chunk_size", 60.0),
+                ("prefill", 70.0),
+                ("gated", 60.0),
+            ),
+        )
+    if name == "tiny":
+        return Sizes(
+            # One case or two per part, forward passes only: what costs seconds here is compiling.
+            attention=attention_bench.AttentionBenchOptions(
+                lengths=(64,),
+                heads=2,
+                head_dim=8,
+                value_dim=8,
+                dtype="bfloat16",
+                passes=("forward",),
+                chunk_size=16,
+                min_repeats=1,
+                min_seconds=0.0,
+            ),
+            attention_batch=2,
+            chunk_length=64,
+            chunk_dtypes=("float32", "bfloat16"),
+            chunk_sizes=(16,),
+            generation=generation_bench.GenerationBenchOptions(
+                archs=("mnist",),
+                methods=("linear/recurrent",),  # the KV cache: generation_bench's own tests
+                batches=(1,),
+                timed_steps=1,
+                memory_lengths=(),
+                min_repeats=1,
+                min_seconds=0.0,
+            ),
+            generation_dtype="bfloat16",
+            generation_layers=1,
+            train_dataset="digits",  # 64 sub-pixels
+            train_model=(("num_layers", 1), ("num_heads", 2), ("model_dim", 16), ("feed_forward_dim", 32)),
+            train_batches=(2,),
+            train_dtypes=("bfloat16",),
+            train_min_seconds=0.0,
+            prefill=prefill_bench.PrefillBenchOptions(
+                prompt_lengths=(16,),
+                batches=(2,),
+                kinds=("linear",),
+                num_layers=1,
+                model_dim=16,
+                num_heads=2,
+                vocab_size=11,
+                image_arch="",  # image completion reuses generation's model, timed above
+                min_repeats=1,
+                min_seconds=0.0,
+            ),
+            gated=gated_bench.GatedBenchOptions(
+                lengths=(64,),
+                batch=2,
+                heads=2,
+                head_dim=8,
+                value_dim=8,
+                dtype="bfloat16",
+                decays=("step",),
+                passes=("forward",),
+                impls=("chunked",),
+                min_repeats=1,
+                min_seconds=0.0,
+            ),
+            budgets_s=tuple((part, 120.0) for part in PARTS),
+        )
+    raise ValueError(f"unknown sizes {name!r}; expected one of {SIZES}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorBenchOptions:
+    sizes: str = "accelerator"
+    parts: tuple[str, ...] = PARTS
+    max_minutes: float = 8.5  # the whole run; parts (and cases) not started by then are skipped
+
+    def __post_init__(self):
+        if self.sizes not in SIZES:
+            raise ValueError(f"unknown sizes {self.sizes!r}; expected one of {SIZES}.")
+        unknown = [p for p in self.parts if p not in PARTS]
+        if unknown or not self.parts:
+            raise ValueError(f"unknown or no parts {list(self.parts)}; expected some of {PARTS}.")
+        if not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}.")
+
+
+def check_platform(sizes: str, platform_name: str) -> None:
+    """Refuse the accelerator sizes on a CPU. Why refuse rather than warn: on the 2-core CPU
+    the attention part alone (B=8 at N=65536) and the batch-1024 generation would run for
+    hours, not minutes, and a report that says "cpu" in a file meant for GPU figures is worth
+    less than a clear message; the CPU figures come from the individual benchmark commands."""
+    if platform_name == "cpu" and sizes != "tiny":
+        raise ValueError(
+            f"--sizes={sizes} is sized for an accelerator (attention at N=65536 with B=8, "
+            f"generation at batch 1024) and would run for hours on this CPU; pass --sizes=tiny "
+            f"for a smoke run of every part in seconds, or run it where jax.devices() is a GPU "
+            f"(the CPU figures come from the individual python -m experiments.benchmark_* commands)."
+        )
+
+
+def describe_machine() -> dict:
+    """The device (kind, platform), versions and host, as the report names them."""
+    device = jax.devices()[0]
+    return {
+        "device_kind": device.device_kind,
+        "platform": device.platform,
+        "host": platform.node(),
+        **measure.machine_description(device),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    label: str
+    run: Callable[[], list[dict]]  # -> rows
+
+
+@dataclasses.dataclass
+class PartResult:
+    name: str
+    budget_s: float
+    status: str = "not started"
+    seconds: float = 0.0
+    rows: list[dict] = dataclasses.field(default_factory=list)
+
+
+# --- the parts: each a list of cases, then its tables and targets from the rows ---------------
+
+
+def attention_cases(sizes: Sizes) -> list[Case]:
+    """The targets' pair (chunked, cuDNN) at every N first, then XLA's softmax: if the budget
+    runs out, what it costs is the least needed figure."""
+    gpu = jax.devices()[0].platform == "gpu"
+    opts = sizes.attention
+    cases = [
+        Case(f"{kind} {pass_} N={n}", _attention_case(sizes, kind, pass_, n))
+        for kinds in ([CHUNKED, CUDNN] if gpu else [CHUNKED], ["softmax"])
+        for n in opts.lengths
+        for kind in kinds
+        for pass_ in opts.passes
+    ]
+    if not gpu:  # said once in the table, so the targets' "not measured" has its reason
+        cases.append(Case(CUDNN, lambda: [{"kind": CUDNN, "status": "skipped: cuDNN needs an NVIDIA GPU"}]))
+    return cases
+
+
+def _attention_case(sizes: Sizes, kind: str, pass_: str, n: int, *, dtype=None, chunk_size=None):
+    def run() -> list[dict]:
+        opts = dataclasses.replace(
+            sizes.attention,
+            lengths=(n,),
+            tokens=sizes.attention_batch * n,  # attention_bench's B = tokens // N
+            dtype=dtype or sizes.attention.dtype,
+            chunk_size=chunk_size or sizes.attention.chunk_size,
+        )
+        budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
+        return [attention_bench.run_case(opts, kind, pass_, n, budget)]
+
+    return run
+
+
+def attention_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    return [("time / time(causal-linear/chunked), same run", attention_bench.speedups(rows, CHUNKED))]
+
+
+def attention_targets(rows: list[dict]) -> list[dict]:
+    times = {(r["kind"], r["pass"], r["n"]): r["time_ms"] for r in rows if r.get("status") == "ok"}
+    out = []
+    for n, goal in ATTENTION_TARGETS.items():
+        for pass_ in attention_bench.PASSES:
+            chunked, cudnn = times.get((CHUNKED, pass_, n)), times.get((CUDNN, pass_, n))
+            target = f"chunked >= {goal:g}x cuDNN flash attention, N={n}, {pass_}"
+            if chunked and cudnn:
+                out.append(_target(target, f"{cudnn / chunked:.2f}x", cudnn / chunked >= goal))
+            else:
+                out.append(_target(target, "not measured", None))
+    return out
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _target(target: str, measured: str, met: bool | None) -> dict:
+    return {
+        "target": target,
+        "measured": measured,
+        "verdict": "not measured" if met is None else ("met" if met else "missed"),
+    }
+
+
+def generation_cases(sizes: Sizes) -> list[Case]:
+    def case(method: str, batch: int):
+        def run() -> list[dict]:
+            opts = dataclasses.replace(
+                sizes.generation,
+                methods=(method,),
+                batches=(batch,),
+                dtype=sizes.generation_dtype,
+                num_layers=sizes.generation_layers,
+            )
+            speed, _ = generation_bench.run(opts)
+            return [{**r, "dtype": sizes.generation_dtype} for r in speed]
+
+        return Case(f"{method} B={batch}", run)
+
+    return [case(m, b) for b in sizes.generation.batches for m in sizes.generation.methods]
+
+
+def generation_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    return [("linear/recurrent images/s over each method's, same batch", generation_bench.ratios(rows))]
+
+
+def generation_targets(rows: list[dict]) -> list[dict]:
+    ips = {(r["method"], r["batch"]): r["images_per_s"] for r in rows if r.get("status") == "ok"}
+    recurrent = {b: v for (m, b), v in ips.items() if m == "linear/recurrent"}
+    target = f"MNIST architecture >= {IMAGES_PER_S_TARGET:,.0f} images/s (linear recurrent, best batch)"
+    if recurrent:
+        best = max(recurrent, key=recurrent.get)
+        out = [
+            _target(target, f"{_number(recurrent[best])} at B={best}", recurrent[best] >= IMAGES_PER_S_TARGET)
+        ]
+    else:
+        out = [_target(target, "not measured", None)]
+    for batch in dict.fromkeys(b for _, b in ips) or [None]:
+        target = f"linear recurrent >= {RECURRENT_OVER_KV_TARGET:g}x softmax KV cache, B={batch}"
+        lin, kv = ips.get(("linear/recurrent", batch)), ips.get(("softmax/kv-cache", batch))
+        if lin and kv:
+            out.append(_target(target, f"{lin / kv:.2f}x", lin / kv >= RECURRENT_OVER_KV_TARGET))
+        else:
+            out.append(_target(target, "not measured", None))
+    return out
+
+
+def train_step_cases(sizes: Sizes) -> list[Case]:
+    return [
+        Case(f"{dtype} B={batch}", lambda dtype=dtype, batch=batch: [_train_step_row(sizes, dtype, batch)])
+        for dtype in sizes.train_dtypes
+        for batch in sizes.train_batches
+    ]
+
+
+def _train_step_row(sizes: Sizes, dtype: str, batch: int) -> dict:
+    """The trainer's compiled step (loss, gradients, RAdam update, finite check; dropout on) of
+    the paper's MNIST model on random sub-pixels: the step a training run repeats."""
+    from experiments.tasks import image_generation
+    from experiments.training import mesh as mesh_lib
+    from experiments.training import trainer as trainer_lib
+
+    config = image_generation.paper_config("mnist")  # configs/mnist.py's model
+    config.dataset = sizes.train_dataset
+    config.model.update(dict(sizes.train_model))
+    config.model.dtype = dtype
+    config.batch_size = batch
+    task = trainer_lib.check_config(config, image_generation.ImageGeneration)
+    trainer = trainer_lib.Trainer(config, task, mesh_lib.make_mesh(config))
+    length = task.sequence_length()
+    batch_BT = np.random.default_rng(config.seed).integers(
+        0, task.info.num_classes, (batch, length), dtype=np.uint8
+    )
+    start = time.perf_counter()
+    metrics = jax.block_until_ready(trainer.train(batch_BT))  # compiles
+    first_call_s = time.perf_counter() - start
+    timing = measure.time_call(
+        lambda: jax.block_until_ready(trainer.train(batch_BT)), min_seconds=sizes.train_min_seconds
+    )
+    return {
+        "dtype": dtype,
+        "batch": batch,
+        "length": length,
+        "layers": config.model.num_layers,
+        "params_m": sum(x.size for x in jax.tree.leaves(trainer.state["params"])) / 1e6,
+        "step_ms": timing.median_s * 1e3,
+        "steps_per_s": 1 / timing.median_s,
+        "tokens_per_s": batch * length / timing.median_s,
+        "first_call_s": first_call_s,
+        "loss": float(metrics["loss"]),
+        "repeats": timing.repeats,
+        "status": "ok" if bool(metrics["finite"]) else "failed: non-finite loss or gradients",
+    }
+
+
+def train_step_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    times = {(r["dtype"], r["batch"]): r["step_ms"] for r in rows if r.get("status") == "ok"}
+    ratios = [
+        {"batch": b, "float32_over_bfloat16": t / times[("bfloat16", b)]}
+        for (d, b), t in times.items()
+        if d == "float32" and ("bfloat16", b) in times
+    ]
+    return [("step time float32 / bfloat16, same run", ratios)]
+
+
+def chunk_size_cases(sizes: Sizes) -> list[Case]:
+    n = sizes.chunk_length
+    return [
+        Case(f"{dtype} C={c} {pass_}", _attention_case(sizes, CHUNKED, pass_, n, dtype=dtype, chunk_size=c))
+        for dtype in sizes.chunk_dtypes
+        for c in sizes.chunk_sizes
+        for pass_ in sizes.attention.passes
+    ]
+
+
+def chunk_size_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    best = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            key = (r["dtype"], r["pass"])
+            if key not in best or r["time_ms"] < best[key]["time_ms"]:
+                best[key] = r
+    fastest = [
+        {"dtype": d, "pass": p, "fastest_chunk_size": r["chunk_size"], "time_ms": r["time_ms"]}
+        for (d, p), r in best.items()
+    ]
+    return [("fastest chunk size per dtype and pass", fastest)]
+
+
+def prefill_cases(sizes: Sizes) -> list[Case]:
+    opts = sizes.prefill
+
+    def lm(kind, batch, length):
+        one = dataclasses.replace(opts, kinds=(kind,), batches=(batch,), prompt_lengths=(length,))
+        return Case(f"LM {kind} B={batch} P={length}", lambda: prefill_bench.run_lm(one))
+
+    def images(kind, batch):
+        one = dataclasses.replace(opts, image_kinds=(kind,), image_batches=(batch,))
+        return Case(f"images {kind} B={batch}", lambda: prefill_bench.run_images(one))
+
+    cases = [lm(k, b, p) for k in opts.kinds for b in opts.batches for p in opts.lengths_for(k)]
+    if opts.image_arch:
+        cases += [images(k, b) for k in opts.image_kinds for b in opts.image_batches]
+    return cases
+
+
+def prefill_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    lm = [r for r in rows if "prompt" in r]
+    images = [r for r in rows if "prefix" in r]
+    return [
+        ("language model: step-scan / prefill, same run", prefill_bench.speedups(lm, prefill_bench.LM_GROUP)),
+        (
+            "image completion: step-scan / prefill, same run",
+            prefill_bench.speedups(images, prefill_bench.IMAGE_GROUP),
+        ),
+    ]
+
+
+def gated_cases(sizes: Sizes) -> list[Case]:
+    opts = sizes.gated
+
+    def case(kind, pass_, n):
+        def run():
+            budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
+            return [gated_bench.run_case(opts, kind, pass_, n, budget)]
+
+        return Case(f"{kind} {pass_} N={n}", run)
+
+    return [case(k, p, n) for n in opts.lengths for k in opts.kinds() for p in opts.passes]
+
+
+def gated_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    measured = [r for r in rows if "n" in r]
+    return [
+        (
+            "time / time(causal-linear/chunked), same run",
+            gated_bench.ratio_table(gated_bench.add_ratios(measured)),
+        )
+    ]
+
+
+def gated_targets(rows: list[dict]) -> list[dict]:
+    checks = gated_bench.goal_checks(gated_bench.add_ratios([r for r in rows if "n" in r]))
+    goal = f"x causal linear {gated_bench.GOAL_PASS}"
+    return [
+        {
+            "target": f"{c['decay']} decay <= {gated_bench.GOAL_RATIO}{goal}, N={c['n']}",
+            "measured": "-" if math.isnan(c["vs_causal_linear"]) else f"{c['vs_causal_linear']:.2f}x",
+            "verdict": c["goal"],
+        }
+        for c in checks
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class PartSpec:
+    title: str
+    cases: Callable[[Sizes], list[Case]]
+    columns: tuple[str, ...]  # shown in the markdown table (the CSV has every column)
+    tables: Callable[[list[dict]], list[tuple[str, list[dict]]]] = lambda rows: []
+    targets: Callable[[list[dict]], list[dict]] = lambda rows: []
+
+
+_ATTENTION_COLUMNS = ("kind", "pass", "n", "batch", "dtype", "chunk_size", "time_ms", "peak_mib", "status")
+PART_SPECS = {
+    "attention": PartSpec(
+        "Attention: causal linear (chunked) vs softmax (cuDNN flash, XLA)",
+        attention_cases,
+        _ATTENTION_COLUMNS,
+        attention_tables,
+        attention_targets,
+    ),
+    "generation": PartSpec(
+        "Image generation, MNIST architecture: linear recurrent vs softmax KV cache",
+        generation_cases,
+        (
+            "method",
+            "batch",
+            "dtype",
+            "images_per_s",
+            "ms_per_step",
+            "timed_steps",
+            "length",
+            "peak_mib",
+            "status",
+        ),
+        generation_tables,
+        generation_targets,
+    ),
+    "train_step": PartSpec(
+        "Training step of the paper's MNIST model (trainer's jitted step, random sub-pixels)",
+        train_step_cases,
+        (
+            "dtype",
+            "batch",
+            "length",
+            "step_ms",
+            "steps_per_s",
+            "tokens_per_s",
+            "first_call_s",
+            "loss",
+            "status",
+        ),
+        train_step_tables,
+    ),
+    "chunk_size": PartSpec(
+        "Chunk size of the chunked form, per dtype", chunk_size_cases, _ATTENTION_COLUMNS, chunk_size_tables
+    ),
+    "prefill": PartSpec(
+        "Prefill: the prompt in one parallel pass vs token by token",
+        prefill_cases,
+        (
+            "kind",
+            "batch",
+            "prompt",
+            "prefix",
+            "method",
+            "time_ms",
+            "images_per_s",
+            "compile_s",
+            "peak_mib",
+            "status",
+        ),
+        prefill_tables,
+    ),
+    "gated": PartSpec(
+        "The gated kinds: what a decay costs",
+        gated_cases,
+        ("kind", "pass", "n", "batch", "dtype", "time_ms", "peak_mib", "status"),
+        gated_tables,
+        gated_targets,
+    ),
+}
+
+
+# --- the run and its report ---------------------------------------------------------------------
+
+
+def run_and_report(opts: AcceleratorBenchOptions, out_dir, *, log=print) -> dict:
+    """Run the selected parts in order, rewriting out_dir/accelerator.{md,csv} after every case;
+    returns {"parts": {name: PartResult}, "targets": [...], "files": {...}}."""
+    check_platform(opts.sizes, jax.devices()[0].platform)
+    sizes = _sizes(opts.sizes)
+    out_dir = pathlib.Path(out_dir)
+    machine = describe_machine()
+    log(f"machine: {machine}")
+    results = {name: PartResult(name, sizes.budget_s(name)) for name in PARTS}
+    start = time.perf_counter()
+    deadline = start + opts.max_minutes * 60
+
+    def write(finished=False):
+        return write_report(out_dir, machine, opts, results, time.perf_counter() - start, finished=finished)
+
+    for name in PARTS:
+        result = results[name]
+        if name not in opts.parts:
+            result.status = f"skipped: not selected (--parts={','.join(opts.parts)})"
+            continue
+        if time.perf_counter() >= deadline:
+            result.status = f"skipped: the run's limit of {opts.max_minutes:g} minutes was spent before it"
+            write()
+            continue
+        log(f"--- {name} (budget {result.budget_s:g} s)")
+        part_deadline = time.perf_counter() + result.budget_s
+        spent = f"the part's budget of {result.budget_s:g} s was spent"
+        if deadline < part_deadline:
+            part_deadline, spent = deadline, f"the run's limit of {opts.max_minutes:g} minutes was spent"
+        _run_part(name, sizes, result, part_deadline, spent, write, log)
+        log(f"--- {name}: {result.status} ({result.seconds:.1f} s)")
+        jax.clear_caches()  # the next part starts with the device's memory free
+        gc.collect()
+    files = write(finished=True)
+    log(f"wrote {files['md']}, {files['csv']}")
+    return {"parts": results, "targets": all_targets(results), "files": files}
+
+
+def _run_part(name: str, sizes: Sizes, result: PartResult, deadline: float, spent: str, write, log) -> None:
+    """Run one part's cases into `result` until `deadline` (then the rest are listed as not run,
+    because `spent`), writing the report after each."""
+    spec = PART_SPECS[name]
+    start = time.perf_counter()
+    try:
+        cases = spec.cases(sizes)
+    except Exception as e:  # noqa: BLE001 - one part failing must not lose the others
+        result.status = f"skipped: failed: {_error(e)}"
+        result.seconds = time.perf_counter() - start
+        write()
+        return
+    failed = unrun = 0
+    for case in cases:
+        if time.perf_counter() >= deadline:
+            unrun += 1
+            rows = [{"status": f"skipped: {spent}"}]
+        else:
+            try:
+                rows = case.run()
+            except Exception as e:  # noqa: BLE001 - record why, go on with the next case
+                failed += 1
+                rows = [{"status": f"failed: {_error(e)}"}]
+        result.rows.extend({"case": case.label, **r} for r in rows)
+        for r in rows:
+            log(f"{name} {case.label}: {r.get('status')}")
+        result.seconds = time.perf_counter() - start
+        result.status = f"running: {len(result.rows)} rows"
+        write()
+    if cases and failed == len(cases):
+        result.status = f"skipped: failed: {result.rows[0]['status'].removeprefix('failed: ')}"
+    elif failed or unrun:
+        result.status = f"partial: {failed} of {len(cases)} cases failed, {unrun} not run"
+        result.status += f" ({spent})" if unrun else ""
+    else:
+        result.status = f"ok: {len(cases)} case{'s' if len(cases) != 1 else ''}"
+    result.seconds = time.perf_counter() - start
+
+
+def _error(e: Exception) -> str:
+    """The error's type and first line, fit for a markdown table cell."""
+    first = (str(e).splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:200]}".replace("|", "/")
+
+
+def all_targets(results: dict[str, PartResult]) -> list[dict]:
+    return [{"part": name, **t} for name, result in results.items() for t in _derived(name, result.rows)[1]]
+
+
+def _derived(name: str, rows: list[dict]) -> tuple[list[tuple[str, list[dict]]], list[dict]]:
+    """(tables, targets) of a part's rows; a bug there costs those lines, not the report."""
+    spec = PART_SPECS[name]
+    try:
+        return spec.tables(rows), spec.targets(rows)
+    except Exception as e:  # noqa: BLE001 - the rows are still written
+        return [("derived tables failed", [{"error": _error(e)}])], []
+
+
+def write_report(
+    out_dir, machine: dict, opts, results: dict[str, PartResult], elapsed_s: float, *, finished: bool
+) -> dict:
+    """accelerator.md (summary, targets, one section per part) and accelerator.csv (every row,
+    one summary row per part, one row per target; every row names the device)."""
+    targets = all_targets(results)
+    device = {"device": machine["device_kind"], "platform": machine["platform"]}
+    csv_rows = [
+        {
+            "part": name,
+            "case": "part summary",
+            **device,
+            "status": r.status,
+            "seconds": r.seconds,
+            "budget_s": r.budget_s,
+        }
+        for name, r in results.items()
+    ]
+    csv_rows += [{"part": name, **device, **row} for name, r in results.items() for row in r.rows]
+    csv_rows += [
+        {
+            "part": t["part"],
+            "case": "target: " + t["target"],
+            **device,
+            "status": t["verdict"],
+            "measured": t["measured"],
+        }
+        for t in targets
+    ]
+    lines = [
+        "# Accelerator benchmark report",
+        "",
+        f"**Device:** {machine['device_kind']} (platform {machine['platform']}, "
+        f"{machine['num_devices']} device(s)); jax {machine['jax']}, jaxlib {machine['jaxlib']}, "
+        f"flax {machine['flax']}, numpy {machine['numpy']}; host {machine['host']} "
+        f"({machine['machine']}, {machine['host_cpus']} CPUs).",
+        "",
+        f"`python -m experiments.benchmark_accelerator --sizes={opts.sizes} --parts={','.join(opts.parts)} "
+        f"--max_minutes={opts.max_minutes:g}`: {'finished' if finished else 'in progress'} after "
+        f"{elapsed_s:.0f} s. Times are medians of repeats of a compiled call (compile excluded); "
+        f"memory is XLA's figure for the compiled call.",
+        "",
+        "## Parts",
+        "",
+        report.markdown_table(
+            [
+                {
+                    "part": n,
+                    "status": r.status,
+                    "seconds": r.seconds,
+                    "budget_s": r.budget_s,
+                    "rows": len(r.rows),
+                }
+                for n, r in results.items()
+            ],
+            ["part", "status", "seconds", "budget_s", "rows"],
+        ),
+        "",
+        "## Targets",
+        "",
+        "BENCHMARKS.md's GPU targets, from this run's rows.",
+        "",
+        report.markdown_table(targets, ["part", "target", "measured", "verdict"])
+        if targets
+        else "(none measured)",
+    ]
+    for name, result in results.items():
+        spec = PART_SPECS[name]
+        lines += ["", f"## {name}: {spec.title}", "", f"Status: {result.status}.", ""]
+        if result.rows:
+            columns = ["case"] + [c for c in spec.columns if any(c in r for r in result.rows)]
+            lines.append(report.markdown_table(result.rows, columns))
+            for heading, table in _derived(name, result.rows)[0]:
+                if table:
+                    lines += [
+                        "",
+                        f"{heading}:",
+                        "",
+                        report.markdown_table(table, list(dict.fromkeys(k for t in table for k in t))),
+                    ]
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "accelerator.md"
+    md.write_text("\n".join(lines) + "\n")
+    return {"md": md, "csv": report.write_csv(out_dir / "accelerator.csv", csv_rows)}
