@@ -35,6 +35,9 @@ _MEM_LENGTHS = flags.DEFINE_list(
     "Generated lengths for the memory table (compile only).",
 )
 _MIN_SECONDS = flags.DEFINE_float("min_seconds", 1.0, "Repeat each case for at least this long.")
+_MIN_REPEATS = flags.DEFINE_integer(
+    "min_repeats", 3, "Time each case at least this often (a CIFAR-10 image with a KV cache: minutes)."
+)
 _DEVICE = flags.DEFINE_enum("device", None, ["cpu", "gpu", "tpu"], "Backend (default: JAX's).")
 _OUT = flags.DEFINE_string("out_dir", "benchmark_results/generation", "Where CSV/JSON/PNG go.")
 _PEERS = flags.DEFINE_list(
@@ -63,6 +66,7 @@ def main(argv):
         recompute_steps=_RECOMPUTE.value,
         memory_lengths=tuple(int(n) for n in _MEM_LENGTHS.value),
         min_seconds=_MIN_SECONDS.value,
+        min_repeats=_MIN_REPEATS.value,
         peers=tuple(_PEERS.value),
     )
     generation_bench.run_and_report(opts, _OUT.value)
