@@ -148,11 +148,12 @@ def test_one_training_path_from_the_entry_points_to_the_library():
 
 
 def test_the_benchmarks_build_the_paper_image_model_in_one_place():
-    # generation_bench.paper_model (from the image task's paper_config) is the one builder; the
-    # prefill benchmark calls it.
+    # generation_bench.paper_config / paper_model (from the image task's paper_config) are the one
+    # source of the paper's model; the prefill and accelerator benchmarks call them.
     assert _modules_importing("experiments/benchmarking", "experiments.tasks.image_generation") == {
         "experiments/benchmarking/generation_bench.py"
     }
-    assert "experiments/benchmarking/prefill_bench.py" in _modules_importing(
-        "experiments/benchmarking", "experiments.benchmarking.generation_bench"
-    )
+    assert {
+        "experiments/benchmarking/prefill_bench.py",
+        "experiments/benchmarking/accelerator_bench.py",
+    } <= _modules_importing("experiments/benchmarking", "experiments.benchmarking.generation_bench")

@@ -373,16 +373,15 @@ def train_step_cases(sizes: Sizes) -> list[Case]:
 def _train_step_row(sizes: Sizes, dtype: str, batch: int) -> dict:
     """The trainer's compiled step (loss, gradients, RAdam update, finite check; dropout on) of
     the paper's MNIST model on random sub-pixels: the step a training run repeats."""
-    from experiments.tasks import image_generation
+    from experiments import tasks
     from experiments.training import mesh as mesh_lib
     from experiments.training import trainer as trainer_lib
 
-    config = image_generation.paper_config("mnist")  # configs/mnist.py's model
+    config = generation_bench.paper_config("mnist", dtype=dtype)  # configs/mnist.py's model
     config.dataset = sizes.train_dataset
     config.model.update(dict(sizes.train_model))
-    config.model.dtype = dtype
     config.batch_size = batch
-    task = trainer_lib.check_config(config, image_generation.ImageGeneration)
+    task = trainer_lib.check_config(config, tasks.task_class(config))
     trainer = trainer_lib.Trainer(config, task, mesh_lib.make_mesh(config))
     length = task.sequence_length()
     batch_BT = np.random.default_rng(config.seed).integers(

@@ -82,6 +82,27 @@ class GenerationBenchOptions:
             raise ValueError("timed_steps must be >= 0 (0 = all) and recompute_steps >= 1.")
 
 
+def paper_config(
+    arch: str,
+    attention: str | None = None,
+    *,
+    seed: int = 0,
+    num_layers: int | None = None,
+    dtype: str = "float32",
+):
+    """The image task's config with the paper's architecture for `arch` ("mnist" or "cifar10"),
+    optionally another attention kind, depth (quick tests) or compute dtype: the one place the
+    benchmarks take the paper's model from."""
+    config = image_generation.paper_config(arch)
+    if attention is not None:
+        config.model.attention = attention
+    config.seed = seed
+    if num_layers is not None:
+        config.model.num_layers = num_layers
+    config.model.dtype = dtype
+    return config
+
+
 def paper_model(
     arch: str,
     attention: str,
@@ -94,12 +115,7 @@ def paper_model(
     """The paper's image generator for `arch` ("mnist" or "cifar10") with `attention`, in eval
     mode (untrained); `max_length` changes the generated length, `num_layers` the depth (quick
     tests), `dtype` the compute dtype."""
-    config = image_generation.paper_config(arch)
-    config.model.attention = attention
-    config.model.dtype = dtype
-    config.seed = seed
-    if num_layers is not None:
-        config.model.num_layers = num_layers
+    config = paper_config(arch, attention, seed=seed, num_layers=num_layers, dtype=dtype)
     info = pipeline.dataset_info(arch)
     if max_length is not None:  # a longer or shorter "image": memory vs generated length
         info = dataclasses.replace(info, image_shape=(max_length, 1, 1))
