@@ -31,6 +31,7 @@ PROMISED_OPS = [
     "linear_attention_step",
     "init_kv_cache",
     "softmax_attention_step",
+    "softmax_attention_step_reference",
     "make_feature_map",
     "register_feature_map",
     "registered_feature_maps",

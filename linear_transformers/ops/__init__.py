@@ -28,7 +28,9 @@ from linear_transformers.ops.kv_cache import (
     KVCache,
     init_kv_cache,
     softmax_attention_prefill,
+    softmax_attention_prefill_reference,
     softmax_attention_step,
+    softmax_attention_step_reference,
 )
 from linear_transformers.ops.linear import (
     linear_attention,
@@ -82,8 +84,10 @@ __all__ = [
     "init_kv_cache",
     "softmax_attention",
     "softmax_attention_prefill",
+    "softmax_attention_prefill_reference",
     "softmax_attention_reference",
     "softmax_attention_step",
+    "softmax_attention_step_reference",
     "softmax_attention_weights",
     "linformer_attention",
     "linformer_project",
