@@ -496,12 +496,15 @@ def chunked_from_raw(prepare, q, k, v, g, valid, reset, s0, z0, *, eps, acc, chu
     result = _chunks_in_segments(
         prepare_finite, q, k, v, g, valid, reset, s0, z0, eps=eps, acc=acc, chunk_size=chunk_size
     )
-    v_seen = v if valid is None else jnp.where(valid[:, :, None, None], v, jnp.zeros((), v.dtype))
-    return _nonfinite.mark_unless_all_finite(v, result, functools.partial(_mark_seen, v_seen, reset))
+    return _nonfinite.mark_unless_all_finite(v, result, functools.partial(_mark_seen, v, reset, valid=valid))
 
 
-def _mark_seen(v, reset, result):
-    """NaN in the outputs (and the columns of the final s) that see a non-finite value of v."""
+def _mark_seen(v, reset, result, *, valid=None):
+    """NaN in the outputs (and the columns of the final s) that see a non-finite value of v (of
+    the keys that count: `valid`). Runs only inside the marking branch, so the masked copy of v
+    is made only when some value is not finite."""
+    if valid is not None:
+        v = jnp.where(valid[:, :, None, None], v, jnp.zeros((), v.dtype))
     out_BTHM, (s_BHFM, z_BHF) = result
     seen_BTHM = _nonfinite.seen_nonfinite_BTHM(v, num_queries=v.shape[1], causal=True, reset_BT=reset)
     s_BHFM = _nonfinite.mark_seen(s_BHFM, seen_BTHM[:, -1][:, :, None, :])
