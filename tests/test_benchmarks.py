@@ -146,6 +146,15 @@ def test_generation_ratios_and_option_errors():
         generation_bench.GenerationBenchOptions(archs=("imagenet",))
 
 
+def test_generation_dtype_and_depth_are_checked_and_reach_the_model():
+    with pytest.raises(ValueError, match="dtype must be 'float32' or 'bfloat16', got 'float16'"):
+        generation_bench.GenerationBenchOptions(dtype="float16")
+    with pytest.raises(ValueError, match="num_layers must be >= 1 or None, got 0"):
+        generation_bench.GenerationBenchOptions(num_layers=0)
+    config = generation_bench.paper_config("mnist", "linear", num_layers=2, dtype="bfloat16")
+    assert (config.model.attention, config.model.num_layers, config.model.dtype) == ("linear", 2, "bfloat16")
+
+
 def test_peer_ratios_pair_each_of_our_cases_with_the_peers_same_case():
     rows = [
         _row("causal-linear/chunked", 4096, 50.0, 1.0),
