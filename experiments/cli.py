@@ -16,11 +16,12 @@ import pathlib
 import signal
 import sys
 import threading
+import traceback
 
 from absl import flags, logging
 from ml_collections import config_flags
 
-from experiments.training import interrupts
+from experiments.training import interrupts, processes
 from experiments.training.checkpoints import CheckpointError
 from experiments.training.workdir_lock import WorkdirInUseError
 
@@ -53,15 +54,27 @@ def one_line_errors(main):
                 file=sys.stderr,
                 flush=True,
             )
-            sys.exit(128 + signal.SIGINT)
+            _exit(128 + signal.SIGINT)
         except USER_ERRORS as e:
             if verbose:
                 raise
             message = " ".join(str(e).split()) or type(e).__name__
             print(f"{_program()}: error: {message}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            _exit(1)
+        except Exception:
+            if processes.multiprocess():
+                traceback.print_exc()
+                _exit(1)
+            raise
 
     return wrapped
+
+
+def _exit(status: int) -> None:
+    # A process of several that failed ends at once, not on JAX's shutdown barrier with peers
+    # that are stopping (processes.exit_process); otherwise as usual.
+    processes.exit_process(status)
+    sys.exit(status)
 
 
 def missing_config_file(path: str, flag_name: str = "config") -> str | None:

@@ -27,7 +27,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from experiments.training import interrupts, save_faults
+from experiments.training import interrupts, processes, save_faults
 
 MANIFEST = "checksums.json"
 DAMAGED_DIR = "damaged_checkpoints"  # beside the checkpoint directory, outside Orbax's view
@@ -392,10 +392,12 @@ class Checkpointer:
         """Move checkpoint `step` out of the checkpoint directory (into damaged_checkpoints/
         beside it), so a later save of the same step is not skipped; return where it went."""
         destination = self.directory.parent / DAMAGED_DIR / str(step)
-        if destination.exists():
-            shutil.rmtree(destination)
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(self.directory / str(step), destination)
+        if jax.process_index() == 0:  # every process found it damaged; one moves it
+            if destination.exists():
+                shutil.rmtree(destination)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(self.directory / str(step), destination)
+        processes.barrier(f"set_aside/{step}")
         self._manager.reload()
         return destination
 

@@ -12,6 +12,7 @@ import difflib
 import ml_collections
 
 from experiments.training import mesh as mesh_lib
+from experiments.training import processes
 from experiments.training.optimizer import OPTIMIZERS, SCHEDULES
 from linear_transformers.attention import (
     attention_class,
@@ -155,7 +156,7 @@ def model_config(
 
 def check_values(config: ml_collections.ConfigDict) -> None:
     """The checks of the groups every task shares (schemas.py): sizes, rates, optimizer,
-    schedule, model, mesh. A task's own keys are its Task.check()'s."""
+    schedule, model, mesh, processes. A task's own keys are its Task.check()'s."""
     check_sizes(config, positive=_POSITIVE, non_negative=_NON_NEGATIVE)
     if not config.learning_rate > 0:
         raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate!r}.")
@@ -165,6 +166,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.schedule must be one of {SCHEDULES}, got {config.schedule!r}.")
     model_config(config.model)
     mesh_lib.check_mesh_values(config.mesh)
+    processes.check_values(config)
 
 
 def check_mesh(

@@ -34,10 +34,11 @@ class Interrupted(KeyboardInterrupt):
 
 
 class SignalFlag:
-    """The first SIGINT/SIGTERM received inside `deferred_signals()` (None: none yet)."""
+    """The first SIGINT/SIGTERM received inside `deferred_signals()` (None: none yet), and
+    whether a second SIGINT stops at once."""
 
-    def __init__(self):
-        self.signum: int | None = None
+    def __init__(self, signum: int | None = None, *, stop_at_once: bool = True):
+        self.signum, self.stop_at_once = signum, stop_at_once
 
     @property
     def received(self) -> bool:
@@ -48,19 +49,24 @@ _flags: list[SignalFlag] = []  # the flags of the deferred_signals() blocks now 
 
 
 @contextlib.contextmanager
-def deferred_signals():
+def deferred_signals(*, stop_at_once: bool = True):
     """Yield a SignalFlag that records SIGINT/SIGTERM instead of letting them raise.
 
-    Handlers can only be installed from the main thread; elsewhere the flag stays unset and
-    signals keep their usual effect. The previous handlers are restored on exit.
+    Inside another such block the flag starts with the outer one's signal. `stop_at_once=False`
+    (a run of several processes, which must stop at the same step) makes a second SIGINT only
+    recorded too. Handlers can only be installed from the main thread; elsewhere the flag stays
+    unset and signals keep their usual effect. The previous handlers are restored on exit.
     """
-    flag = SignalFlag()
+    outer = _flags[-1] if _flags else None
+    flag = SignalFlag(
+        outer.signum if outer else None, stop_at_once=stop_at_once and (outer is None or outer.stop_at_once)
+    )
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
 
     def handle(signum, frame):
-        if flag.received and signum == signal.SIGINT:
+        if flag.received and signum == signal.SIGINT and flag.stop_at_once:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         flag.signum = flag.signum or signum
 
@@ -104,7 +110,7 @@ def completing_save(step: int, directory):
             if flag is None:
                 if completed:
                     signal.raise_signal(signum)
-            elif completed and flag.received and signum == signal.SIGINT:
+            elif completed and flag.received and signum == signal.SIGINT and flag.stop_at_once:
                 raise Interrupted(signum, step, directory)
             else:
                 flag.signum = flag.signum or signum

@@ -86,7 +86,16 @@ def make_mesh(config: ml_collections.ConfigDict, devices=None) -> jax.sharding.M
     axis types, so model code needs no sharding annotations."""
     devices = jax.devices() if devices is None else list(devices)
     mesh_config = config.get("mesh") or {"data": -1, "sequence": 1}
-    return mesh_from_shape(mesh_shape(mesh_config, len(devices)), devices)
+    mesh = mesh_from_shape(mesh_shape(mesh_config, len(devices)), devices)
+    # Each process supplies whole rows of every batch (shard_batch), so time is split over the
+    # devices of one process only.
+    if any(len({d.process_index for d in row}) > 1 for row in mesh.devices):
+        raise ValueError(
+            f"config.mesh.sequence={mesh.shape[SEQUENCE]} splits time over devices of several "
+            f"processes; it must divide the {jax.local_device_count()} devices of each process "
+            f"(data parallelism spans the processes)."
+        )
+    return mesh
 
 
 def mesh_from_shape(shape: tuple[int, int], devices=None) -> jax.sharding.Mesh:

@@ -16,12 +16,16 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
-    """Append `{"step": s, **scalars}` lines to `workdir/metrics.jsonl`."""
+    """Append `{"step": s, **scalars}` lines to `workdir/metrics.jsonl` (process 0 of a run of
+    several: every line once)."""
 
     def __init__(self, workdir):
         self.path = pathlib.Path(workdir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tensorboard = None
+        self.writes = jax.process_index() == 0
+        if not self.writes:
+            return
         try:
             from tensorboardX import SummaryWriter  # optional
         except ImportError:
@@ -32,6 +36,8 @@ class MetricsWriter:
     def write(self, step: int, scalars: dict) -> None:
         """Record float scalars for `step`."""
         record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
+        if not self.writes:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self._tensorboard is not None:

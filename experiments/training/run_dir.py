@@ -19,11 +19,11 @@ import tempfile
 import jax
 from absl import logging
 
-from experiments.training import interrupts
+from experiments.training import interrupts, processes
 from experiments.training.checkpoints import Checkpointer, restore_newest_intact
 from experiments.training.metrics import drop_records_after
 from experiments.training.model_change import check_resumed_model
-from experiments.training.workdir_lock import WorkdirLock
+from experiments.training.workdir_lock import WorkdirInUseError, WorkdirLock
 
 
 def _check_directory(path: pathlib.Path, what: str) -> None:
@@ -59,8 +59,17 @@ class RunDirectory:
         self.checkpointer: Checkpointer | None = None
 
     def __enter__(self):
+        # One lock per run, whatever its number of processes: process 0 takes it and tells the
+        # others whether it could.
+        refusal = ""
         if jax.process_index() == 0:
-            self._lock.acquire()
+            try:
+                self._lock.acquire()
+            except WorkdirInUseError as e:
+                refusal = str(e)
+        refusal = processes.from_process_0("workdir_lock", refusal)
+        if refusal:
+            raise WorkdirInUseError(refusal)
         try:
             self.checkpointer = Checkpointer(
                 self.path / "checkpoints", max_to_keep=self.config.keep_checkpoints
@@ -108,21 +117,23 @@ class RunDirectory:
     @contextlib.contextmanager
     def stopping_at_step_boundaries(self, state_in_hand):
         """The training loop's context: yields the SignalFlag of `interrupts.deferred_signals`
-        (check it with `stop_if_signalled` between steps); a KeyboardInterrupt raised inside
-        (a second Ctrl-C, a callback) checkpoints `state_in_hand()` under its own step."""
+        (stop with `stop` between steps); a KeyboardInterrupt raised inside (a second Ctrl-C, a
+        callback) checkpoints `state_in_hand()` under its own step, on a single process (with
+        several, the processes could not agree on the step: the newest checkpoint stands)."""
         with interrupts.deferred_signals() as signals:
             try:
                 yield signals
             except interrupts.Interrupted:
                 raise
             except KeyboardInterrupt:
-                save_state_in_hand(self, state_in_hand())
+                if not processes.multiprocess():
+                    save_state_in_hand(self, state_in_hand())
                 raise
 
-    def stop_if_signalled(self, signals, state) -> None:
-        """After a step: if SIGINT/SIGTERM arrived, checkpoint `state` and raise Interrupted."""
-        if signals.received:
-            raise interrupts.Interrupted(signals.signum, self.save(state), self.checkpointer.directory)
+    def stop(self, signum: int, state) -> None:
+        """After a step, on signal `signum` (SIGINT/SIGTERM): checkpoint `state`, raise
+        Interrupted."""
+        raise interrupts.Interrupted(signum, self.save(state), self.checkpointer.directory)
 
 
 def save_state_in_hand(run: RunDirectory, state) -> None:

@@ -122,7 +122,16 @@ def devices(c: ml_collections.ConfigDict) -> None:
     # parallel), -1 = the devices left over. E.g. on 8 devices --config.mesh.sequence=4 gives
     # data=2 x sequence=4.
     c.mesh = ml_collections.ConfigDict({"data": -1, "sequence": 1})
-    c.distributed = False  # jax.distributed.initialize() for multi-host runs
+    # Several processes (one per host, or several on one machine) training as one run
+    # (experiments/training/processes.py): True joins them with jax.distributed.initialize,
+    # which detects SLURM, Open MPI, Kubernetes and Cloud TPU; elsewhere name process 0's
+    # HOST:PORT, the number of processes and this process's id (0 .. num_processes - 1).
+    c.distributed = False
+    c.coordinator_address = config_dict.placeholder(str)
+    c.num_processes = config_dict.placeholder(int)
+    c.process_id = config_dict.placeholder(int)
+    c.coordinator_timeout = 120  # seconds for every process to join, else one clear error
+    c.peer_timeout = 60  # seconds without a peer's heartbeat before the others stop, naming it
 
 
 # The flat layout of configs written before config.model existed: {old key: new dotted key}.

@@ -12,6 +12,10 @@ else is here, the same for every task:
 - the workdir (run_dir.py): locked, resumed from the newest intact checkpoint, checkpointed
   every `checkpoint_every` steps and at the end; SIGINT/SIGTERM stop after the step in flight
   with a checkpoint of it (interrupts.py).
+- processes (processes.py): with `config.distributed`, one run over several processes, each
+  feeding its rows of every batch; a signal to any of them stops all after the same step
+  (`processes.StopVote`), a process that dies or fails ends the others, naming it; process 0
+  alone writes metrics, config.json and samples.
 - reproducibility: the batch of step s is a function of (seed, s) and dropout keys are folded
   from s, so a resumed run replays exactly what an uninterrupted one would have done.
 - non-finite losses: an update whose loss or gradients are not finite is never applied
@@ -37,6 +41,7 @@ import optax
 from absl import logging
 from flax import nnx
 
+from experiments.training import interrupts, processes
 from experiments.training import mesh as mesh_lib
 from experiments.training.checkpoints import CUSTOM_METADATA
 from experiments.training.config_checks import check_keys, check_mesh, check_values
@@ -193,8 +198,13 @@ class Trainer:
 
     def eval_model(self) -> nnx.Module:
         """The current parameters in evaluation mode, without sequence parallelism (for the
-        recurrent forms, outside any mesh context)."""
-        return nnx.merge(self.plain_graphdef, self.state["params"], self.rng_state, self.state["rest"])
+        recurrent forms, outside any mesh context). With several processes each gets a copy on
+        one of its own devices: what it computes with them (samples, process 0 alone) needs no
+        other process."""
+        params, rest = self.state["params"], self.state["rest"]
+        if processes.multiprocess():
+            params, rest = jax.tree.map(lambda x: x.addressable_data(0), (params, rest))
+        return nnx.merge(self.plain_graphdef, params, self.rng_state, rest)
 
 
 def due(step: int, every: int) -> bool:
@@ -232,8 +242,26 @@ def train_and_evaluate(
     evaluation) carries over a resume.
     """
     task = check_config(config, task_class)
-    if config.distributed:
-        jax.distributed.initialize()
+    processes.join(config)
+    if not processes.multiprocess():
+        return _run(config, workdir, task, step_callback)
+    # Signals before the loop are held too: every process must stop at the same step.
+    with interrupts.deferred_signals(stop_at_once=False):
+        try:
+            result = _run(config, workdir, task, step_callback)
+            # Process 0 alone writes the last samples: the others wait for it (JAX's exit barrier
+            # would give up after peer_timeout).
+            processes.barrier("finished", timeout_seconds=24 * 3600)
+            return result
+        except interrupts.Interrupted:
+            raise
+        except BaseException as e:
+            processes.failing(e)  # the other processes stop within moments, naming this one
+            raise
+
+
+def _run(config, workdir, task: Task, step_callback) -> dict:
+    processes.check_same_config(config, workdir)
     check_mesh(config, kinds=task.attention_kinds(), sequence_length=task.sequence_length())
     with RunDirectory(workdir, config) as run:
         task.load_data()
@@ -312,7 +340,10 @@ def _catch_up(config, run, trainer: Trainer, step: int, writer: MetricsWriter, r
         return False
     task, last = trainer.task, step == config.num_steps
     evaluated = False
-    if (due(step, config.eval_every) or last) and step not in evaluated_steps(read_metrics(run.path)):
+    missing = step not in evaluated_steps(read_metrics(run.path))
+    # Every process evaluates (a collective) as process 0, which reads its own file, decides.
+    missing = processes.from_process_0(f"evaluation_missing/{step}", str(int(missing))) == "1"
+    if (due(step, config.eval_every) or last) and missing:
         evaluation = task.evaluate(trainer)
         writer.write(step, evaluation)
         result.update(evaluation)
@@ -376,18 +407,20 @@ def _train(
 
     sample_every = config.get("sample_every", 0)
     with run.stopping_at_step_boundaries(state_in_hand) as signals:
+        vote = processes.StopVote(signals)
         try:
             # A state saved by an abrupt stop right after a step due to be logged holds that
             # step's window, not yet written: write it as the uninterrupted run did.
             if window and window.end == step and (due(step, config.log_every) or step == config.num_steps):
                 log(step)
             evaluated = _catch_up(config, run, trainer, step, writer, result)
-            if step < config.num_steps and signals.received:
-                run.stop_if_signalled(signals, checkpoint(trainer.state))
+            if step < config.num_steps and (stop_signal := vote.now()):
+                run.stop(stop_signal, checkpoint(trainer.state))
             if not window:
                 window.restart_clock()
             while step < config.num_steps:
                 metrics = trainer.train(task.batch(step))
+                vote.cast()
                 # Added before anything can stop the loop: a state in hand saved with its window.
                 window.add(metrics)
                 finite.expect(step, metrics)  # checks the previous step while this one runs
@@ -414,9 +447,9 @@ def _train(
                     evaluated = True
                 if sampling:
                     task.write_samples(trainer, run.path / "samples", step)
-                if not last and signals.received:
+                if not last and (stop_signal := vote.agreed()):
                     finite.verify()
-                    run.stop_if_signalled(signals, checkpoint(trainer.state))
+                    run.stop(stop_signal, checkpoint(trainer.state))
                 if not window:  # a new window starts after checkpointing and evaluation
                     window.restart_clock()
             finite.verify()
