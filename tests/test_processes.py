@@ -348,3 +348,13 @@ def test_the_processes_benchmark_times_each_setup(tmp_path):
     assert [(r["processes"], r["devices"], r["windows"]) for r in rows] == [(1, 2, 2), (2, 2, 2)]
     assert all(r["step_ms"] > 0 for r in rows) and rows[0]["vs_first"] == 1.0
     assert (tmp_path / "processes.csv").read_text().splitlines()[0].startswith("setup,processes,devices")
+
+
+def test_only_a_collective_that_lost_its_peer_is_blamed_on_the_peer():
+    import jax
+
+    gone = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: Connection reset by peer")
+    own = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 12 GiB")
+    assert processes._collective_failure(gone)
+    assert not processes._collective_failure(own)
+    assert not processes._collective_failure(RuntimeError("Connection reset by peer"))

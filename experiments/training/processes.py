@@ -43,7 +43,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Prefix of this library's keys in the coordination service's key-value store.
 _KEY = "linear_transformers"
-_BEAT_SECONDS = 0.25  # how often a process beats and looks at the others
+# How often a process beats and looks at the others: a twentieth of peer_timeout, within these
+# bounds (every process reads every heartbeat: a thousand processes at 3 s is ~330 reads a second
+# at the coordinator).
+_BEAT_SECONDS = (0.25, 3.0)
 # JAX's own heartbeat timeout exceeds ours by this much, so that a dead peer is reported here,
 # with its name, before JAX's failure handling aborts the process.
 _JAX_MARGIN_SECONDS = 30
@@ -109,6 +112,7 @@ class _Cluster:
         self.client, self.index, self.count = client, index, count
         self.peer_timeout, self.coordinator_timeout = peer_timeout, coordinator_timeout
         self.failed = False  # this process has told the others it failed
+        self.beat_seconds = min(max(_BEAT_SECONDS[0], peer_timeout / 20), _BEAT_SECONDS[1])
         self.leaving = threading.Event()
         self.watch = _PeerWatch(self)
         if count > 1:
@@ -124,7 +128,7 @@ class _Cluster:
         except Exception:
             pass
         self.leaving.set()
-        self.watch.join(timeout=5 * _BEAT_SECONDS)
+        self.watch.join(timeout=5 * self.beat_seconds)
 
 
 _cluster: _Cluster | None = None
@@ -282,7 +286,7 @@ class _PeerWatch(threading.Thread):
     def run(self):
         c = self.cluster
         beat, last_change = 0, {}
-        while not c.leaving.wait(_BEAT_SECONDS):
+        while not c.leaving.wait(c.beat_seconds):
             beat += 1
             try:
                 c.client.key_value_set(f"{_KEY}/alive/{c.index}", str(beat), allow_overwrite=True)
@@ -323,10 +327,16 @@ class _PeerWatch(threading.Thread):
         )
 
 
+# What a collective's error says when the process at the other end has gone.
+_PEER_GONE = ("connection reset", "connection closed", "connection refused", "broken pipe", "gloo", "nccl")
+
+
 def _collective_failure(error: BaseException) -> bool:
     """Whether `error` is a collective that failed because a peer went away (JAX's runtime
-    error, e.g. Gloo's 'Connection reset by peer')."""
-    return isinstance(error, jax.errors.JaxRuntimeError)
+    error from Gloo or NCCL, e.g. 'Connection reset by peer'), not this process's own failure
+    (out of memory, say)."""
+    text = str(error).lower()
+    return isinstance(error, jax.errors.JaxRuntimeError) and any(word in text for word in _PEER_GONE)
 
 
 def failing(error: BaseException) -> None:
@@ -336,7 +346,7 @@ def failing(error: BaseException) -> None:
     if not multiprocess() or _cluster.failed:
         return
     if _collective_failure(error):
-        time.sleep(_cluster.peer_timeout + 4 * _BEAT_SECONDS)  # the watch ends the process first
+        time.sleep(_cluster.peer_timeout + 4 * _cluster.beat_seconds)  # the watch ends it first
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     message = re.sub(r"\s+", " ", f"{type(error).__name__}: {first_line}")[:500].rstrip(".")
     _cluster.failed = True
@@ -366,7 +376,7 @@ def exit_process(status: int) -> None:
     if c.index == 0:
         deadline = time.monotonic() + c.peer_timeout
         while time.monotonic() < deadline and len(_peers_done(c)) < c.count - 1:
-            time.sleep(_BEAT_SECONDS)
+            time.sleep(c.beat_seconds)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
