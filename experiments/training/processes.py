@@ -13,9 +13,11 @@ detection (SLURM, Open MPI, Kubernetes, Cloud TPU) for those left unset. Then:
 - each process beats a heartbeat into the coordination service; a process whose heartbeat stops
   for `config.peer_timeout` seconds (SIGKILL, a crash, a lost host), or that fails with an error
   (`failing`), makes every other one end within moments, naming it, with exit status 1 —
-  never a hang in a collective that will not complete. (When process 0 itself dies the
-  coordination service dies with it, and JAX ends the others at once with its own message,
-  "the leader task ... died", exit status 134.)
+  never a hang in a collective that will not complete. Where the coordinator is named, process
+  0 runs the coordination service in a process of its own (coordinator.py), so that process 0's
+  own death is reported the same way; otherwise (JAX's cluster detection) the service lives in
+  process 0, and when it dies JAX ends the others at once with its own message, "the leader task
+  ... died", exit status 134.
 - a SIGTERM or SIGINT reaching any process stops all of them after the same step
   (`StopVote`): each step, every process votes with the signal it has received (0: none);
   the vote's maximum, read a step later (so it never waits on the step in flight), is the same
@@ -31,7 +33,10 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import pathlib
 import re
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -112,6 +117,7 @@ class _Cluster:
         self.client, self.index, self.count = client, index, count
         self.peer_timeout, self.coordinator_timeout = peer_timeout, coordinator_timeout
         self.failed = False  # this process has told the others it failed
+        self.service: subprocess.Popen | None = None  # process 0's coordinator.py, if started
         self.beat_seconds = min(max(_BEAT_SECONDS[0], peer_timeout / 20), _BEAT_SECONDS[1])
         self.leaving = threading.Event()
         self.watch = _PeerWatch(self)
@@ -129,6 +135,14 @@ class _Cluster:
             pass
         self.leaving.set()
         self.watch.join(timeout=5 * self.beat_seconds)
+        if self.service is not None:  # JAX's exit barrier needs the service: first, then end it
+            jax.distributed.shutdown()
+            self.end_service()
+
+    def end_service(self) -> None:
+        if self.service is not None and self.service.poll() is None:
+            self.service.kill()
+            self.service.wait()
 
 
 _cluster: _Cluster | None = None
@@ -159,9 +173,15 @@ def join(config) -> None:
     # StopVote replace it (SIGINT included).
     jax.config.update("jax_enable_preemption_service", False)
     timer.start()
+    service, bind = None, {}
+    if named["process_id"] == 0 and (named["num_processes"] or 1) > 1 and named["coordinator_address"]:
+        service = _start_service(config)
+        # JAX starts a service in process 0 whatever it is told: an idle one, on a port of its own.
+        bind = {"coordinator_bind_address": f"127.0.0.1:{_free_port()}"}
     try:
         jax.distributed.initialize(
             **named,
+            **bind,
             initialization_timeout=config.coordinator_timeout + _JAX_MARGIN_SECONDS,
             heartbeat_timeout_seconds=config.peer_timeout + _JAX_MARGIN_SECONDS,
             shutdown_timeout_seconds=config.peer_timeout + _JAX_MARGIN_SECONDS,
@@ -178,6 +198,60 @@ def join(config) -> None:
     finally:
         timer.cancel()
     _cluster = _adopt(config)
+    _cluster.service = service
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_service(config) -> subprocess.Popen:
+    """Process 0's coordination service in a process of its own (coordinator.py), listening on
+    config.coordinator_address's port; retried while the port is taken (a previous run's service
+    lingers up to peer_timeout + 10 s after its process 0 died), up to coordinator_timeout."""
+    port = int(config.coordinator_address.rpartition(":")[2])
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.training.coordinator",
+        str(port),
+        str(config.num_processes),
+        str(config.peer_timeout + _JAX_MARGIN_SECONDS),
+        str(config.peer_timeout + _JAX_MARGIN_SECONDS),
+        str(os.getpid()),
+        str(config.peer_timeout + 10),
+    ]
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    deadline = time.monotonic() + config.coordinator_timeout
+    while True:
+        service = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
+        line = service.stdout.readline().strip()
+        if line == _coordinator_ready():
+            return service
+        service.wait()
+        if time.monotonic() > deadline:
+            _end_now(
+                f"process 0 could not start the coordination service on port {port} within "
+                f"{config.coordinator_timeout} s (config.coordinator_timeout): {line or 'it exited'}; "
+                f"choose another port in config.coordinator_address."
+            )
+        time.sleep(1.0)
+
+
+def _coordinator_ready() -> str:
+    from experiments.training import coordinator
+
+    return coordinator.READY
 
 
 def _late_message(config) -> str:
@@ -301,7 +375,7 @@ class _PeerWatch(threading.Thread):
             for key, message in failed:
                 peer = int(key.rsplit("/", 1)[-1])
                 if peer != c.index:
-                    self._stop(f"process {peer} of {c.count} failed: {message}")
+                    self._end_process(f"process {peer} of {c.count} failed: {message}", dead=False)
             for peer in range(c.count):
                 if peer == c.index or peer in ended:
                     continue
@@ -310,17 +384,22 @@ class _PeerWatch(threading.Thread):
                 if seen is None or seen[0] != value:
                     last_change[peer] = (value, now)
                 elif now - seen[1] > c.peer_timeout:
-                    self._stop(
+                    self._end_process(
                         f"process {peer} of {c.count} stopped responding ({c.peer_timeout} s without "
-                        f"a heartbeat, config.peer_timeout): it was killed, crashed or lost its host"
+                        f"a heartbeat, config.peer_timeout): it was killed, crashed or lost its host",
+                        dead=True,
                     )
 
-    def _stop(self, why: str) -> None:
+    def _end_process(self, why: str, *, dead: bool) -> None:
         c = self.cluster
         try:
             c.client.key_value_set(f"{_KEY}/ended/{c.index}", "1", allow_overwrite=True)
         except Exception:
             pass
+        if c.count == 2:  # the only other process is gone (or going): no one needs the service
+            if not dead:
+                time.sleep(1.0)  # it ends at once after telling its failure: let it, first
+            c.end_service()
         _end_now(
             f"{why}; process {c.index} stops too. Start every process again with the same command "
             f"to resume from the newest checkpoint."
@@ -377,6 +456,7 @@ def exit_process(status: int) -> None:
         deadline = time.monotonic() + c.peer_timeout
         while time.monotonic() < deadline and len(_peers_done(c)) < c.count - 1:
             time.sleep(c.beat_seconds)
+    c.end_service()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
