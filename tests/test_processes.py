@@ -17,7 +17,7 @@ import subprocess
 import time
 
 import pytest
-from process_group import ROOT, ProcessGroup, environment, train_command
+from process_group import ROOT, ProcessGroup, environment, free_port, train_command
 
 from configs import digits
 from experiments.training import interrupts, processes
@@ -210,6 +210,26 @@ def test_an_error_in_one_process_ends_the_other_at_once_naming_it(tmp_path, cach
     assert time.monotonic() - started < 60
     assert "leader task" not in group.output(other)
     assert max(s for s, _ in _losses(workdir)) <= 7
+
+
+@slow
+def test_a_runtime_the_caller_initialized_is_used_without_config_distributed(straight, tmp_path, cache):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    port = free_port()
+    procs = []
+    for i in range(2):
+        command = train_command(
+            workdir, CONFIG, {**RUN, "progress_bar": False}, ("tests/initialized_train.py",)
+        )
+        env = environment(2, cache, COORDINATOR=f"127.0.0.1:{port}", NUM_PROCESSES=2, PROCESS_ID=i)
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    # Written once, the same losses as the trainer's own two-process run.
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len(set(lines)) == RUN["num_steps"] + 2
+    assert _losses(workdir) == _losses(straight)
 
 
 @slow
