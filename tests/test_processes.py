@@ -75,8 +75,8 @@ def _wait_for_training(workdir, group, timeout=120) -> None:
         time.sleep(0.005)
 
 
-def _resume_and_compare(workdir, straight, cache) -> None:
-    group = _group(workdir, cache).start()
+def _resume_and_compare(workdir, straight, cache, port=None) -> None:
+    group = _group(workdir, cache, port=port).start()
     assert group.wait(300) == [0, 0], group.output(0)[-3000:] + group.output(1)[-3000:]
     assert _losses(workdir) == _losses(straight)
 
@@ -181,9 +181,9 @@ def test_a_killed_process_ends_the_other_within_the_bound_and_the_run_resumes_ex
     )
     assert took < RUN["peer_timeout"] + 10
     group.wait(10)
-    # A service whose process 0 was killed lingers (peer_timeout + 10 s): the next run's process 0
-    # waits for its port.
-    _resume_and_compare(workdir, straight, cache)
+    # A service whose process 0 was killed lingers (peer_timeout + 10 s); the next run on the same
+    # port ends it before starting its own (gRPC would let both listen there).
+    _resume_and_compare(workdir, straight, cache, port=group.port)
     assert not _services(group.port)
 
 

@@ -7,17 +7,56 @@ instead of being aborted by JAX the moment the service goes.
 
 It ignores SIGINT and SIGTERM (a Ctrl-C in the terminal reaches the whole process group: the
 run stops through process 0), prints one line once it listens, and ends `linger` seconds after
-its parent is gone (process 0 ends it at once at a normal exit).
+its parent is gone: at once if its parent wrote a line to its stdin first (process 0 ending on
+purpose, after the others), and process 0 kills it at a normal exit. Its pid is in
+`pid_file(port)`: gRPC lets a second server listen on a port already taken (SO_REUSEPORT), so
+the next run's process 0 ends a service still lingering there before it starts its own
+(`end_lingering`), or the two runs' processes would meet in either.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import sys
+import tempfile
+import threading
 import time
 
 READY = "coordination service listening"
+STOP = signal.SIGUSR1  # what ends it at once (it ignores SIGINT and SIGTERM)
+
+
+def pid_file(port: int) -> pathlib.Path:
+    return pathlib.Path(tempfile.gettempdir()) / f"linear_transformers-coordinator-{port}.pid"
+
+
+def end_lingering(port: int, wait_seconds: float = 5.0) -> None:
+    """End the service a previous run left on `port` on this host, if one is there (its pid file
+    names a live process of this module; without /proc nothing is ended)."""
+    path = pid_file(port)
+    try:
+        pid = int(path.read_text())
+        words = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return
+    if b"experiments.training.coordinator" not in words:
+        return  # the pid is another process's now
+    stop(pid, wait_seconds)
+
+
+def stop(pid: int, wait_seconds: float = 5.0) -> None:
+    """End service `pid`, not a child of this process (STOP: it removes its pid file), SIGKILL
+    if it has not within the time."""
+    for signum in (STOP, signal.SIGKILL):
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            return
+        deadline = time.monotonic() + wait_seconds / 2
+        while pathlib.Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def serve(port: int, num_processes: int, heartbeat: int, shutdown: int, parent: int, linger: float) -> None:
@@ -30,11 +69,25 @@ def serve(port: int, num_processes: int, heartbeat: int, shutdown: int, parent: 
     except Exception as e:  # the port is taken (a previous run's service still lingering)
         print(f"cannot listen on port {port}: {str(e).splitlines()[0] if str(e) else e}", flush=True)
         os._exit(1)
+    pid_file(port).write_text(str(os.getpid()))
+    signal.signal(STOP, lambda signum, frame: _leave(port))
     print(READY, flush=True)
+    told = threading.Event()  # process 0 wrote a line: it ends on purpose, the others know
+    threading.Thread(target=lambda: sys.stdin.readline() and told.set(), daemon=True).start()
     while os.getppid() == parent:
-        time.sleep(0.25)
-    time.sleep(linger)  # the other processes notice process 0 is gone, then end
+        time.sleep(0.1)
+    if not told.wait(0.5):
+        time.sleep(linger)  # the other processes notice process 0 is gone, then end
     del service
+    _leave(port)
+
+
+def _leave(port: int) -> None:
+    try:
+        if pid_file(port).read_text() == str(os.getpid()):
+            pid_file(port).unlink()
+    except OSError:
+        pass
     os._exit(0)
 
 

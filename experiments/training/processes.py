@@ -141,8 +141,24 @@ class _Cluster:
 
     def end_service(self) -> None:
         if self.service is not None and self.service.poll() is None:
-            self.service.kill()
-            self.service.wait()
+            from experiments.training import coordinator
+
+            self.service.send_signal(coordinator.STOP)  # it removes its pid file and ends
+            try:
+                self.service.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.service.kill()
+                self.service.wait()
+
+    def end_service_after_exit(self) -> None:
+        """Let the service end as soon as this process has (killing it first would abort this
+        process's own client before it has said why it ends)."""
+        if self.service is not None and self.service.poll() is None:
+            try:
+                self.service.stdin.write("end\n")
+                self.service.stdin.flush()
+            except OSError:
+                pass
 
 
 _cluster: _Cluster | None = None
@@ -209,8 +225,8 @@ def _free_port() -> int:
 
 def _start_service(config) -> subprocess.Popen:
     """Process 0's coordination service in a process of its own (coordinator.py), listening on
-    config.coordinator_address's port; retried while the port is taken (a previous run's service
-    lingers up to peer_timeout + 10 s after its process 0 died), up to coordinator_timeout."""
+    config.coordinator_address's port, once a service a previous run left there is ended;
+    retried while the port is taken, up to coordinator_timeout."""
     port = int(config.coordinator_address.rpartition(":")[2])
     command = [
         sys.executable,
@@ -225,18 +241,21 @@ def _start_service(config) -> subprocess.Popen:
     ]
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    from experiments.training import coordinator
+
+    coordinator.end_lingering(port)
     deadline = time.monotonic() + config.coordinator_timeout
     while True:
         service = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             env=env,
             text=True,
         )
         line = service.stdout.readline().strip()
-        if line == _coordinator_ready():
+        if line == coordinator.READY:
             return service
         service.wait()
         if time.monotonic() > deadline:
@@ -246,12 +265,6 @@ def _start_service(config) -> subprocess.Popen:
                 f"choose another port in config.coordinator_address."
             )
         time.sleep(1.0)
-
-
-def _coordinator_ready() -> str:
-    from experiments.training import coordinator
-
-    return coordinator.READY
 
 
 def _late_message(config) -> str:
@@ -375,7 +388,7 @@ class _PeerWatch(threading.Thread):
             for key, message in failed:
                 peer = int(key.rsplit("/", 1)[-1])
                 if peer != c.index:
-                    self._end_process(f"process {peer} of {c.count} failed: {message}", dead=False)
+                    self._end_process(f"process {peer} of {c.count} failed: {message}")
             for peer in range(c.count):
                 if peer == c.index or peer in ended:
                     continue
@@ -386,20 +399,17 @@ class _PeerWatch(threading.Thread):
                 elif now - seen[1] > c.peer_timeout:
                     self._end_process(
                         f"process {peer} of {c.count} stopped responding ({c.peer_timeout} s without "
-                        f"a heartbeat, config.peer_timeout): it was killed, crashed or lost its host",
-                        dead=True,
+                        f"a heartbeat, config.peer_timeout): it was killed, crashed or lost its host"
                     )
 
-    def _end_process(self, why: str, *, dead: bool) -> None:
+    def _end_process(self, why: str) -> None:
         c = self.cluster
         try:
             c.client.key_value_set(f"{_KEY}/ended/{c.index}", "1", allow_overwrite=True)
         except Exception:
             pass
         if c.count == 2:  # the only other process is gone (or going): no one needs the service
-            if not dead:
-                time.sleep(1.0)  # it ends at once after telling its failure: let it, first
-            c.end_service()
+            c.end_service_after_exit()
         _end_now(
             f"{why}; process {c.index} stops too. Start every process again with the same command "
             f"to resume from the newest checkpoint."
@@ -456,7 +466,7 @@ def exit_process(status: int) -> None:
         deadline = time.monotonic() + c.peer_timeout
         while time.monotonic() < deadline and len(_peers_done(c)) < c.count - 1:
             time.sleep(c.beat_seconds)
-    c.end_service()
+    c.end_service_after_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
