@@ -8,7 +8,8 @@ Parts, in this order (each by the benchmark module that measures it on the CPU; 
 experiments/benchmarking/accelerator_bench.py): attention (chunked causal linear vs cuDNN flash
 and XLA softmax, bf16, B=8, N=16k/64k), generation (MNIST architecture, recurrent vs KV cache,
 bf16, batch 1/256/1024), train_step (bf16 and float32 steps of the paper's MNIST model),
-chunk_size (C=32..256, float32 and bf16), prefill, gated. Each part has a time budget; a part
+compile (that step's first call at 2, 8 and 16 layers), chunk_size (C=32..256, float32 and
+bf16), prefill, gated. Each part has a time budget; a part
 that fails or runs out of time is recorded with the reason and the next one runs. Writes
 <out_dir>/accelerator.md (device, versions, host, targets met/missed, every table) and
 <out_dir>/accelerator.csv, rewritten after every case. The accelerator sizes refuse to run on a
@@ -22,12 +23,13 @@ from experiments import cli
 _SIZES = flags.DEFINE_enum(
     "sizes",
     "accelerator",
-    ["accelerator", "tiny"],
-    "accelerator: the GPU section's sizes; tiny: seconds, any device.",
+    ["accelerator", "check", "tiny"],
+    "accelerator: the GPU section's sizes; check: the part of them experiments.check_accelerator "
+    "runs; tiny: seconds, any device.",
 )
 _PARTS = flags.DEFINE_list(
     "parts",
-    ["attention", "generation", "train_step", "chunk_size", "prefill", "gated"],
+    ["attention", "generation", "train_step", "compile", "chunk_size", "prefill", "gated"],
     "Parts to run (the others are listed as not selected).",
 )
 _MAX_MINUTES = flags.DEFINE_float(
@@ -44,6 +46,10 @@ def main(argv):
 
     if _DEVICE.value:
         jax.config.update("jax_platforms", _DEVICE.value)
+
+    from experiments.training import mesh
+
+    mesh.announce_backend()
 
     from experiments.benchmarking import accelerator_bench
 

@@ -55,6 +55,10 @@ def main(argv):
     if _DEVICE.value:
         jax.config.update("jax_platforms", _DEVICE.value)
 
+    from experiments.training import mesh
+
+    mesh.announce_backend()
+
     from experiments.benchmarking import attention_bench
     from linear_transformers import ops
 

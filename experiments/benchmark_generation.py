@@ -56,6 +56,10 @@ def main(argv):
     if _DEVICE.value:
         jax.config.update("jax_platforms", _DEVICE.value)
 
+    from experiments.training import mesh
+
+    mesh.announce_backend()
+
     from experiments.benchmarking import generation_bench
 
     opts = generation_bench.GenerationBenchOptions(

@@ -52,6 +52,10 @@ def main(argv):
     if _DEVICE.value:
         jax.config.update("jax_platforms", _DEVICE.value)
 
+    from experiments.training import mesh
+
+    mesh.announce_backend()
+
     from experiments.benchmarking import prefill_bench
 
     def ints(values):

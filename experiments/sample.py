@@ -18,6 +18,7 @@ from absl import app, flags
 
 from experiments.cli import one_line_errors, stop_at_once_on_interrupt
 from experiments.tasks.image_sampling import sample_from_fast_transformers, sample_from_workdir
+from experiments.training import mesh
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (config.json, checkpoints/).")
 _CHECKPOINT = flags.DEFINE_string(
@@ -70,6 +71,7 @@ def main(argv):
                 "give exactly one of --workdir (a training run) and "
                 "--fast_transformers_checkpoint (a model of the authors' library)."
             )
+        mesh.announce_backend()
         if _CHECKPOINT.value is not None:
             result = sample_from_fast_transformers(
                 _CHECKPOINT.value,

@@ -11,6 +11,7 @@ from absl import app, flags
 
 from experiments.cli import one_line_errors, stop_at_once_on_interrupt
 from experiments.tasks.speech_transcripts import transcribe_workdir
+from experiments.training import mesh
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir of the speech task.", required=True)
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "validation", "test"], "Which utterances.")
@@ -22,6 +23,7 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 def main(argv):
     del argv
     with stop_at_once_on_interrupt():  # nothing to save: Ctrl-C stops at once
+        mesh.announce_backend()
         print(transcribe_workdir(_WORKDIR.value, split=_SPLIT.value, num=_NUM.value, step=_STEP.value))
 
 

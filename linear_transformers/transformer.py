@@ -3,9 +3,13 @@
 Legend: B batch, T target time, S source (memory) time, E model width.
 
 Layers follow the authors' post-norm layout (x = norm(x + dropout(sublayer(x)))) with an optional
-final LayerNorm on the stack. Every stack built with causal self-attention also runs as an RNN:
+final LayerNorm on the stack. A stack keeps its layers as one layer whose variables are stacked
+along a leading axis of L and runs them by a scan (`layer_stack`): one compiled layer, whatever
+the depth. `stack.layers` is that layer (`stack.layers.attention.core.kind`; parameters [L, ...]),
+`layer_stack.layer(stack.layers, i)` a copy of layer i. Every stack built with causal
+self-attention also runs as an RNN:
 
-  state = stack.init_state(batch, max_length=...)     one pytree for all layers
+  state = stack.init_state(batch, max_length=...)     the layers' states, stacked [L, ...]
   state, y_BE = stack.step(state, x_BE)               a `lax.scan` body
   state, y_BTE = stack.prefill(state, x_BTE)          T steps at once, in parallel form
 
@@ -26,6 +30,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
+from linear_transformers import layer_stack
 from linear_transformers.attention.base import check_inference_mode, keyword_state_arguments
 from linear_transformers.config import ACTIVATIONS, TransformerConfig
 from linear_transformers.multi_head_attention import MultiHeadAttention
@@ -262,35 +267,39 @@ class _Stack(nnx.Module):
         """Another model's state (another kind, number of layers or model) would fail deep in
         an op, or be misread: name what this stack keeps and what was passed."""
         where = f"{type(self).__name__}.{method}"
-        n = len(self.layers)
-        if not isinstance(state, tuple) or hasattr(state, "_fields") or len(state) != n:
-            raise ValueError(
-                f"{where}: the state must be a tuple of {n} per-layer states (this stack's "
-                f"init_state), got {describe_state(state)}."
-            )
-        for i, (layer, layer_state) in enumerate(zip(self.layers, state)):
-            if isinstance(layer, DecoderLayer):
-                if not isinstance(layer_state, DecoderLayerState):
-                    expected, got = DecoderLayerState(None, None), layer_state
-                else:
-                    expected, got = _self_attention_state(layer.self_attention), layer_state.self_attention
-            else:
-                expected, got = _self_attention_state(layer.attention), layer_state
-            if expected is not None and jax.tree.structure(got) != jax.tree.structure(expected):
+        n = self.num_layers
+        if isinstance(self.layers, DecoderLayer):
+            if not isinstance(state, DecoderLayerState):
                 raise ValueError(
-                    f"{where}: layer {i}'s state is {describe_state(got)}, but this model's layer {i} "
-                    f"keeps {describe_state(expected)}; pass the state this model's init_state, step "
-                    f"or prefill returned (another model's, or another attention kind's, does not fit)."
+                    f"{where}: the state must be the DecoderLayerState this stack's init_state "
+                    f"returns (its {n} layers' states stacked), got {describe_state(state)}."
                 )
+            expected, got = _self_attention_state(self.layers.self_attention), state.self_attention
+        else:
+            expected, got = _self_attention_state(self.layers.attention), state
+        if expected is None:  # No recurrent form (or non-causal): the layer's own call says so.
+            return
+        if jax.tree.structure(got) != jax.tree.structure(expected):
+            raise ValueError(
+                f"{where}: the state is {describe_state(got)}, but this model's layers keep "
+                f"{describe_state(expected)}; pass the state this model's init_state, step or "
+                f"prefill returned (another model's, or another attention kind's, does not fit)."
+            )
+        layers = {x.shape[0] if getattr(x, "ndim", 0) else None for x in jax.tree.leaves(state)}
+        if layers != {n}:
+            found = ", ".join(str(x) for x in sorted(layers, key=str))
+            raise ValueError(
+                f"{where}: the state must stack the states of this stack's {n} layers along a "
+                f"leading axis (its init_state); its arrays lead with {found}."
+            )
 
     def _step_layers(self, state, x, method: str, **kwargs):
         check_inference_mode(self)
         self._check_state(state, method)
-        new_state = []
-        for layer, layer_state in zip(self.layers, state, strict=True):
-            layer_state, x = getattr(layer, method)(layer_state, x, **kwargs)
-            new_state.append(layer_state)
-        return tuple(new_state), self._final(x)
+        state, x = layer_stack.run_with_state(
+            self.layers, state, x, lambda layer, state, x: getattr(layer, method)(state, x, **kwargs)
+        )
+        return state, self._final(x)
 
 
 class Encoder(_Stack):
@@ -312,7 +321,8 @@ class Encoder(_Stack):
 
     def __init__(self, config: TransformerConfig, *, causal: bool = False, rngs: nnx.Rngs):
         self.causal = causal
-        self.layers = nnx.List(
+        self.num_layers = config.num_layers
+        self.layers = layer_stack.stack(
             [EncoderLayer(config, causal=causal, rngs=rngs) for _ in range(config.num_layers)]
         )
         self.final_norm = layer_norm(config, rngs) if config.final_normalization else None
@@ -321,18 +331,24 @@ class Encoder(_Stack):
         """key_lengths int [B]: padding at the end; mask: boolean [T, S] or [B, H, T, S] (softmax
         only); segment_ids int [B, T]: packed sequences, each computed alone (0 = padding);
         positions int [B, T]: each token's position in its sequence, for kinds that use them."""
-        for layer in self.layers:
-            x_BTE = layer(
-                x_BTE, key_lengths=key_lengths, mask=mask, segment_ids=segment_ids, positions=positions
-            )
+        x_BTE = layer_stack.run(
+            self.layers,
+            x_BTE,
+            lambda layer, x: layer(
+                x, key_lengths=key_lengths, mask=mask, segment_ids=segment_ids, positions=positions
+            ),
+        )
         return self._final(x_BTE)
 
     @keyword_state_arguments
     def init_state(self, batch: int, *, max_length: int | None = None, dtype=None):
-        """Tuple of per-layer states (causal stacks only). `dtype`: of KV caches; default the
-        config's dtype (float32 when that is None); linear states are float32 at least."""
+        """The layers' states stacked along a leading axis of L (causal stacks only). `dtype`:
+        of KV caches; default the config's dtype (float32 when that is None); linear states are
+        float32 at least."""
         check_inference_mode(self)
-        return tuple(layer.init_state(batch, max_length=max_length, dtype=dtype) for layer in self.layers)
+        return layer_stack.init(
+            self.layers, lambda layer: layer.init_state(batch, max_length=max_length, dtype=dtype)
+        )
 
     def step(self, state, x_BE):
         """One token through every layer; usable as a `lax.scan` body (see `generation`)."""
@@ -357,7 +373,8 @@ class Decoder(_Stack):
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.num_layers = config.num_layers
+        self.layers = layer_stack.stack([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
         self.final_norm = layer_norm(config, rngs) if config.final_normalization else None
 
     def __call__(
@@ -376,30 +393,34 @@ class Decoder(_Stack):
         later positions, as LSH's buckets do). segment_ids int [B, T]: packed targets, each
         computed alone; with memory_segment_ids [B, S] (softmax cross-attention) each segment
         reads only the memory segment of the same id. positions: for kinds that use them."""
-        for layer in self.layers:
-            x_BTE = layer(
-                x_BTE,
+        x_BTE = layer_stack.run(
+            self.layers,
+            x_BTE,
+            lambda layer, x: layer(
+                x,
                 memory_BSE,
                 memory_lengths=memory_lengths,
                 target_lengths=target_lengths,
                 segment_ids=segment_ids,
                 memory_segment_ids=memory_segment_ids,
                 positions=positions,
-            )
+            ),
+        )
         return self._final(x_BTE)
 
     @keyword_state_arguments
     def init_state(
         self, batch: int, *, memory, memory_lengths=None, max_length: int | None = None, dtype=None
     ):
-        """Per-layer states; each layer projects the memory [B, S, E] (valid lengths
-        `memory_lengths`) to its keys/values here, once."""
+        """The layers' states stacked along a leading axis of L; each layer projects the memory
+        [B, S, E] (valid lengths `memory_lengths`) to its keys/values here, once."""
         check_inference_mode(self)
-        return tuple(
-            layer.init_state(
+        _check_memory(memory, batch, "Decoder.init_state")
+        return layer_stack.init(
+            self.layers,
+            lambda layer: layer.init_state(
                 batch, memory=memory, memory_lengths=memory_lengths, max_length=max_length, dtype=dtype
-            )
-            for layer in self.layers
+            ),
         )
 
     def step(self, state, x_BE):

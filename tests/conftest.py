@@ -1,5 +1,12 @@
-"""Shared fixtures: `x64` turns on float64 for one test; tests under tests/multidevice/ skip
-unless 8 devices are present."""
+"""Shared fixtures: `x64` turns on float64 for one test; `float32_products` pins float32 matrix
+products for a test that asserts float32 exactness (`pytestmark =
+pytest.mark.usefixtures("float32_products")` for a whole module); tests under
+tests/multidevice/ skip unless 8 devices are present.
+
+`pytest --matmul-precision=tensorfloat32` runs every test with TF32 products, as float32 inputs
+get by default on an NVIDIA GPU (emulated on the CPU: `tests/tf32.py`): on a machine without a
+GPU it shows which tests a GPU would fail. Tests that pin their precision keep it.
+"""
 
 import contextlib
 import gc
@@ -8,6 +15,37 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import pytest
+import tf32
+
+MATMUL_PRECISIONS = ("default", tf32.TF32)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--matmul-precision",
+        default="default",
+        choices=MATMUL_PRECISIONS,
+        help="float32 matrix products of every test: the platform's default, or TF32 (emulated "
+        "on the CPU) as an NVIDIA GPU runs them by default",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _session_matmul_precision(request):
+    if request.config.getoption("--matmul-precision") == tf32.TF32:
+        with tf32.tf32_products():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture
+def float32_products():
+    """Float32 matrix products in float32 (not TF32 as on GPUs, nor bfloat16 passes as on TPUs):
+    for tests that assert float32 exactness. The library follows `jax.default_matmul_precision`
+    (ops/precision.py)."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def enable_x64():

@@ -51,6 +51,10 @@ def test_every_part_at_tiny_sizes_and_a_failing_part_is_skipped(tmp_path, monkey
     assert measured == set(accelerator_bench.PARTS) - {"gated"}
     train = [r for r in rows if r["part"] == "train_step" and r["case"] != "part summary"]
     assert float(train[0]["tokens_per_s"]) > 0 and float(train[0]["steps_per_s"]) > 0
+    # The first step by depth: cold (compiled) and from the persistent cache, which is faster.
+    first = [r for r in rows if r["part"] == "compile" and r["case"] != "part summary"]
+    assert [int(r["layers"]) for r in first] == [1, 2]
+    assert all(0 < float(r["cached_first_call_s"]) < float(r["first_call_s"]) for r in first)
     # No cuDNN on the CPU: the attention targets say so instead of a verdict.
     verdicts = {t["target"]: t["verdict"] for t in result["targets"]}
     assert verdicts["chunked >= 8x cuDNN flash attention, N=16384, forward"] == "not measured"
@@ -87,6 +91,9 @@ def test_accelerator_sizes_refuse_the_cpu_and_options_are_checked():
         accelerator_bench.check_platform("accelerator", "cpu")
     accelerator_bench.check_platform("accelerator", "gpu")
     accelerator_bench.check_platform("tiny", "cpu")
+    accelerator_bench.check_platform("check", "cpu", parts=("compile", "train_step"))  # minutes
+    with pytest.raises(ValueError, match=r"parts \['attention'\]"):
+        accelerator_bench.check_platform("check", "cpu", parts=("compile", "attention"))
     with pytest.raises(ValueError, match="unknown or no parts \\['attn'\\]; expected some of"):
         accelerator_bench.AcceleratorBenchOptions(parts=("attn",))
     with pytest.raises(ValueError, match="unknown sizes 'huge'"):

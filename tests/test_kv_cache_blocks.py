@@ -19,6 +19,10 @@ import pytest
 from linear_transformers import ops
 from linear_transformers.ops import kv_cache
 
+# float32 agreement between forms, with float32 matrix products on every platform (TF32's
+# tolerances, a GPU's default: tests/test_default_precision.py).
+pytestmark = pytest.mark.usefixtures("float32_products")
+
 B, H, D, M = 2, 2, 4, 6  # M != D throughout
 BLOCK = 4
 # Tiny programs: XLA's backend optimisations cost compile time and change nothing but rounding.

@@ -16,6 +16,10 @@ from conftest import enable_x64
 
 from linear_transformers import ops
 
+# float32 agreement between forms, with float32 matrix products on every platform (TF32's
+# tolerances, a GPU's default: tests/test_default_precision.py).
+pytestmark = pytest.mark.usefixtures("float32_products")
+
 B, T, S, H, D, M = 2, 5, 9, 2, 4, 6
 EPS = 1e-6
 

@@ -16,6 +16,10 @@ from linear_transformers import ops
 from linear_transformers.attention import make_attention_core
 from linear_transformers.ops.gated_forms import IMPLS
 
+# float32 agreement between forms, with float32 matrix products on every platform (TF32's
+# tolerances, a GPU's default: tests/test_default_precision.py).
+pytestmark = pytest.mark.usefixtures("float32_products")
+
 B, T, H, D, E = 2, 8, 2, 4, 8
 KEY_LENGTHS = np.array([0, 5])  # example 0: every key masked
 SEGMENTS = np.array([[1, 1, 1, 0, 0, 2, 2, 0], [0, 0, 1, 1, 1, 1, 1, 1]])  # 0: padding queries

@@ -15,10 +15,15 @@ from linear_transformers import (
     Decoder,
     Encoder,
     TransformerConfig,
+    layer_stack,
     pack_sequences,
     segment_positions,
 )
 from linear_transformers.packing import continue_positions, next_positions
+
+# float32 agreement between forms, with float32 matrix products on every platform (TF32's
+# tolerances, a GPU's default: tests/test_default_precision.py).
+pytestmark = pytest.mark.usefixtures("float32_products")
 
 V, E = 13, 16
 CAUSAL_KINDS = ["softmax", "linear", "retention", "simple-gla", "gla"]
@@ -138,7 +143,7 @@ def test_a_packed_decoder_cross_attends_to_its_own_memory_segment():
     with pytest.raises(ValueError, match="cannot cross-attend over a packed memory"):
         linear(x, memory, segment_ids=ids, memory_segment_ids=memory_ids)
     with pytest.raises(ValueError, match="needs context_segment_ids"):
-        decoder.layers[0].cross_attention(x, memory, segment_ids=ids)
+        layer_stack.layer(decoder.layers, 0).cross_attention(x, memory, segment_ids=ids)
 
 
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)

@@ -29,8 +29,12 @@ def _start(script: str) -> subprocess.Popen:
 
 
 def _interrupt_when(process: subprocess.Popen, marker: str, wait: float) -> tuple[float, str]:
-    """Wait for `marker` on stdout, then `wait` s, send SIGINT: -> (seconds to exit, stderr)."""
-    assert process.stdout.readline().strip() == marker
+    """Wait for `marker` on stdout (after the command's line naming its backend, if it prints
+    one), then `wait` s, send SIGINT: -> (seconds to exit, stderr)."""
+    line = process.stdout.readline().strip()
+    if line.startswith("JAX backend: "):
+        line = process.stdout.readline().strip()
+    assert line == marker
     time.sleep(wait)
     process.send_signal(signal.SIGINT)
     sent = time.perf_counter()

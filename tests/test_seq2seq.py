@@ -9,6 +9,10 @@ from flax import nnx
 
 from linear_transformers import EncoderDecoder, TransformerConfig, greedy_decode
 
+# float32 agreement between forms, with float32 matrix products on every platform (TF32's
+# tolerances, a GPU's default: tests/test_default_precision.py).
+pytestmark = pytest.mark.usefixtures("float32_products")
+
 V, E = 7, 16
 SETUPS = {  # name -> (encoder kind, options), (decoder kind, options)
     "softmax": (("softmax", {}), ("softmax", {})),

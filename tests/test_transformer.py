@@ -12,6 +12,10 @@ from flax import nnx
 from linear_transformers import CausalLM, Decoder, Encoder, TransformerConfig, generation
 from linear_transformers.transformer import ACTIVATIONS
 
+# float32 agreement between forms, with float32 matrix products on every platform (TF32's
+# tolerances, a GPU's default: tests/test_default_precision.py).
+pytestmark = pytest.mark.usefixtures("float32_products")
+
 E, H, B, T, S, V = 16, 2, 2, 7, 5, 11
 FAVOR = {"feature_map": "favor", "num_features": 16}
 KINDS = {
@@ -63,7 +67,8 @@ def _step_loop(model, state, xs_BT):
 @pytest.mark.parametrize("name", ["softmax", "linear", "favor", "relu"])
 def test_encoder_shapes_and_key_lengths_honoured_at_valid_positions(name):
     encoder = Encoder(_config(name, num_layers=2), rngs=nnx.Rngs(0))
-    assert len(encoder.layers) == 2
+    assert encoder.num_layers == 2
+    assert jax.tree.leaves(nnx.state(encoder.layers, nnx.Param))[0].shape[0] == 2  # stacked
     x = _x((B, T, E))
     lengths = jnp.array([T, 3])
     valid = (np.arange(T)[None, :] < np.asarray(lengths)[:, None])[..., None]
@@ -104,13 +109,12 @@ def test_causal_encoder_recurrent_matches_parallel(name):
     np.testing.assert_allclose(y_scan, y_par, atol=1e-5, rtol=1e-5)
 
 
-def test_causal_encoder_state_is_per_layer():
+def test_causal_encoder_state_stacks_the_layers_states():
     encoder = Encoder(_config("linear", num_layers=2), causal=True, rngs=nnx.Rngs(0))
     state = encoder.init_state(B)
-    assert isinstance(state, tuple) and len(state) == 2
-    # Linear attention: constant-size (S, z) state, [B, H, F, M] and [B, H, F].
-    chex.assert_shape(state[0].s_BHFM, (B, H, E // H, E // H))
-    chex.assert_shape(state[0].z_BHF, (B, H, E // H))
+    # Linear attention: constant-size (S, z) state, [B, H, F, M] and [B, H, F], per layer.
+    chex.assert_shape(state.s_BHFM, (2, B, H, E // H, E // H))
+    chex.assert_shape(state.z_BHF, (2, B, H, E // H))
     state2, _ = generation.scan_steps(encoder, state, _x((B, T, E)))
     chex.assert_trees_all_equal_shapes(state, state2)
 
@@ -142,9 +146,9 @@ def test_decoder_causal_linear_cross_attention_defaults_to_linear():
     config = _config("causal-linear")
     assert config.cross_kind == "linear"
     decoder = Decoder(config, rngs=nnx.Rngs(0))
-    assert decoder.layers[0].cross_attention.core.kind == "linear"
-    assert not decoder.layers[0].cross_attention.causal
-    assert decoder.layers[0].self_attention.core.kind == "causal-linear"
+    assert decoder.layers.cross_attention.core.kind == "linear"
+    assert not decoder.layers.cross_attention.causal
+    assert decoder.layers.self_attention.core.kind == "causal-linear"
 
 
 # --- CausalLM -----------------------------------------------------------------------------------
@@ -280,7 +284,7 @@ def test_lm_causal_impls_agree_on_logits_and_parameter_gradients():
     for impl in ("quadratic", "associative_scan", "chunked", "scan"):
         options = {"impl": impl, "chunk_size": 3} if impl == "chunked" else {"impl": impl}
         model = _lm("linear", num_layers=2, attention_options=options)
-        assert all(layer.attention.core.impl == impl for layer in model.transformer.layers)
+        assert model.transformer.layers.attention.core.impl == impl
         results[impl] = nnx.jit(nnx.value_and_grad(_lm_loss))(model, tokens)
     loss_ref, grads_ref = results.pop("quadratic")
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads_ref))
@@ -311,11 +315,11 @@ def test_from_kwargs_authors_names():
     assert dict(config.attention_options) == {"feature_map": "elu"}
     # Built and run abstractly (traced, not compiled): shapes are what is checked here.
     encoder = nnx.eval_shape(lambda: Encoder(config, causal=True, rngs=nnx.Rngs(0)))
-    attn = encoder.layers[0].attention
+    attn = encoder.layers.attention
     assert (attn.query_dim, attn.value_dim) == (8, 6)
-    chex.assert_shape(attn.query.kernel, (24, 4 * 8))
-    chex.assert_shape(attn.value.kernel, (24, 4 * 6))
-    chex.assert_shape(encoder.layers[0].feed_forward.linear1.kernel, (24, 32))
+    chex.assert_shape(attn.query.kernel, (2, 24, 4 * 8))  # [L, in, out]: the layers stacked
+    chex.assert_shape(attn.value.kernel, (2, 24, 4 * 6))
+    chex.assert_shape(encoder.layers.feed_forward.linear1.kernel, (2, 24, 32))
     assert attn.core.kind == "causal-linear" and attn.core.feature_map_spec == "elu"
     y = jax.eval_shape(
         lambda x: Encoder(config, causal=True, rngs=nnx.Rngs(0))(x),

@@ -11,6 +11,8 @@ part by the benchmark module that already measures it on the CPU:
               images/s and recurrent >= 4x the KV cache.
   train_step  the trainer's own jitted step (`Trainer.train`) of the paper's MNIST model on
               random sub-pixels, bf16 and float32: steps/s and tokens/s (no data, no training run).
+  compile     that step's first call (trace, compile, run) at 2, 8 and 16 layers: one compiled
+              layer (linear_transformers/layer_stack.py) keeps it flat in the depth.
   chunk_size  attention_bench's chunked form at one length, float32 and bf16, C = 32 .. 256.
   prefill     prefill_bench: a prompt read in one parallel pass vs token by token.
   gated       gated_bench: the decayed kinds against plain causal linear, bf16.
@@ -24,7 +26,9 @@ accelerator.csv) is rewritten after every case, so a run killed half way (its le
 still leaves every figure measured before.
 
 `sizes="tiny"` runs every part at toy sizes in seconds (tests, a check of an install, on the
-CPU too); the accelerator sizes refuse to run on a CPU (see `check_platform`).
+CPU too); `sizes="check"` is the accelerator sizes cut to what `experiments.check_accelerator`
+has time for (attention at 16k, the bf16 step, the compile times); the accelerator sizes refuse
+to run on a CPU (see `check_platform`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import gc
 import math
 import pathlib
 import platform
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -49,14 +54,15 @@ from experiments.benchmarking import (
     report,
 )
 
-PARTS = ("attention", "generation", "train_step", "chunk_size", "prefill", "gated")
-SIZES = ("accelerator", "tiny")
+PARTS = ("attention", "generation", "train_step", "compile", "chunk_size", "prefill", "gated")
+SIZES = ("accelerator", "check", "tiny")
 CHUNKED = "causal-linear/chunked"
 CUDNN = "softmax-cudnn"
 # BENCHMARKS.md's GPU targets.
 ATTENTION_TARGETS = {16384: 8.0, 65536: 30.0}  # N: chunked at least this many times cuDNN's speed
 IMAGES_PER_S_TARGET = 3500.0  # MNIST architecture, linear recurrent, at the best batch
 RECURRENT_OVER_KV_TARGET = 4.0  # linear recurrent images/s over the bf16 KV cache's, same batch
+FLAT_COMPILE_TARGET = 1.25  # the first step at the deepest depth over the shallowest, same run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,7 @@ class Sizes:
     train_batches: tuple[int, ...]
     train_dtypes: tuple[str, ...]
     train_min_seconds: float
+    compile_layers: tuple[int, ...]  # depths whose first training step is timed
     prefill: prefill_bench.PrefillBenchOptions
     gated: gated_bench.GatedBenchOptions
     budgets_s: tuple[tuple[str, float], ...]  # (part, seconds)
@@ -111,6 +118,7 @@ def _sizes(name: str) -> Sizes:
             train_batches=(16, 128),  # 16: configs/mnist.py's batch
             train_dtypes=("bfloat16", "float32"),  # float32 to say what bf16 buys
             train_min_seconds=1.0,
+            compile_layers=(2, 8, 16),
             prefill=prefill_bench.PrefillBenchOptions(
                 prompt_lengths=(512, 2048, 8192),
                 batches=(1,),
@@ -129,9 +137,21 @@ def _sizes(name: str) -> Sizes:
                 ("attention", 100.0),
                 ("generation", 140.0),
                 ("train_step", 80.0),
+                ("compile", 80.0),
                 ("chunk_size", 60.0),
                 ("prefill", 70.0),
                 ("gated", 60.0),
+            ),
+        )
+    if name == "check":
+        full = _sizes("accelerator")
+        return dataclasses.replace(
+            full,
+            attention=dataclasses.replace(full.attention, lengths=(16384,)),
+            train_batches=(16,),
+            train_dtypes=("bfloat16",),
+            budgets_s=tuple(
+                (part, dict(attention=45.0, train_step=30.0, compile=80.0).get(part, 60.0)) for part in PARTS
             ),
         )
     if name == "tiny":
@@ -168,6 +188,7 @@ def _sizes(name: str) -> Sizes:
             train_batches=(2,),
             train_dtypes=("bfloat16",),
             train_min_seconds=0.0,
+            compile_layers=(1, 2),
             prefill=prefill_bench.PrefillBenchOptions(
                 prompt_lengths=(16,),
                 batches=(2,),
@@ -214,17 +235,25 @@ class AcceleratorBenchOptions:
             raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}.")
 
 
-def check_platform(sizes: str, platform_name: str) -> None:
-    """Refuse the accelerator sizes on a CPU. Why refuse rather than warn: on the 2-core CPU
-    the attention part alone (B=8 at N=65536) and the batch-1024 generation would run for
-    hours, not minutes, and a report that says "cpu" in a file meant for GPU figures is worth
-    less than a clear message; the CPU figures come from the individual benchmark commands."""
-    if platform_name == "cpu" and sizes != "tiny":
+# Parts whose accelerator sizes also fit a CPU (a training step of the paper's model: minutes).
+CPU_SIZED_PARTS = ("train_step", "compile")
+
+
+def check_platform(sizes: str, platform_name: str, parts=PARTS) -> None:
+    """Refuse the accelerator sizes on a CPU, except for `CPU_SIZED_PARTS`. Why refuse rather
+    than warn: on the 2-core CPU the attention part alone (B=8 at N=65536) and the batch-1024
+    generation would run for hours, not minutes, and a report that says "cpu" in a file meant
+    for GPU figures is worth less than a clear message; the CPU figures come from the individual
+    benchmark commands."""
+    too_big = [p for p in parts if p not in CPU_SIZED_PARTS]
+    if platform_name == "cpu" and sizes != "tiny" and too_big:
         raise ValueError(
             f"--sizes={sizes} is sized for an accelerator (attention at N=65536 with B=8, "
-            f"generation at batch 1024) and would run for hours on this CPU; pass --sizes=tiny "
-            f"for a smoke run of every part in seconds, or run it where jax.devices() is a GPU "
-            f"(the CPU figures come from the individual python -m experiments.benchmark_* commands)."
+            f"generation at batch 1024) and would run for hours on this CPU (parts {too_big}); "
+            f"pass --sizes=tiny for a smoke run of every part in seconds, --parts="
+            f"{','.join(CPU_SIZED_PARTS)} for the training step alone, or run it where "
+            f"jax.devices() is a GPU (the CPU figures come from the individual python -m "
+            f"experiments.benchmark_* commands)."
         )
 
 
@@ -409,6 +438,100 @@ def _train_step_row(sizes: Sizes, dtype: str, batch: int) -> dict:
     }
 
 
+def compile_cases(sizes: Sizes) -> list[Case]:
+    dtype, batch = sizes.train_dtypes[0], sizes.train_batches[0]
+    return [
+        Case(f"{layers} layers", lambda layers=layers: [_first_step_row(sizes, dtype, batch, layers)])
+        for layers in sizes.compile_layers
+    ]
+
+
+def _first_step_row(sizes: Sizes, dtype: str, batch: int, layers: int) -> dict:
+    """The trainer's first step at `layers` layers from an empty persistent compilation cache:
+    tracing and lowering, XLA's compile, then the first run (first_call_s: all three, the
+    compiled program read back from the cache it was just written to); the same step's first
+    call in a fresh trainer once the cache holds it (cached_first_call_s: what a resumed run
+    pays, jit's in-memory caches cleared); then the step's median time."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from experiments import tasks
+    from experiments.training import mesh as mesh_lib
+    from experiments.training import trainer as trainer_lib
+
+    config = generation_bench.paper_config("mnist", dtype=dtype, num_layers=layers)
+    config.dataset = sizes.train_dataset
+    config.model.update(dict(sizes.train_model))
+    config.model.num_layers = layers
+    config.batch_size = batch
+    task = trainer_lib.check_config(config, tasks.task_class(config))
+
+    def first_call(trainer, batch_BT):
+        start = time.perf_counter()
+        metrics = jax.block_until_ready(trainer.train(batch_BT))
+        return time.perf_counter() - start, metrics
+
+    previous = jax.config.jax_compilation_cache_dir
+    with tempfile.TemporaryDirectory() as cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+        compilation_cache.reset_cache()
+        try:
+            trainer = trainer_lib.Trainer(config, task, mesh_lib.make_mesh(config))
+            batch_BT = np.random.default_rng(config.seed).integers(
+                0, task.info.num_classes, (batch, task.sequence_length()), dtype=np.uint8
+            )
+            with jax.set_mesh(trainer.mesh):
+                args = (trainer.state, trainer.rng_state, trainer.shard_batch(batch_BT))
+                start = time.perf_counter()
+                lowered = trainer._train_step.trace(*args).lower()
+                traced = time.perf_counter()
+                compiled_step = lowered.compile()
+                compiled = time.perf_counter()
+            run_s, metrics = first_call(trainer, batch_BT)  # jit compiles again, or reads the cache
+            del compiled_step
+            jax.clear_caches()
+            warm_s, _ = first_call(trainer_lib.Trainer(config, task, mesh_lib.make_mesh(config)), batch_BT)
+        finally:
+            jax.config.update("jax_compilation_cache_dir", previous)
+            compilation_cache.reset_cache()
+    timing = measure.time_call(lambda: jax.block_until_ready(trainer.train(batch_BT)), min_seconds=0.0)
+    return {
+        "layers": layers,
+        "dtype": dtype,
+        "batch": batch,
+        "trace_lower_s": traced - start,
+        "compile_s": compiled - traced,
+        "first_call_s": compiled - start + run_s,
+        "cached_first_call_s": warm_s,
+        "step_ms": timing.median_s * 1e3,
+        "status": "ok" if bool(metrics["finite"]) else "failed: non-finite loss or gradients",
+    }
+
+
+def compile_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    ok = sorted((r for r in rows if r.get("status") == "ok"), key=lambda r: r["layers"])
+    if not ok:
+        return []
+    base = ok[0]
+    ratios = [
+        {
+            "layers": r["layers"],
+            f"first_call_over_{base['layers']}_layers": r["first_call_s"] / base["first_call_s"],
+        }
+        for r in ok
+    ]
+    return [("first call / the shallowest's, same run", ratios)]
+
+
+def compile_targets(rows: list[dict]) -> list[dict]:
+    ok = sorted((r for r in rows if r.get("status") == "ok"), key=lambda r: r["layers"])
+    if len(ok) < 2:
+        return [_target("first step flat in the depth", "not measured", None)]
+    low, high = ok[0], ok[-1]
+    ratio = high["first_call_s"] / low["first_call_s"]
+    target = f"first step at {high['layers']} layers <= {FLAT_COMPILE_TARGET:g}x that at {low['layers']}"
+    return [_target(target, f"{ratio:.2f}x", ratio <= FLAT_COMPILE_TARGET)]
+
+
 def train_step_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
     times = {(r["dtype"], r["batch"]): r["step_ms"] for r in rows if r.get("status") == "ok"}
     ratios = [
@@ -559,6 +682,23 @@ PART_SPECS = {
         ),
         train_step_tables,
     ),
+    "compile": PartSpec(
+        "The training step's first call by depth (the paper's MNIST model, bf16)",
+        compile_cases,
+        (
+            "layers",
+            "dtype",
+            "batch",
+            "trace_lower_s",
+            "compile_s",
+            "first_call_s",
+            "cached_first_call_s",
+            "step_ms",
+            "status",
+        ),
+        compile_tables,
+        compile_targets,
+    ),
     "chunk_size": PartSpec(
         "Chunk size of the chunked form, per dtype", chunk_size_cases, _ATTENTION_COLUMNS, chunk_size_tables
     ),
@@ -595,7 +735,7 @@ PART_SPECS = {
 def run_and_report(opts: AcceleratorBenchOptions, out_dir, *, log=print) -> dict:
     """Run the selected parts in order, rewriting out_dir/accelerator.{md,csv} after every case;
     returns {"parts": {name: PartResult}, "targets": [...], "files": {...}}."""
-    check_platform(opts.sizes, jax.devices()[0].platform)
+    check_platform(opts.sizes, jax.devices()[0].platform, opts.parts)
     sizes = _sizes(opts.sizes)
     out_dir = pathlib.Path(out_dir)
     machine = describe_machine()

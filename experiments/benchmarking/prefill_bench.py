@@ -322,7 +322,7 @@ def run_images(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
                 for row in rows[-2:]:
                     row.update(same_subpixels=same, prefix_kept=prefix_kept)
             for row in rows[-2:]:
-                row["layers"] = len(model.transformer.layers)
+                row["layers"] = model.transformer.num_layers
                 log(
                     f"images {row['arch']} {kind:<8} B={batch:<3} K={k}/{length} "
                     f"{row['method']:<10} {row['images_per_s']:>9.3f} images/s "

@@ -6,7 +6,10 @@ wrong numbers), so a restore verifies them first. Hashing is in the standard lib
 (hashlib); the cost is one extra read of the checkpoint per save and restore.
 
 A checkpoint written before a module was renamed (`RENAMED_KEYS`) restores into the renamed
-model: its arrays are read under the old names and returned under the new ones.
+model: its arrays are read under the old names and returned under the new ones. One written
+before a stack's layers were stacked (`STACKED_KEYS`: `layers/<i>/...` per layer, where the model
+now holds `layers/...` with a leading axis of L) restores too: the L arrays of each parameter
+(and of the optimizer's copies of it) are read and stacked.
 
 A save runs to its end whatever signals arrive (interrupts.completing_save); a save that fails
 for want of disk space is one `CheckpointSaveError` naming the directory, the space free there
@@ -45,6 +48,12 @@ RENAMED_KEYS = {
     # CausalLM's and ImageGenerator's causal Encoder stack (not a cross-attending Decoder).
     "decoder": "transformer",
 }
+
+
+# Modules whose layers were once saved one by one (`<key>/<i>/...`) and are now stacked
+# (`<key>/...`, each array [L, ...]: linear_transformers/layer_stack.py). Why: the arrays of the
+# checkpoints written before are the same numbers, saved apart.
+STACKED_KEYS = ("layers",)
 
 
 class CheckpointError(ValueError):
@@ -93,13 +102,6 @@ def _root_cause(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:400] + "..."
 
 
-def _signature(tree) -> list[tuple]:
-    """The sorted (shape, dtype) of every array in `tree` (target arrays or Orbax metadata)."""
-    return sorted(
-        (tuple(leaf.shape), str(leaf.dtype)) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape")
-    )
-
-
 def _key_name(key) -> str:
     """The name of one step of a pytree key path: a dict key, attribute or index, as a string
     (Orbax saves namedtuples as dicts, tuples as lists and every key as a string)."""
@@ -115,45 +117,86 @@ def _paths_and_leaves(tree) -> list[tuple[tuple[str, ...], object]]:
     ]
 
 
-def _saved_paths(target, saved) -> list[tuple[str, ...]] | None:
-    """The path in `saved` (a checkpoint's metadata tree) of each leaf of `target`, in the
-    target's leaf order, reading a key of the target under its old name (`RENAMED_KEYS`) where
-    the saved tree has the old name at that position and not the new one; None unless the two
-    trees then hold exactly the same paths."""
+def _renamed_path(path, saved_prefixes, old_names) -> tuple[str, ...]:
+    """`path` with each key the saved tree holds under its old name (`RENAMED_KEYS`) renamed."""
+    old_path = ()
+    for key in path:
+        old = old_names.get(key)
+        if (
+            old is not None
+            and old_path + (key,) not in saved_prefixes
+            and old_path + (old,) in saved_prefixes
+        ):
+            key = old
+        old_path += (key,)
+    return old_path
+
+
+def _per_layer_paths(path, leaf, saved_paths) -> tuple[tuple[str, ...], ...] | None:
+    """The saved paths of the L layers of a stacked target leaf (`STACKED_KEYS`), where the
+    saved tree holds them one by one and not stacked; else None."""
+    if path in saved_paths or not getattr(leaf, "shape", ()):
+        return None
+    for i, key in enumerate(path):
+        if key in STACKED_KEYS and i + 1 < len(path) and not path[i + 1].isdigit():
+            layers = tuple(path[: i + 1] + (str(n),) + path[i + 1 :] for n in range(leaf.shape[0]))
+            if all(layer in saved_paths for layer in layers):
+                return layers
+    return None
+
+
+def _saved_paths(target, saved) -> list | None:
+    """Where `saved` (a checkpoint's metadata tree) holds each leaf of `target`, in the target's
+    leaf order: its path, reading a key of the target under its old name (`RENAMED_KEYS`) where
+    the saved tree has the old name at that position and not the new one; or, for a stacked
+    leaf saved one layer at a time (`STACKED_KEYS`), the tuple of its L layers' paths. None
+    unless the two trees then hold exactly the same arrays."""
     saved_paths = {path for path, _ in _paths_and_leaves(saved)}
     saved_prefixes = {path[:i] for path in saved_paths for i in range(len(path) + 1)}
     old_names = {new: old for old, new in RENAMED_KEYS.items()}
-    mapped = []
-    for path, _ in _paths_and_leaves(target):
-        old_path = ()
-        for key in path:
-            old = old_names.get(key)
-            if (
-                old is not None
-                and old_path + (key,) not in saved_prefixes
-                and old_path + (old,) in saved_prefixes
-            ):
-                key = old
-            old_path += (key,)
-        mapped.append(old_path)
-    if len(set(mapped)) != len(mapped) or set(mapped) != saved_paths:
+    mapped, read = [], []
+    for path, leaf in _paths_and_leaves(target):
+        old_path = _renamed_path(path, saved_prefixes, old_names)
+        layers = _per_layer_paths(old_path, leaf, saved_paths)
+        mapped.append(old_path if layers is None else layers)
+        read.extend([old_path] if layers is None else layers)
+    if len(set(read)) != len(read) or set(read) != saved_paths:
         return None
     return mapped
 
 
+def _is_per_layer(source) -> bool:
+    return isinstance(source[0], tuple)
+
+
 def _fits(target, saved) -> bool:
     """Whether `saved` (a checkpoint's metadata tree) holds every array of `target` under its
-    path (after `RENAMED_KEYS`) with its shape, and nothing else. Dtypes are not compared:
-    Orbax casts on restore."""
-    old_paths = _saved_paths(target, saved)
-    if old_paths is None:
+    path (after `RENAMED_KEYS`, or one layer at a time: `STACKED_KEYS`) with its shape, and
+    nothing else. Dtypes are not compared: Orbax casts on restore."""
+    sources = _saved_paths(target, saved)
+    if sources is None:
         return False
     saved_leaves = dict(_paths_and_leaves(saved))
-    for old_path, (_, leaf) in zip(old_paths, _paths_and_leaves(target)):
-        shape = getattr(saved_leaves[old_path], "shape", None)
-        if shape is not None and tuple(shape) != tuple(leaf.shape):
-            return False
+    for source, (_, leaf) in zip(sources, _paths_and_leaves(target)):
+        expected = tuple(leaf.shape)
+        if _is_per_layer(source):
+            source, expected = source, expected[1:]
+        else:
+            source = (source,)
+        for path in source:
+            shape = getattr(saved_leaves[path], "shape", None)
+            if shape is not None and tuple(shape) != expected:
+                return False
     return True
+
+
+def _one_layer(leaf):
+    """The restore target of one layer of a stacked leaf: its shape, dtype and sharding
+    without the leading axis."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype, sharding=sharding)
 
 
 def _file_hashes(step_dir: pathlib.Path) -> dict[str, str]:
@@ -328,7 +371,7 @@ class Checkpointer:
             cause = _root_cause(e)
             try:
                 saved = self._saved_tree(step)
-                fits = _signature(saved) == _signature(abstract) and _saved_paths(abstract, saved) is not None
+                fits = _fits(abstract, saved)
             except Exception:  # unreadable metadata: the checkpoint, not the config, is at fault
                 fits = True
             if not fits:
@@ -351,34 +394,66 @@ class Checkpointer:
 
     def _restore_renamed(self, step: int, abstract):
         """Restore checkpoint `step` into `abstract`; if the checkpoint holds some of its arrays
-        under the old names of `RENAMED_KEYS`, read them there and return them under the new."""
+        under the old names of `RENAMED_KEYS`, or one layer at a time (`STACKED_KEYS`), read them
+        there and return them under the new names, stacked."""
         try:
             saved = self._saved_tree(step)
-            old_paths = _saved_paths(abstract, saved)
+            sources = _saved_paths(abstract, saved)
         except Exception:  # unreadable metadata: let the restore itself report what is wrong
-            old_paths = None
-        new_paths = [path for path, _ in _paths_and_leaves(abstract)]
-        if old_paths is None or old_paths == new_paths:
+            sources = None
+        targets = _paths_and_leaves(abstract)
+        new_paths = [path for path, _ in targets]
+        if sources is None or sources == new_paths:
             return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         renamed = sorted(
-            {(n, o) for new, old in zip(new_paths, old_paths) for n, o in zip(new, old) if n != o}
+            {
+                (n, o)
+                for new, source in zip(new_paths, sources)
+                if not _is_per_layer(source)
+                for n, o in zip(new, source)
+                if n != o
+            }
         )
+        stacked = sorted({"/".join(new) for new, source in zip(new_paths, sources) if _is_per_layer(source)})
         logging.info(
-            "checkpoint step %d in %s predates renames %s; restoring it under the new names.",
+            "checkpoint step %d in %s predates %s; restoring it into this model's layout.",
             step,
             self.directory,
-            ", ".join(f"{o!r} -> {n!r}" for n, o in renamed),
+            " and ".join(
+                filter(
+                    None,
+                    [
+                        renamed and "renames " + ", ".join(f"{o!r} -> {n!r}" for n, o in renamed),
+                        stacked and f"stacked layers ({len(stacked)} arrays saved one layer at a time)",
+                    ],
+                )
+            ),
         )
-        by_old_path = {old: leaf for old, (_, leaf) in zip(old_paths, _paths_and_leaves(abstract))}
+        by_saved_path = {}
+        for source, (_, leaf) in zip(sources, targets):
+            if _is_per_layer(source):
+                by_saved_path.update({path: _one_layer(leaf) for path in source})
+            else:
+                by_saved_path[source] = leaf
         # The restore target in the saved tree's own layout, each array with the target's shape,
         # dtype and sharding; the result goes back into the target's structure path by path.
-        old_target = jax.tree_util.tree_map_with_path(
-            lambda path, _: by_old_path[tuple(map(_key_name, path))], saved
+        saved_target = jax.tree_util.tree_map_with_path(
+            lambda path, _: by_saved_path[tuple(map(_key_name, path))], saved
         )
         restored = dict(
-            _paths_and_leaves(self._manager.restore(step, args=ocp.args.StandardRestore(old_target)))
+            _paths_and_leaves(self._manager.restore(step, args=ocp.args.StandardRestore(saved_target)))
         )
-        return jax.tree.structure(abstract).unflatten([restored[old] for old in old_paths])
+
+        def assemble(source, leaf):
+            if not _is_per_layer(source):
+                return restored[source]
+            layers = jax.numpy.stack([restored[path] for path in source])
+            sharding = getattr(leaf, "sharding", None)
+            return layers if sharding is None else jax.device_put(layers, sharding)
+
+        return jax.tree.structure(abstract).unflatten(
+            [assemble(source, leaf) for source, (_, leaf) in zip(sources, targets)]
+        )
 
     def metadata(self, step: int):
         """The saved tree of checkpoint `step` with each array's shape and dtype (no data read)."""

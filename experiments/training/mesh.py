@@ -18,6 +18,7 @@ Legend: B batch, T time.
 from __future__ import annotations
 
 import math
+import pathlib
 
 import jax
 import ml_collections
@@ -26,6 +27,48 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 DATA, SEQUENCE = "data", "sequence"
 AXES = (DATA, SEQUENCE)
+
+
+_announced = False
+
+
+def backend_line() -> str:
+    """The backend and devices JAX runs on, in one line ("JAX backend: gpu, 1 device (NVIDIA
+    H100 80GB HBM3); jax 0.11.2"), with the process where there are several."""
+    devices = jax.local_devices()
+    kinds = ", ".join(dict.fromkeys(d.device_kind for d in devices))
+    count = f"{len(devices)} device{'s' if len(devices) != 1 else ''}"
+    if jax.process_count() > 1:
+        count += f" of {jax.device_count()}, process {jax.process_index()} of {jax.process_count()}"
+    return f"JAX backend: {jax.default_backend()}, {count} ({kinds}); jax {jax.__version__}"
+
+
+def announce_backend() -> None:
+    """Print `backend_line()` once per process: every command's first lines say where it runs
+    (a CPU-only jaxlib on a GPU machine then shows at once). After `jax.distributed` is joined:
+    asking for the devices starts the backend."""
+    global _announced
+    if not _announced:
+        print(backend_line(), flush=True)
+        _announced = True
+
+
+def use_compilation_cache(directory: str) -> str | None:
+    """Keep compiled programs in `directory` (JAX's persistent compilation cache), so that the
+    next run of the same programs (a resumed run, another run of one model) loads them instead
+    of compiling: the first training step's compile, tens of seconds on a GPU, is paid once per
+    machine. A directory JAX was already given (JAX_COMPILATION_CACHE_DIR, or the caller's
+    jax.config) is kept; "" leaves the cache off. Returns the directory in use, or None."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    if not directory:
+        return None
+    # JAX bounds the cache's size only with the filelock package, which is not ours to add:
+    # it grows as new programs are compiled (a few MB each); delete the directory to empty it.
+    path = pathlib.Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return str(path)
 
 
 def _is_int(value) -> bool:

@@ -132,6 +132,10 @@ def devices(c: ml_collections.ConfigDict) -> None:
     c.process_id = config_dict.placeholder(int)
     c.coordinator_timeout = 120  # seconds for every process to join, else one clear error
     c.peer_timeout = 60  # seconds without a peer's heartbeat before the others stop, naming it
+    # JAX's persistent compilation cache: a run whose programs were compiled before (a resume,
+    # the next run of a sweep) loads them instead of compiling (experiments/training/mesh.py,
+    # use_compilation_cache). "" turns it off; JAX_COMPILATION_CACHE_DIR, when set, wins.
+    c.compilation_cache_dir = "~/.cache/linear_transformers/jax"
 
 
 # The flat layout of configs written before config.model existed: {old key: new dotted key}.

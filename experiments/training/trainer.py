@@ -166,8 +166,9 @@ class Trainer:
 
     def _train_step_fn(self, state, rng_state, batch):
         model = nnx.merge(self.graphdef, state["params"], rng_state, state["rest"])
-        # Dropout keys are a function of the step alone, so a resumed run replays them.
-        nnx.reseed(model, dropout=jax.random.fold_in(self.dropout_key, state["step"]))
+        # Dropout keys are a function of the step alone, so a resumed run replays them; a
+        # stack's layers hold one key each ([L] keys: split from the step's key).
+        nnx.reseed(model, dropout=jax.random.fold_in(self.dropout_key, state["step"]), policy="match_shape")
         # nnx.value_and_grad: dropout advances its RNG count inside the differentiated function.
         (loss, aux), grads = nnx.value_and_grad(self.task.loss, has_aux=True)(model, batch)
         new_state, finite = apply_if_finite(self.tx, state, loss, grads)
@@ -243,6 +244,8 @@ def train_and_evaluate(
     """
     task = check_config(config, task_class)
     processes.join(config)
+    mesh_lib.announce_backend()
+    mesh_lib.use_compilation_cache(config.compilation_cache_dir)
     if not processes.multiprocess():
         return _run(config, workdir, task, step_callback)
     # Signals before the loop are held too: every process must stop at the same step.

@@ -6,11 +6,12 @@
     decoder = decoder_from_fast_transformers(state_dict, config)
     model = image_generator_from_fast_transformers(state_dict, config)   # the colab's Generator
 
-Names map one to one (a torch Linear's weight [out, in] is our kernel [in, out]):
+Names map one to one (a torch Linear's weight [out, in] is our kernel [in, out]; layer i is
+index i of our stacked layers, `layer_stack`):
 
-    layers.{i}.attention.{query,key,value,out}_projection   layers[i].attention.{query,key,value,out}
-    layers.{i}.self_attention.* / cross_attention.*         layers[i].self_attention / cross_attention
-    layers.{i}.linear1, linear2                             layers[i].feed_forward.linear1, linear2
+    layers.{i}.attention.{query,key,value,out}_projection   layers.attention.{query,key,value,out}
+    layers.{i}.self_attention.* / cross_attention.*         layers.self_attention / cross_attention
+    layers.{i}.linear1, linear2                             layers.feed_forward.linear1, linear2
     layers.{i}.norm1, norm2 (, norm3 in decoders)           the residuals' norms, in order
     norm                                                    final_norm
 
@@ -126,21 +127,23 @@ def as_numpy_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 class _Loader:
-    """Assigns state-dict entries to parameters, checking shapes, and reports leftovers."""
+    """Assigns state-dict entries to parameters, checking shapes, and reports leftovers.
+    `layer` set: the parameters are a stack's ([L, ...], `layer_stack`), and the entries go to
+    index `layer` of them."""
 
     def __init__(self, state_dict: Mapping[str, Any], what: str):
         self.arrays = as_numpy_state_dict(state_dict)
         self.unused = set(self.arrays)
         self.what = what
+        self.layer = None
 
     def take(self, key: str, param: nnx.Param, *, transpose: bool = False):
+        value = param.get_value()
+        shape = tuple(value.shape if self.layer is None else value.shape[1:])
+        expected = shape[::-1] if transpose else shape
         if key not in self.arrays:
-            raise ValueError(
-                f"{self.what}: the state dict has no {key!r} (expected shape "
-                f"{_torch_shape(param, transpose)})."
-            )
+            raise ValueError(f"{self.what}: the state dict has no {key!r} (expected shape {expected}).")
         array = self.arrays[key]
-        expected = _torch_shape(param, transpose)
         if tuple(array.shape) != expected:
             raise ValueError(
                 f"{self.what}: {key!r} has shape {tuple(array.shape)}; this config expects {expected}."
@@ -158,8 +161,8 @@ class _Loader:
                 f"or inf, so the model would be too."
             )
         self.unused.discard(key)
-        array = array.T if transpose else array
-        param.set_value(jnp.asarray(array, param.get_value().dtype))
+        array = jnp.asarray(array.T if transpose else array, value.dtype)
+        param.set_value(array if self.layer is None else value.at[self.layer].set(array))
 
     def linear(self, key: str, linear: nnx.Linear):
         self.take(f"{key}.weight", linear.kernel, transpose=True)
@@ -181,11 +184,6 @@ class _Loader:
                 + (f" and {len(unused) - 10} more" if len(unused) > 10 else "")
                 + "; is the config the one the model was built with?"
             )
-
-
-def _torch_shape(param: nnx.Param, transpose: bool) -> tuple[int, ...]:
-    shape = tuple(param.get_value().shape)
-    return shape[::-1] if transpose else shape
 
 
 def _check_config(config: TransformerConfig, where: str):
@@ -229,13 +227,15 @@ def _check_layer_count(loader: _Loader, prefix: str, config: TransformerConfig):
 
 def _load_encoder(loader: _Loader, encoder: Encoder, prefix: str, config: TransformerConfig):
     _check_layer_count(loader, prefix, config)
-    for i, layer in enumerate(encoder.layers):
-        key = f"{prefix}layers.{i}"
+    layer = encoder.layers
+    for i in range(config.num_layers):
+        key, loader.layer = f"{prefix}layers.{i}", i
         loader.attention(f"{key}.attention", layer.attention)
         loader.linear(f"{key}.linear1", layer.feed_forward.linear1)
         loader.linear(f"{key}.linear2", layer.feed_forward.linear2)
         loader.norm(f"{key}.norm1", layer.attention_residual.norm)
         loader.norm(f"{key}.norm2", layer.feed_forward_residual.norm)
+    loader.layer = None
     if encoder.final_norm is not None:
         loader.norm(f"{prefix}norm", encoder.final_norm)
 
@@ -268,8 +268,9 @@ def decoder_from_fast_transformers(
     decoder = Decoder(config, rngs=nnx.Rngs(0))
     loader = _Loader(state_dict, "decoder_from_fast_transformers")
     _check_layer_count(loader, prefix, config)
-    for i, layer in enumerate(decoder.layers):
-        key = f"{prefix}layers.{i}"
+    layer = decoder.layers
+    for i in range(config.num_layers):
+        key, loader.layer = f"{prefix}layers.{i}", i
         loader.attention(f"{key}.self_attention", layer.self_attention)
         loader.attention(f"{key}.cross_attention", layer.cross_attention)
         loader.linear(f"{key}.linear1", layer.feed_forward.linear1)
@@ -277,6 +278,7 @@ def decoder_from_fast_transformers(
         loader.norm(f"{key}.norm1", layer.self_attention_residual.norm)
         loader.norm(f"{key}.norm2", layer.cross_attention_residual.norm)
         loader.norm(f"{key}.norm3", layer.feed_forward_residual.norm)
+    loader.layer = None
     if decoder.final_norm is not None:
         loader.norm(f"{prefix}norm", decoder.final_norm)
     loader.finish(ignore=tuple(k for k in loader.arrays if not k.startswith(prefix)))

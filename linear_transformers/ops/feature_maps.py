@@ -56,6 +56,14 @@ class CallableFeatureMap(FeatureMap):
     def __repr__(self):
         return f"CallableFeatureMap({self._name})"
 
+    # Equal when they wrap the same function: layers built from one config then share a static
+    # structure, which stacking them needs (`layer_stack.stack`), as jit's cache does.
+    def __eq__(self, other):
+        return isinstance(other, CallableFeatureMap) and (self._fn, self._name) == (other._fn, other._name)
+
+    def __hash__(self):
+        return hash((self._fn, self._name))
+
 
 def elu_plus_one(x):
     """elu(x) + 1, written as where(x > 0, x + 1, exp(x)).

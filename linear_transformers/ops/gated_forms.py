@@ -72,8 +72,13 @@ def _exclusive_cumsum(x, axis):
 def _masked_sums(weights_TT, g, axis):
     """out_t = sum_i weights[t, i] * g_i along `axis` (weights 0 or +-1, one sign per row): a
     cumulative sum as a matmul, which XLA runs far faster on CPU than `cumsum` (a reduce-window)
-    and which adds the same same-sign terms."""
-    out = jnp.tensordot(jnp.moveaxis(g, axis, -1), weights_TT.astype(g.dtype), axes=((-1,), (1,)))
+    and which adds the same same-sign terms; in float32 whatever the matmul precision."""
+    out = jnp.tensordot(
+        jnp.moveaxis(g, axis, -1),
+        weights_TT.astype(g.dtype),
+        axes=((-1,), (1,)),
+        precision=precision.EXACT,
+    )
     return jnp.moveaxis(out, -1, axis)
 
 
@@ -104,7 +109,8 @@ def _pair_log_decay(g_xTX, time_axis):
     between_TTT = (index[None, None, :] > index[None, :, None]) & (
         index[None, None, :] <= index[:, None, None]
     )
-    return jnp.moveaxis(jnp.tensordot(g, between_TTT.astype(g.dtype), axes=((-2,), (2,))), -3, -1)
+    sums = jnp.tensordot(g, between_TTT.astype(g.dtype), axes=((-2,), (2,)), precision=precision.EXACT)
+    return jnp.moveaxis(sums, -3, -1)
 
 
 def _runs(reset_xT):

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linear_transformers.ops import _checks
+from linear_transformers.ops import _checks, precision
 
 SELF_LOGIT = -1e5  # attend to oneself only when no other key is in reach
 MASKED_LOGIT = -1e9
@@ -67,7 +67,10 @@ def lsh_hashes(x_BTHD, rotations_RDU):
     B, T, H, _ = x_BTHD.shape
     if half == 0:
         return jnp.zeros((R, B, H, T), jnp.int32)
-    proj_RBHTU = jnp.einsum("bthd,rdu->rbhtu", x_BTHD, rotations_RDU.astype(x_BTHD.dtype))
+    # In float32 on every platform: a bucket is a discrete choice that TF32 rounding can flip.
+    proj_RBHTU = jnp.einsum(
+        "bthd,rdu->rbhtu", x_BTHD, rotations_RDU.astype(x_BTHD.dtype), precision=precision.EXACT
+    )
     return jnp.argmax(jnp.concatenate([proj_RBHTU, -proj_RBHTU], -1), -1).astype(jnp.int32)
 
 

@@ -3,22 +3,92 @@
 Legend: B batch, T query time, S key time, H heads, D key/query features, M value features.
 Logits and the softmax are computed in float32 (or wider) whatever the input dtype.
 
-On the CPU the default implementation is `softmax_blocked` (heads next to the batch, query
-blocks that skip the causal upper triangle, a written-out backward), faster there than
-`jax.nn.dot_product_attention(implementation="xla")` (BENCHMARKS.md section 1). Elsewhere the
-default stays `jax.nn.dot_product_attention` (cuDNN flash attention on NVIDIA GPUs).
+`implementation=None` picks, per call, the form that fits the platform and the arguments
+(`default_implementation`): cuDNN flash attention on an NVIDIA GPU wherever it applies;
+otherwise, while the [B, H, T, S] float32 logits fit in DENSE_LOGITS_BYTES, the platform's
+dense form (`softmax_blocked` on the CPU, faster there than XLA's: BENCHMARKS.md section 1;
+`jax.nn.dot_product_attention`'s XLA form elsewhere); beyond that `softmax_chunked`, which
+never holds the [T, S] logits at once.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks, _nonfinite, precision
+from linear_transformers.ops import _checks, _nonfinite, precision, softmax_chunked
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.softmax_blocked import blocked_softmax_attention
 
-IMPLEMENTATIONS = (None, "xla", "cudnn", "blocked", "reference")
+IMPLEMENTATIONS = (None, "xla", "cudnn", "blocked", "chunked", "reference")
+# The dense forms ("blocked", "xla", "reference") only while their float32 logits [B, H, T, S]
+# take at most this many bytes: XLA's dense form found no GPU configuration for 68 GB of them
+# (B = H = 8, T = S = 16384), and its backward holds several such arrays.
+DENSE_LOGITS_BYTES = 2**30
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def platform() -> str:
+    """The platform `implementation=None` chooses for: "cuda" on an NVIDIA GPU (where cuDNN
+    is), else `jax.default_backend()` ("cpu", "tpu", "gpu" for other GPUs)."""
+    backend = jax.default_backend()
+    if backend == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower():
+        return "cuda"
+    return backend
+
+
+def cudnn_max_head_dim() -> int:
+    """The largest head dim cuDNN's flash attention takes on this device: 256 from Hopper
+    (compute capability 9.0) on, 128 before (JAX's own check)."""
+    capability = getattr(jax.devices()[0], "compute_capability", "0.0")
+    return 256 if tuple(int(x) for x in capability.split(".")) >= (9, 0) else 128
+
+
+def default_implementation(
+    platform: str,
+    *,
+    dtype,
+    batch: int,
+    heads: int,
+    num_queries: int,
+    num_keys: int,
+    head_dim: int,
+    value_dim: int,
+    masked: bool = False,
+    segmented: bool = False,
+    cudnn_head_dims: int = 128,
+) -> str:
+    """The implementation `softmax_attention(implementation=None)` runs, from the platform
+    ("cuda", "cpu", "tpu", "gpu": `platform()`) and the call's arguments:
+
+    1. "cudnn" (flash attention) on an NVIDIA GPU where it applies: bfloat16 or float16 inputs,
+       M == D, D a multiple of 8 up to `cudnn_head_dims` (`cudnn_max_head_dim()`), no explicit
+       mask and no segments (through `jax.nn.dot_product_attention` cuDNN would take either as
+       a dense [B, H, T, S] bias); key lengths and causal masking it does itself.
+    2. A dense form while the float32 logits fit in DENSE_LOGITS_BYTES: "blocked" on the CPU,
+       elsewhere "xla" (jax.nn.dot_product_attention) where M == D, else "reference".
+    3. "chunked": a chunk of queries at a time, never the [T, S] logits at once.
+    """
+    dtype = jnp.dtype(dtype)
+    if (
+        platform == "cuda"
+        and dtype.name in CUDNN_DTYPES
+        and value_dim == head_dim
+        and head_dim % 8 == 0
+        and head_dim <= cudnn_head_dims
+        and not masked
+        and not segmented
+        and num_queries > 0
+        and num_keys > 0
+    ):
+        return "cudnn"
+    if batch * heads * num_queries * num_keys * 4 > DENSE_LOGITS_BYTES:
+        return "chunked"
+    if platform == "cpu":
+        return "blocked"
+    return "xla" if value_dim == head_dim else "reference"
 
 
 def _build_mask_BHTS(batch, heads, t, s, *, causal, key_lengths, mask):
@@ -172,11 +242,12 @@ def softmax_attention(
       mask: boolean [T, S] or [B, H, T, S] (size-1 dimensions broadcast), True = attend; a
         float (additive) mask or a 3-D one is refused (`ops._checks.check_mask`).
       scale: multiplies the logits (softmax temperature); default 1/sqrt(D).
-      implementation: None ("blocked" on the CPU; elsewhere jax.nn.dot_product_attention where
-        it applies, i.e. D == M, else the reference), "xla" or "cudnn"
-        (jax.nn.dot_product_attention with that implementation; "cudnn" is flash attention on
-        NVIDIA GPUs), "blocked" (`softmax_blocked`: query blocks in a [B, H, T, D] layout, the
-        CPU's fast form) or "reference" (explicit weights).
+      implementation: None (the best for the platform and these arguments:
+        `default_implementation`), "xla" or "cudnn" (jax.nn.dot_product_attention with that
+        implementation; "cudnn" is flash attention on NVIDIA GPUs, for bfloat16 and float16),
+        "blocked" (`softmax_blocked`: query blocks in a [B, H, T, D] layout, the CPU's fast
+        form), "chunked" (`softmax_chunked`: a lax.scan over chunks of queries, recomputed in
+        the backward; memory O(T * chunk) at any length) or "reference" (explicit weights).
       segment_ids: int [B, T] of packed sequences (0 = padding): a query attends only to keys
         of its own segment, so each segment is computed alone. `key_segment_ids` [B, S] are the
         keys' ids where they differ (cross-attention over a packed memory; default the same).
@@ -219,15 +290,43 @@ def softmax_attention(
             key_segment_ids=key_segment_ids,
             axis=sequence_axis,
         )
-    mask = with_segments(mask, segment_ids, key_segment_ids, (B, H, T, k_BSHD.shape[1]))
+    S = k_BSHD.shape[1]
+    chosen = implementation is None
+    if chosen:
+        on = platform()
+        implementation = default_implementation(
+            on,
+            dtype=jnp.result_type(q_BTHD, k_BSHD, v_BSHM),
+            batch=B,
+            heads=H,
+            num_queries=T,
+            num_keys=S,
+            head_dim=q_BTHD.shape[-1],
+            value_dim=v_BSHM.shape[-1],
+            masked=mask is not None,
+            segmented=segment_ids is not None,
+            cudnn_head_dims=cudnn_max_head_dim() if on == "cuda" else 128,
+        )
+    if implementation == "chunked":
+        return _chunked_softmax(
+            q_BTHD,
+            k_BSHD,
+            v_BSHM,
+            causal=causal,
+            key_lengths=key_lengths,
+            mask=_checks.check_mask(mask, (B, H, T, S), name="softmax_attention"),
+            scale=scale,
+            segment_ids=segment_ids,
+            key_segment_ids=key_segment_ids,
+        )
+    mask = with_segments(mask, segment_ids, key_segment_ids, (B, H, T, S))
     # The weights of unseen keys are 0, and 0 * inf is NaN: attend over the finite part of v
     # and mark NaN where a query sees a non-finite value (ops/_nonfinite.py).
     full_mask = (
-        None
-        if mask is None
-        else _build_mask_BHTS(B, H, T, k_BSHD.shape[1], causal=False, key_lengths=None, mask=mask)
+        None if mask is None else _build_mask_BHTS(B, H, T, S, causal=False, key_lengths=None, mask=mask)
     )
-    out_BTHM = _dense_softmax(
+    dense = functools.partial(
+        _dense_softmax,
         q_BTHD,
         k_BSHD,
         _nonfinite.finite_part(v_BSHM),
@@ -236,13 +335,44 @@ def softmax_attention(
         mask=mask,
         full_mask=full_mask,
         scale=scale,
-        implementation=implementation,
     )
+    try:
+        out_BTHM = dense(implementation=implementation)
+    except NotImplementedError:
+        # cuDNN refused a case the rules above let through (its version, this GPU): the
+        # default then falls back to what a GPU without cuDNN runs. An explicit choice raises.
+        if not (chosen and implementation == "cudnn"):
+            raise
+        return softmax_attention(
+            q_BTHD,
+            k_BSHD,
+            v_BSHM,
+            causal=causal,
+            key_lengths=key_lengths,
+            mask=mask,
+            scale=scale,
+            implementation="chunked" if B * H * T * S * 4 > DENSE_LOGITS_BYTES else "xla",
+        )
 
     def mark(out_BTHM):
         seen_BTHM = _nonfinite.seen_nonfinite_BTHM(
             v_BSHM, num_queries=T, causal=causal, key_lengths=key_lengths, mask_BHTS=full_mask
         )
+        return _nonfinite.mark_seen(out_BTHM, seen_BTHM)
+
+    return _nonfinite.mark_unless_all_finite(v_BSHM, out_BTHM, mark)
+
+
+def _chunked_softmax(q_BTHD, k_BSHD, v_BSHM, **masks):
+    """`softmax_chunked` on the finite part of v, NaN where a query sees a non-finite value
+    (found a chunk at a time too, and only when there is one: ops/_nonfinite.py)."""
+    out_BTHM = softmax_chunked.chunked_softmax_attention(
+        q_BTHD, k_BSHD, _nonfinite.finite_part(v_BSHM), **masks
+    )
+    del masks["scale"]
+
+    def mark(out_BTHM):
+        seen_BTHM = softmax_chunked.seen_nonfinite_BTHM(v_BSHM, num_queries=q_BTHD.shape[1], **masks)
         return _nonfinite.mark_seen(out_BTHM, seen_BTHM)
 
     return _nonfinite.mark_unless_all_finite(v_BSHM, out_BTHM, mark)
@@ -256,13 +386,11 @@ def _dense_softmax(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, full_ma
             f"needs value features M equal to key features D, got D={q_BTHD.shape[-1]}, "
             f"M={v_BSHM.shape[-1]}; use implementation=None or 'reference'."
         )
-    if implementation is None and jax.default_backend() == "cpu":
-        implementation = "blocked"
     if implementation == "blocked":
         return blocked_softmax_attention(
             q_BTHD, k_BSHD, v_BSHM, causal=causal, key_lengths=key_lengths, mask=full_mask, scale=scale
         )
-    if implementation == "reference" or (implementation is None and not same_dims):
+    if implementation == "reference":
         return softmax_attention_reference(
             q_BTHD, k_BSHD, v_BSHM, causal=causal, key_lengths=key_lengths, mask=mask, scale=scale
         )

@@ -1,0 +1,79 @@
+"""TF32 matrix products on a CPU: what float32 inputs get on an NVIDIA GPU, checked without one.
+
+On NVIDIA GPUs (Ampere and later) JAX's default precision for a float32 matrix product rounds
+both operands to TF32 (8 exponent bits, 10 mantissa bits) and sums the products in float32.
+XLA's CPU backend ignores the precision and multiplies in float32, so a tolerance meant to hold
+on a GPU cannot fail here. `install()` makes it fail where it would: under
+`jax.default_matmul_precision("tensorfloat32")` (which binds every product left at the default
+precision as `Precision.HIGH`, TF32 on a GPU) every CPU `dot_general` at HIGH rounds its float32
+operands to TF32 (round to nearest even) first.
+
+It works at lowering (`mlir.register_lowering` for the CPU platform, wrapping JAX's own rule),
+so every product is covered, those inside `jnp.einsum`, `@` and `tensordot` included; no public
+JAX API rounds the operands of products it did not create. The precision is part of JAX's
+compilation cache key, so a function compiled under the emulation is never reused outside it.
+On a GPU the same context gives the real TF32 products and `install()` does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import mlir
+from jax._src.lax import lax as lax_internal
+
+TF32 = "tensorfloat32"
+_installed = False
+
+
+def round_to_tf32(x_f32):
+    """float32 -> float32 holding the nearest TF32 value (ties to even); inf and NaN kept."""
+    bits = jax.lax.bitcast_convert_type(x_f32, jnp.uint32)
+    lowest_kept = (bits >> 13) & 1
+    rounded = (bits + jnp.uint32(0xFFF) + lowest_kept) & jnp.uint32(0xFFFFE000)
+    return jnp.where(jnp.isfinite(x_f32), jax.lax.bitcast_convert_type(rounded, jnp.float32), x_f32)
+
+
+def _emulating(precision) -> bool:
+    """Whether a product asks for TF32: `default_matmul_precision("tensorfloat32")` binds every
+    product left at the default as (HIGH, HIGH), which a GPU runs in TF32."""
+    if not isinstance(precision, tuple):
+        precision = (precision, precision)
+    return all(p == jax.lax.Precision.HIGH for p in precision)
+
+
+def install() -> None:
+    """Wrap the CPU lowering of `dot_general` (idempotent; a no-op off the CPU)."""
+    global _installed
+    if _installed or jax.default_backend() != "cpu":
+        return
+    entry = mlir._platform_specific_lowerings["cpu"].get(lax_internal.dot_general_p)
+    if entry is None:  # a JAX whose internals moved: say so rather than test nothing
+        raise RuntimeError("tests/tf32.py: JAX has no CPU lowering rule for dot_general to wrap.")
+    rule = entry.rule
+    round_rule = mlir.lower_fun(round_to_tf32, multiple_results=False)
+
+    def rounded(ctx, operand, aval):
+        if aval.dtype != jnp.float32:
+            return operand
+        (out,) = round_rule(ctx.replace(avals_in=[aval], avals_out=[aval]), operand)
+        return out
+
+    def tf32_rule(ctx, lhs, rhs, *, precision, **params):
+        if _emulating(precision):
+            lhs_aval, rhs_aval = ctx.avals_in
+            lhs, rhs = rounded(ctx, lhs, lhs_aval), rounded(ctx, rhs, rhs_aval)
+        return rule(ctx, lhs, rhs, precision=precision, **params)
+
+    mlir.register_lowering(lax_internal.dot_general_p, tf32_rule, platform="cpu")
+    _installed = True
+
+
+@contextlib.contextmanager
+def tf32_products():
+    """float32 matrix products at TF32: real on a GPU, emulated on the CPU."""
+    install()
+    with jax.default_matmul_precision(TF32):
+        yield
