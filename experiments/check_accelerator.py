@@ -3,6 +3,7 @@ benchmarks, into one report (about 7 minutes on one GPU).
 
   python -m experiments.check_accelerator                          # tests, then benchmarks
   python -m experiments.check_accelerator --tests=tests/test_x.py::test_y   # rerun chosen tests
+  python -m experiments.check_accelerator --tests_from=unfinished.txt        # node ids, a line each
   python -m experiments.check_accelerator --test_minutes=0         # benchmarks only
 
 The tests run in pytest workers that share the device (GPU memory preallocation off); each
@@ -23,6 +24,9 @@ from experiments import cli  # noqa: E402
 
 _GROUPS = flags.DEFINE_list("groups", ["ops", "models"], "Test groups (accelerator_check.GROUPS).")
 _TESTS = flags.DEFINE_list("tests", [], "Tests (files or node ids) to run instead of the groups.")
+_TESTS_FROM = flags.DEFINE_string(
+    "tests_from", None, "A file of tests (files or node ids), one per line, to run instead of the groups."
+)
 _WORKERS = flags.DEFINE_integer("workers", 0, "pytest-xdist workers (0: one per core but two, at most 14).")
 _TEST_MINUTES = flags.DEFINE_float("test_minutes", 4.5, "The tests stop after this many minutes (0: none).")
 _PARTS = flags.DEFINE_list(
@@ -39,9 +43,13 @@ def main(argv):
     from experiments.benchmarking import accelerator_check
     from experiments.training import mesh
 
+    tests = list(_TESTS.value)
+    if _TESTS_FROM.value:
+        with open(_TESTS_FROM.value) as f:  # node ids may hold commas and spaces: a line each
+            tests += [line.strip() for line in f if line.strip()]
     opts = accelerator_check.CheckOptions(
         groups=tuple(_GROUPS.value),
-        tests=tuple(_TESTS.value),
+        tests=tuple(tests),
         workers=_WORKERS.value,
         test_minutes=_TEST_MINUTES.value,
         bench_parts=tuple(_PARTS.value),

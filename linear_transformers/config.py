@@ -88,6 +88,11 @@ class TransformerConfig:
         float32.
       param_dtype: storage dtype of every parameter (default float32: the master copy an
         optimizer updates; parameters are cast to `dtype` where they are used).
+      unroll_layers: layers per iteration of the scan that runs the stack (`layer_stack`): 1
+        compiles one layer whatever the depth (the fastest compile); up to num_layers unrolls
+        them all, so XLA may fuse across layers at the cost of a compile that grows with the
+        depth again (BENCHMARKS.md, "Compile time"). The parameters stay stacked either way,
+        and the function is the same.
     """
 
     num_layers: int = 4
@@ -109,6 +114,7 @@ class TransformerConfig:
     sequence_axis: str | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    unroll_layers: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", float_dtype(self.dtype, "TransformerConfig.dtype", allow_none=True))
@@ -126,6 +132,13 @@ class TransformerConfig:
         for name in ("num_layers", "num_heads", "model_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        unroll = check_int(self.unroll_layers, "TransformerConfig.unroll_layers", minimum=None)
+        if not 1 <= unroll <= self.num_layers:
+            raise ValueError(
+                f"TransformerConfig.unroll_layers must be in [1, num_layers={self.num_layers}] "
+                f"(layers per iteration of the scan over the stack), got {unroll}."
+            )
+        object.__setattr__(self, "unroll_layers", unroll)
         for name in ("query_dim", "value_dim", "feed_forward_dim"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(

@@ -46,7 +46,7 @@ def layer(layers: nnx.Module, i: int) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
 
 
-def _scan(layers: nnx.Module, carry, xs, call):
+def _scan(layers: nnx.Module, carry, xs, call, unroll: int = 1):
     """`carry, out_i = call(layer_i, carry, xs_i)` for each layer in order, as one `lax.scan`
     over the stacked variables: -> (carry, outs stacked).
 
@@ -79,28 +79,34 @@ def _scan(layers: nnx.Module, carry, xs, call):
         written[:] = changed
         return carry, (out, [variable.get_value() for _, variable in changed])
 
-    carry, (outs, values) = jax.lax.scan(body, carry, (state, xs))
+    # All layers in one iteration: straight-line code, without the loop's cost to compile and
+    # run (a stack of one layer always).
+    length = jax.tree.leaves(state)[0].shape[0]
+    unroll = True if unroll >= length else unroll
+    carry, (outs, values) = jax.lax.scan(body, carry, (state, xs), unroll=unroll)
     if written:
         updates = [(path, variable.replace(value)) for (path, variable), value in zip(written, values)]
         nnx.update(layers, nnx.from_flat_state(updates))
     return carry, outs
 
 
-def run(layers: nnx.Module, x, call):
-    """`x = call(layer, x)` for each layer in order, as one scan."""
-    x, _ = _scan(layers, x, None, lambda layer, x, _: (call(layer, x), None))
+def run(layers: nnx.Module, x, call, *, unroll: int = 1):
+    """`x = call(layer, x)` for each layer in order, as one scan (`unroll` layers per
+    iteration)."""
+    x, _ = _scan(layers, x, None, lambda layer, x, _: (call(layer, x), None), unroll)
     return x
 
 
-def run_with_state(layers: nnx.Module, states, x, call):
+def run_with_state(layers: nnx.Module, states, x, call, *, unroll: int = 1):
     """`state_i, x = call(layer_i, state_i, x)` for each layer in order, as one scan over the
-    layers and their stacked states: -> (stacked new states, x)."""
+    layers and their stacked states (`unroll` layers per iteration): -> (stacked new states,
+    x)."""
 
     def each(layer, x, state):
         state, x = call(layer, state, x)
         return x, state
 
-    x, states = _scan(layers, x, states, each)
+    x, states = _scan(layers, x, states, each, unroll)
     return states, x
 
 

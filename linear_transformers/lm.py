@@ -82,7 +82,7 @@ def sinusoidal_encoding(positions, dim: int, dtype=jnp.float32, *, layout: str =
 
 
 class LMState(NamedTuple):
-    layers: Any  # per-layer attention states (linear (s, z) or KV caches)
+    layers: Any  # the stack's attention states (linear (s, z) or KV caches), stacked [L, ...]
     position: jax.Array  # int32 [B]: the position of each row's next token
 
 

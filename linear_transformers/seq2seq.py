@@ -43,7 +43,7 @@ from linear_transformers.transformer import (
 
 
 class Seq2SeqState(NamedTuple):
-    layers: Any  # per-decoder-layer (self-attention state, cross-attention memory)
+    layers: Any  # the decoder layers' (self-attention state, cross-attention memory), stacked [L, ...]
     position: jax.Array  # int32 [B]: the position of each row's next target token
 
 

@@ -297,7 +297,11 @@ class _Stack(nnx.Module):
         check_inference_mode(self)
         self._check_state(state, method)
         state, x = layer_stack.run_with_state(
-            self.layers, state, x, lambda layer, state, x: getattr(layer, method)(state, x, **kwargs)
+            self.layers,
+            state,
+            x,
+            lambda layer, state, x: getattr(layer, method)(state, x, **kwargs),
+            unroll=self.unroll_layers,
         )
         return state, self._final(x)
 
@@ -321,7 +325,7 @@ class Encoder(_Stack):
 
     def __init__(self, config: TransformerConfig, *, causal: bool = False, rngs: nnx.Rngs):
         self.causal = causal
-        self.num_layers = config.num_layers
+        self.num_layers, self.unroll_layers = config.num_layers, config.unroll_layers
         self.layers = layer_stack.stack(
             [EncoderLayer(config, causal=causal, rngs=rngs) for _ in range(config.num_layers)]
         )
@@ -337,6 +341,7 @@ class Encoder(_Stack):
             lambda layer, x: layer(
                 x, key_lengths=key_lengths, mask=mask, segment_ids=segment_ids, positions=positions
             ),
+            unroll=self.unroll_layers,
         )
         return self._final(x_BTE)
 
@@ -373,7 +378,7 @@ class Decoder(_Stack):
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        self.num_layers = config.num_layers
+        self.num_layers, self.unroll_layers = config.num_layers, config.unroll_layers
         self.layers = layer_stack.stack([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
         self.final_norm = layer_norm(config, rngs) if config.final_normalization else None
 
@@ -405,6 +410,7 @@ class Decoder(_Stack):
                 memory_segment_ids=memory_segment_ids,
                 positions=positions,
             ),
+            unroll=self.unroll_layers,
         )
         return self._final(x_BTE)
 

@@ -30,6 +30,17 @@ def pytest_addoption(parser):
     )
 
 
+# The longest files (minutes each on a 2-core CPU) go first: xdist hands whole files to its two
+# workers in the order collected (`--dist loadfile`), and one collected last keeps one worker busy
+# for its length while the other idles.
+LONGEST_FIRST = ("test_multidevice.py", "test_precision.py", "test_benchmarks.py", "test_masked_rows.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep order
+
+
 @pytest.fixture(autouse=True)
 def _session_matmul_precision(request):
     if request.config.getoption("--matmul-precision") == tf32.TF32:

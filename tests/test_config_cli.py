@@ -129,15 +129,20 @@ def test_resuming_with_another_model_is_refused_unless_allowed(tmp_path):
 
 
 def test_what_counts_as_a_model_change():
-    saved = {"model": {"attention": "linear", "dropout": 0.1, "dtype": "float32"}, "num_steps": 4}
-    # Dropout only acts in training; a key the saved config lacks is not compared.
-    assert (
-        model_change.model_changes(
-            saved,
-            {"model": {"attention": "linear", "dropout": 0.3, "dtype": "float32", "activation": "gelu"}},
-        )
-        == []
-    )
+    saved = {
+        "model": {"attention": "linear", "dropout": 0.1, "dtype": "float32", "unroll_layers": 1},
+        "num_steps": 4,
+    }
+    # Dropout only acts in training, unroll_layers only changes how the stack is compiled; a key
+    # the saved config lacks is not compared.
+    new = {
+        "attention": "linear",
+        "dropout": 0.3,
+        "dtype": "float32",
+        "activation": "gelu",
+        "unroll_layers": 4,
+    }
+    assert model_change.model_changes(saved, {"model": new}) == []
     assert model_change.model_changes(
         saved, {"model": {"attention": "softmax", "dropout": 0.1, "dtype": "bfloat16"}, "num_steps": 9}
     ) == ["model.attention: linear -> softmax", "model.dtype: float32 -> bfloat16"]

@@ -111,6 +111,22 @@ def test_a_carry_whose_dtype_the_layers_change_is_carried_in_theirs():
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("unroll", [2, 3])
+def test_unrolled_layers_compute_the_same(unroll):
+    """`TransformerConfig.unroll_layers`: layers per scan iteration, the same function (3
+    layers: an unroll that divides them and one that unrolls them all)."""
+    config = _config(dropout=0.0)
+    encoder = Encoder(config, causal=True, rngs=nnx.Rngs(0))
+    unrolled = Encoder(_config(dropout=0.0, unroll_layers=unroll), causal=True, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(unrolled(_x()), encoder(_x()), rtol=1e-6, atol=1e-6)
+    for model in (encoder, unrolled):
+        model.eval()
+    state, y = unrolled.step(unrolled.init_state(B), _x()[:, 0])
+    np.testing.assert_allclose(y, encoder.step(encoder.init_state(B), _x()[:, 0])[1], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"unroll_layers must be in \[1, num_layers=3\].*got 4"):
+        _config(unroll_layers=4)
+
+
 def test_layers_of_different_configs_do_not_stack():
     one = EncoderLayer(_config(), causal=True, rngs=nnx.Rngs(0))
     other = EncoderLayer(_config(activation="gelu"), causal=True, rngs=nnx.Rngs(0))

@@ -29,6 +29,9 @@ MODEL_KEYS = ("architecture", "num_mixtures")
 # new rate changes how the saved weights go on being trained, as a new learning rate does, not
 # what they compute. Every other field counts, options and dtype included.
 TRAINING_ONLY_FIELDS = ("dropout", "attention_dropout")
+# Fields that change how the same function is compiled, not the function: how many of the
+# stack's layers one scan iteration runs.
+COMPILATION_FIELDS = ("unroll_layers",)
 
 
 class ModelChangeError(ValueError):
@@ -50,7 +53,7 @@ def model_changes(saved: dict, config: dict) -> list[str]:
         old, new = saved.get(group), config.get(group)
         if not isinstance(old, dict) or not isinstance(new, dict):
             continue
-        for name in sorted(set(old) & set(new) - set(TRAINING_ONLY_FIELDS)):
+        for name in sorted(set(old) & set(new) - set(TRAINING_ONLY_FIELDS) - set(COMPILATION_FIELDS)):
             if old[name] != new[name]:
                 changes.append(f"{group}.{name}: {_text(old[name])} -> {_text(new[name])}")
     for key in MODEL_KEYS:

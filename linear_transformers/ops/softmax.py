@@ -291,34 +291,33 @@ def softmax_attention(
             axis=sequence_axis,
         )
     S = k_BSHD.shape[1]
+    on = platform()
+    choose = functools.partial(
+        default_implementation,
+        dtype=jnp.result_type(q_BTHD, k_BSHD, v_BSHM),
+        batch=B,
+        heads=H,
+        num_queries=T,
+        num_keys=S,
+        head_dim=q_BTHD.shape[-1],
+        value_dim=v_BSHM.shape[-1],
+        masked=mask is not None,
+        segmented=segment_ids is not None,
+        cudnn_head_dims=cudnn_max_head_dim() if on == "cuda" else 128,
+    )
     chosen = implementation is None
     if chosen:
-        on = platform()
-        implementation = default_implementation(
-            on,
-            dtype=jnp.result_type(q_BTHD, k_BSHD, v_BSHM),
-            batch=B,
-            heads=H,
-            num_queries=T,
-            num_keys=S,
-            head_dim=q_BTHD.shape[-1],
-            value_dim=v_BSHM.shape[-1],
-            masked=mask is not None,
-            segmented=segment_ids is not None,
-            cudnn_head_dims=cudnn_max_head_dim() if on == "cuda" else 128,
-        )
+        implementation = choose(on)
     if implementation == "chunked":
-        return _chunked_softmax(
-            q_BTHD,
-            k_BSHD,
-            v_BSHM,
+        mask = _checks.check_mask(mask, (B, H, T, S), name="softmax_attention")
+        masks = dict(
             causal=causal,
             key_lengths=key_lengths,
-            mask=_checks.check_mask(mask, (B, H, T, S), name="softmax_attention"),
-            scale=scale,
+            mask=mask,
             segment_ids=segment_ids,
             key_segment_ids=key_segment_ids,
         )
+        return _chunked_softmax(q_BTHD, k_BSHD, v_BSHM, scale=scale, **masks)
     mask = with_segments(mask, segment_ids, key_segment_ids, (B, H, T, S))
     # The weights of unseen keys are 0, and 0 * inf is NaN: attend over the finite part of v
     # and mark NaN where a query sees a non-finite value (ops/_nonfinite.py).
@@ -349,9 +348,8 @@ def softmax_attention(
             v_BSHM,
             causal=causal,
             key_lengths=key_lengths,
-            mask=mask,
             scale=scale,
-            implementation="chunked" if B * H * T * S * 4 > DENSE_LOGITS_BYTES else "xla",
+            implementation=choose("gpu"),
         )
 
     def mark(out_BTHM):
@@ -363,13 +361,12 @@ def softmax_attention(
     return _nonfinite.mark_unless_all_finite(v_BSHM, out_BTHM, mark)
 
 
-def _chunked_softmax(q_BTHD, k_BSHD, v_BSHM, **masks):
+def _chunked_softmax(q_BTHD, k_BSHD, v_BSHM, *, scale, **masks):
     """`softmax_chunked` on the finite part of v, NaN where a query sees a non-finite value
     (found a chunk at a time too, and only when there is one: ops/_nonfinite.py)."""
     out_BTHM = softmax_chunked.chunked_softmax_attention(
-        q_BTHD, k_BSHD, _nonfinite.finite_part(v_BSHM), **masks
+        q_BTHD, k_BSHD, _nonfinite.finite_part(v_BSHM), scale=scale, **masks
     )
-    del masks["scale"]
 
     def mark(out_BTHM):
         seen_BTHM = softmax_chunked.seen_nonfinite_BTHM(v_BSHM, num_queries=q_BTHD.shape[1], **masks)
