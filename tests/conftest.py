@@ -8,6 +8,7 @@ get by default on an NVIDIA GPU (emulated on the CPU: `tests/tf32.py`): on a mac
 GPU it shows which tests a GPU would fail. Tests that pin their precision keep it.
 """
 
+import collections
 import contextlib
 import gc
 import pathlib
@@ -30,15 +31,32 @@ def pytest_addoption(parser):
     )
 
 
-# The longest files (minutes each on a 2-core CPU) go first: xdist hands whole files to its two
-# workers in the order collected (`--dist loadfile`), and one collected last keeps one worker busy
-# for its length while the other idles.
-LONGEST_FIRST = ("test_multidevice.py", "test_precision.py", "test_benchmarks.py", "test_masked_rows.py")
+# The order xdist hands whole files to its two workers (`--dist loadfile --no-loadscope-reorder`
+# in pyproject.toml): the files of a minute or more on a 2-core CPU first, longest first
+# (`pytest --durations=0`), then the others by their number of tests, as xdist's own order would.
+# A long file of few tests (test_multidevice.py: one test, minutes of a subprocess) handed out
+# last kept one worker busy for its length while the other idled.
+LONGEST_FIRST = (
+    "test_multidevice.py",
+    "test_precision.py",
+    "test_masked_rows.py",
+    "test_benchmarks.py",
+    "test_benchmark_accelerator.py",
+    "test_speech_task.py",
+    "test_resume_metrics.py",
+    "test_fault_injection.py",
+    "test_config_cli.py",
+    "test_save_faults.py",
+    "test_readme.py",
+    "test_compilation_cache.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
+    per_file = collections.Counter(item.path for item in items)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep order
+    # sorted() is stable: a file's tests keep their order.
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -per_file[item.path], str(item.path)))
 
 
 @pytest.fixture(autouse=True)
