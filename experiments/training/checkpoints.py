@@ -178,12 +178,11 @@ def _fits(target, saved) -> bool:
         return False
     saved_leaves = dict(_paths_and_leaves(saved))
     for source, (_, leaf) in zip(sources, _paths_and_leaves(target)):
-        expected = tuple(leaf.shape)
-        if _is_per_layer(source):
-            source, expected = source, expected[1:]
-        else:
-            source = (source,)
-        for path in source:
+        # A stacked leaf read one layer at a time: each layer's array lacks the leading axis.
+        paths, expected = (
+            (source, tuple(leaf.shape[1:])) if _is_per_layer(source) else ((source,), tuple(leaf.shape))
+        )
+        for path in paths:
             shape = getattr(saved_leaves[path], "shape", None)
             if shape is not None and tuple(shape) != expected:
                 return False
