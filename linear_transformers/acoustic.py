@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_transformers.lm import sinusoidal_encoding
-from linear_transformers.ops._checks import check_int, check_lengths
+from linear_transformers.ops.input_checks import check_int, check_lengths
 from linear_transformers.transformer import Encoder, TransformerConfig, dense
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from linear_transformers.attention import attention_class, check_sequence_axis
 from linear_transformers.builder_arguments import builder_fields
 from linear_transformers.multi_head_attention import core_options
-from linear_transformers.ops._checks import check_int
+from linear_transformers.ops.input_checks import check_int
 
 # "gelu" is the exact erf form, as torch.nn.functional.gelu and the authors' layers compute it;
 # "gelu_tanh" is the tanh approximation (jax.nn.gelu's default).

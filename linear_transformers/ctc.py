@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from linear_transformers.ops._checks import check_lengths, is_concrete
+from linear_transformers.ops.input_checks import check_lengths, is_concrete
 
 
 def _check_logits(logits_BTC, blank: int, where: str):

@@ -304,9 +304,9 @@ def keyword_state_arguments(init_state):
 
 def integer_option(options, name: str, *, where: str, allow_none: bool = False, note: str = ""):
     """In an options class's `__post_init__`: check the integer field `name` of the frozen
-    `options` (`ops._checks.check_int`: a numpy integer is accepted and stored as an int; a
+    `options` (`ops.input_checks.check_int`: a numpy integer is accepted and stored as an int; a
     bool or a float is a ValueError naming the option)."""
-    value = ops._checks.check_int(
+    value = ops.input_checks.check_int(
         getattr(options, name), f"{where}: {name}", allow_none=allow_none, note=note
     )
     object.__setattr__(options, name, value)
@@ -452,7 +452,7 @@ class AttentionCore(nnx.Module):
     def _check_prefill(self, state, q_BTHD, k_BTHD, v_BTHM):
         self._require_causal("prefill")
         check_inference_mode(self)
-        ops._checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=f"{self.kind} prefill")
+        ops.input_checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=f"{self.kind} prefill")
         if q_BTHD.shape[1] != k_BTHD.shape[1]:
             raise ValueError(
                 f"{self.kind} prefill: a block of causal self-attention needs as "

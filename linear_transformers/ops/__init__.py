@@ -6,7 +6,6 @@ values [B, S, H, M].
 """
 
 from linear_transformers.ops import sequence_parallel
-from linear_transformers.ops._checks import check_segment_ids
 from linear_transformers.ops.causal_linear import causal_linear_attention, causal_linear_attention_prefill
 from linear_transformers.ops.feature_maps import (
     CallableFeatureMap,
@@ -24,6 +23,7 @@ from linear_transformers.ops.gated_linear import (
     gated_linear_attention_prefill,
     gated_linear_attention_step,
 )
+from linear_transformers.ops.input_checks import check_segment_ids
 from linear_transformers.ops.kv_cache import (
     KVCache,
     init_kv_cache,

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linear_transformers.ops import _checks
+from linear_transformers.ops import input_checks
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.feature_maps import make_feature_map
 from linear_transformers.ops.gated_forms import (
@@ -58,7 +58,7 @@ def check_log_decay(log_decay, shape_BTHF, *, name: str):
         return None
     B, T, H, F = shape_BTHF
     log_decay = jnp.asarray(log_decay)
-    _checks.check_floating((("log_decay", log_decay),), name=name)
+    input_checks.check_floating((("log_decay", log_decay),), name=name)
     shapes = {1: (H,), 3: (B, T, H), 4: (B, T, H, F)}
     if shapes.get(log_decay.ndim) != tuple(log_decay.shape):
         raise ValueError(
@@ -66,7 +66,7 @@ def check_log_decay(log_decay, shape_BTHF, *, name: str):
             f"(per head and step) or [B, T, H, F]={[B, T, H, F]} (per key feature and step; F is "
             f"the feature map's width), got shape {tuple(log_decay.shape)}."
         )
-    if _checks.is_concrete(log_decay) and log_decay.size:
+    if input_checks.is_concrete(log_decay) and log_decay.size:
         largest = float(np.max(np.asarray(log_decay, np.float64)))
         if largest > 0:
             raise ValueError(
@@ -293,11 +293,11 @@ def attend(
     """`gated_linear_attention` with its errors named after `name`, the op the caller called."""
     if impl not in IMPLS:
         raise ValueError(f"{name}: unknown impl {impl!r}; expected one of {IMPLS}.")
-    chunk_size = _checks.check_int(chunk_size, f"{name}: chunk_size", allow_none=True)
+    chunk_size = input_checks.check_int(chunk_size, f"{name}: chunk_size", allow_none=True)
     for flag, value in (("return_state", return_state), ("normalize", normalize)):
         if not isinstance(value, bool):
             raise ValueError(f"{name}: {flag} must be a bool, got {value!r}.")
-    _checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
+    input_checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
     B, T, H, D = q_BTHD.shape
     if T != k_BTHD.shape[1]:
         raise ValueError(
@@ -306,9 +306,9 @@ def attend(
     fm = make_feature_map("identity" if feature_map is None else feature_map)
     F, M = fm.num_features(D), v_BTHM.shape[-1]
     g = check_log_decay(log_decay, (B, T, H, F), name=name)
-    key_lengths = _checks.check_key_lengths(key_lengths, B, name=name, length=T)
-    segment_ids = _checks.check_segment_ids(segment_ids, (B, T), name=name)
-    acc = _checks.accumulation_dtype(v_BTHM.dtype)
+    key_lengths = input_checks.check_key_lengths(key_lengths, B, name=name, length=T)
+    segment_ids = input_checks.check_segment_ids(segment_ids, (B, T), name=name)
+    acc = input_checks.accumulation_dtype(v_BTHM.dtype)
     if initial_state is None:
         initial_state = init_linear_state(B, H, F, M, acc, normalizer=normalize)
     else:
@@ -379,7 +379,7 @@ def gated_linear_attention_step(
     body of `lax.scan`.
     """
     name = "gated_linear_attention_step"
-    _checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name=name)
+    input_checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name=name)
     fm = make_feature_map("identity" if feature_map is None else feature_map)
     B, H, D = q_BHD.shape
     F = fm.num_features(D)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks, precision
+from linear_transformers.ops import input_checks, precision
 from linear_transformers.ops.softmax import softmax_attention_weights
 
 # Slots read per block. One layer's step over a 784-step MNIST image (8 heads x 32) on a 2-core
@@ -101,7 +101,7 @@ def _attend_blocks(q_BTHD, k_BSHD, v_BSHM, segment_BS, runs_BT, pos, *, scale, b
     B, T, H, D = q_BTHD.shape
     S, M = k_BSHD.shape[1], v_BSHM.shape[-1]
     C = min(block_size, S)
-    acc = _checks.accumulation_dtype(k_BSHD.dtype)
+    acc = input_checks.accumulation_dtype(k_BSHD.dtype)
     scale = jnp.asarray(D**-0.5 if scale is None else scale, acc)
     q_BTHD = q_BTHD.astype(k_BSHD.dtype)
     slot_T = pos + jnp.arange(T)
@@ -154,7 +154,7 @@ def _attend_blocks(q_BTHD, k_BSHD, v_BSHM, segment_BS, runs_BT, pos, *, scale, b
 
 
 def _blocked(block_size, *, name: str):
-    block_size = _checks.check_int(block_size, f"{name}: block_size")
+    block_size = input_checks.check_int(block_size, f"{name}: block_size")
     return functools.partial(_attend_blocks, block_size=block_size)
 
 
@@ -178,10 +178,10 @@ def softmax_attention_step_reference(cache: KVCache, q_BHD, k_BHD, v_BHM, *, sca
 
 
 def _step(cache: KVCache, q_BHD, k_BHD, v_BHM, *, scale, attend, name: str):
-    _checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name=name)
+    input_checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name=name)
     B, H, D = q_BHD.shape
     capacity = _check_cache(cache, B, H, D, v_BHM.shape[-1], name=name)
-    if _checks.is_concrete(cache.length) and int(cache.length) >= capacity:
+    if input_checks.is_concrete(cache.length) and int(cache.length) >= capacity:
         raise ValueError(f"{name}: the KV cache is full ({capacity} steps); allocate a larger max_length.")
     pos = cache.length
     k_cache = jax.lax.dynamic_update_slice_in_dim(
@@ -251,15 +251,15 @@ def softmax_attention_prefill_reference(
 
 
 def _prefill(cache: KVCache, q_BTHD, k_BTHD, v_BTHM, *, scale, segment_ids, attend, name: str):
-    _checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
+    input_checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
     B, T, H, D = q_BTHD.shape
     if k_BTHD.shape[1] != T:
         raise ValueError(
             f"{name}: queries and keys must have the same length, got T={T} and S={k_BTHD.shape[1]}."
         )
-    segment_ids = _checks.check_segment_ids(segment_ids, (B, T), name=name)
+    segment_ids = input_checks.check_segment_ids(segment_ids, (B, T), name=name)
     capacity = _check_cache(cache, B, H, D, v_BTHM.shape[-1], name=name)
-    if _checks.is_concrete(cache.length) and int(cache.length) + T > capacity:
+    if input_checks.is_concrete(cache.length) and int(cache.length) + T > capacity:
         raise ValueError(
             f"{name}: {T} more steps do not fit the KV cache ({int(cache.length)} of "
             f"{capacity} slots filled); allocate a larger max_length."

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks, precision
+from linear_transformers.ops import input_checks, precision
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.feature_maps import make_feature_map
 from linear_transformers.ops.gated_linear import gated_linear_attention
@@ -42,7 +42,7 @@ def time_major(x_GTM, batch: int):
 
 
 def _local_state(k_BSHD, v_BSHM, key_lengths, *, fm, offset):
-    acc = _checks.accumulation_dtype(v_BSHM.dtype)
+    acc = input_checks.accumulation_dtype(v_BSHM.dtype)
     B, _, H, _ = k_BSHD.shape
     phi_k_BSHF = fm.key(k_BSHD)
     if key_lengths is not None:
@@ -72,7 +72,7 @@ def linear_state_from_keys(
     one psum gives every device the global summary; key_lengths are global indices.
     """
     fm = make_feature_map(feature_map)
-    key_lengths = _checks.check_key_lengths(
+    key_lengths = input_checks.check_key_lengths(
         key_lengths, k_BSHD.shape[0], name="linear_attention", length=k_BSHD.shape[1]
     )
     if sequence_axis is None:
@@ -141,8 +141,8 @@ def linear_attention(
     Arbitrary [T, S] masks cannot be honoured without forming the T x S matrix, so there is no
     mask argument; key padding and segments are the masks this form supports.
     """
-    _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
-    key_lengths = _checks.check_key_lengths(
+    input_checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
+    key_lengths = input_checks.check_key_lengths(
         key_lengths, q_BTHD.shape[0], name="linear_attention", length=k_BSHD.shape[1]
     )
     if segment_ids is not None:
@@ -151,7 +151,7 @@ def linear_attention(
                 f"linear_attention: segment_ids are for self-attention (T == S), got "
                 f"T={q_BTHD.shape[1]} and S={k_BSHD.shape[1]}."
             )
-        segment_ids = _checks.check_segment_ids(segment_ids, q_BTHD.shape[:2], name="linear_attention")
+        segment_ids = input_checks.check_segment_ids(segment_ids, q_BTHD.shape[:2], name="linear_attention")
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
     if sequence_axis is not None and not sp.is_manual(sequence_axis):
@@ -189,7 +189,7 @@ def _segmented(q_BTHD, k_BTHD, v_BTHM, feature_map, key_lengths, eps, segment_id
         offset = 0 if axis is None else sp.device_offset(axis, T)
         valid_BT = offset + jnp.arange(T)[None, :] < key_lengths[:, None]
         segment_ids_BT = jnp.where(valid_BT, segment_ids_BT, 0)
-    acc = _checks.accumulation_dtype(v_BTHM.dtype)
+    acc = input_checks.accumulation_dtype(v_BTHM.dtype)
     ones = jnp.ones(v_BTHM.shape[:-1] + (1,), acc)
     v1_BTHM = jnp.concatenate([v_BTHM.astype(acc), ones], axis=-1)
 
@@ -208,12 +208,12 @@ def _segmented(q_BTHD, k_BTHD, v_BTHM, feature_map, key_lengths, eps, segment_id
 def linear_attention_reference(q_BTHD, k_BSHD, v_BSHM, *, feature_map="elu", key_lengths=None, eps=1e-6):
     """The explicit kernel formula with the [T, S] similarity matrix, for tests."""
     fm = make_feature_map(feature_map)
-    acc = _checks.accumulation_dtype(v_BSHM.dtype)
+    acc = input_checks.accumulation_dtype(v_BSHM.dtype)
     phi_q = fm.query(q_BTHD).astype(acc)
     phi_k = fm.key(k_BSHD).astype(acc)
     sim_BHTS = jnp.einsum("bthf,bshf->bhts", phi_q, phi_k)
     if key_lengths is not None:
-        valid_BS = _checks.key_padding_mask(jnp.asarray(key_lengths), k_BSHD.shape[1])
+        valid_BS = input_checks.key_padding_mask(jnp.asarray(key_lengths), k_BSHD.shape[1])
         sim_BHTS = jnp.where(valid_BS[:, None, None, :], sim_BHTS, 0)
         v_BSHM = jnp.where(valid_BS[:, :, None, None], v_BSHM, 0)
     num = jnp.einsum("bhts,bshm->bthm", sim_BHTS, v_BSHM.astype(acc))
@@ -227,7 +227,7 @@ def linear_attention_step(state: LinearState, q_BHD, k_BHD, v_BHM, *, feature_ma
     Inputs are [B, H, D] (values [B, H, M]); the state comes from `init_linear_state`.
     Usable as the body of `lax.scan`.
     """
-    _checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name="linear_attention_step")
+    input_checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name="linear_attention_step")
     fm = make_feature_map(feature_map)
     B, H, D = q_BHD.shape
     expected = (B, H, fm.num_features(D), v_BHM.shape[-1])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks, precision
+from linear_transformers.ops import input_checks, precision
 from linear_transformers.ops.softmax import softmax_attention
 
 
@@ -33,14 +33,14 @@ def linformer_project(k_BSHD, v_BSHM, e_LJ, f_LJ, *, key_lengths=None):
             f"projections were built for; build the layer with max_length >= {S} "
             f"or shorten the input."
         )
-    key_lengths = _checks.check_key_lengths(
+    key_lengths = input_checks.check_key_lengths(
         key_lengths, k_BSHD.shape[0], name="linformer", length=k_BSHD.shape[1]
     )
     if key_lengths is not None:
-        valid_BS11 = _checks.key_padding_mask(key_lengths, S)[:, :, None, None]
+        valid_BS11 = input_checks.key_padding_mask(key_lengths, S)[:, :, None, None]
         k_BSHD = jnp.where(valid_BS11, k_BSHD, 0)
         v_BSHM = jnp.where(valid_BS11, v_BSHM, 0)
-    acc = _checks.accumulation_dtype(k_BSHD.dtype)
+    acc = input_checks.accumulation_dtype(k_BSHD.dtype)
     k_BJHD = precision.einsum_in(acc, "bshd,sj->bjhd", k_BSHD, e_LJ[:S].astype(k_BSHD.dtype))
     v_BJHM = precision.einsum_in(acc, "bshm,sj->bjhm", v_BSHM, f_LJ[:S].astype(v_BSHM.dtype))
     return k_BJHD, v_BJHM
@@ -48,7 +48,7 @@ def linformer_project(k_BSHD, v_BSHM, e_LJ, f_LJ, *, key_lengths=None):
 
 def linformer_attention(q_BTHD, k_BSHD, v_BSHM, e_LJ, f_LJ, *, key_lengths=None, scale=None):
     """Linformer attention of [B, T, H, D] queries over S <= L keys -> [B, T, H, M] (v's dtype)."""
-    _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linformer_attention")
+    input_checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linformer_attention")
     k_BJHD, v_BJHM = linformer_project(k_BSHD, v_BSHM, e_LJ, f_LJ, key_lengths=key_lengths)
     acc = k_BJHD.dtype
     out_BTHM = softmax_attention(q_BTHD.astype(acc), k_BJHD, v_BJHM, scale=scale)

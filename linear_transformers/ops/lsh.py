@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linear_transformers.ops import _checks, precision
+from linear_transformers.ops import input_checks, precision
 
 SELF_LOGIT = -1e5  # attend to oneself only when no other key is in reach
 MASKED_LOGIT = -1e9
@@ -48,7 +48,7 @@ def lsh_rotations(key, num_rounds: int, head_dim: int, num_buckets: int):
 def check_lsh_options(*, num_rounds: int, num_buckets: int, chunk_size: int) -> tuple[int, int, int]:
     """(num_rounds, num_buckets, chunk_size) as Python ints, or a ValueError naming the first
     unusable one (numpy integers are ints; bools and floats are refused)."""
-    num_rounds = _checks.check_int(num_rounds, "LSH attention: num_rounds")
+    num_rounds = input_checks.check_int(num_rounds, "LSH attention: num_rounds")
     is_int = isinstance(num_buckets, (int, np.integer)) and not isinstance(num_buckets, (bool, np.bool_))
     if not is_int or not (num_buckets == 1 or (num_buckets >= 2 and num_buckets % 2 == 0)):
         raise ValueError(
@@ -57,7 +57,7 @@ def check_lsh_options(*, num_rounds: int, num_buckets: int, chunk_size: int) -> 
             + ("" if is_int else f" ({type(num_buckets).__name__})")
             + "."
         )
-    chunk_size = _checks.check_int(chunk_size, "LSH attention: chunk_size")
+    chunk_size = input_checks.check_int(chunk_size, "LSH attention: chunk_size")
     return num_rounds, int(num_buckets), chunk_size
 
 
@@ -83,7 +83,7 @@ def _prepare(q_BTHD, v_BTHM, rotations_RDU, chunk_size, key_lengths, name):
     """Shared by the fast path and the reference: checks, padding to whole chunks, hashing and
     the sorted order. Returns the padded arrays and, per round, order and rank [R, B, H, Tp]
     (Tp: T padded to whole chunks)."""
-    _checks.check_qkv(q_BTHD, q_BTHD, v_BTHM, name=name)
+    input_checks.check_qkv(q_BTHD, q_BTHD, v_BTHM, name=name)
     B, T, H, D = q_BTHD.shape
     if rotations_RDU.ndim != 3 or rotations_RDU.shape[1] != D:
         raise ValueError(
@@ -94,10 +94,10 @@ def _prepare(q_BTHD, v_BTHM, rotations_RDU, chunk_size, key_lengths, name):
             f"{name}: needs at least one position to hash, got an empty sequence "
             f"(shape {tuple(q_BTHD.shape)})."
         )
-    key_lengths = _checks.check_key_lengths(key_lengths, B, name=name, length=T)
+    key_lengths = input_checks.check_key_lengths(key_lengths, B, name=name, length=T)
     num_buckets = max(1, 2 * rotations_RDU.shape[2])
     check_lsh_options(num_rounds=rotations_RDU.shape[0], num_buckets=num_buckets, chunk_size=chunk_size)
-    acc = _checks.accumulation_dtype(q_BTHD.dtype)
+    acc = input_checks.accumulation_dtype(q_BTHD.dtype)
     Tp = -(-T // chunk_size) * chunk_size
     pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
     q_BTHD, v_BTHM = jnp.pad(q_BTHD, pad), jnp.pad(v_BTHM, pad)

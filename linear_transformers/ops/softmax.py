@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks, _nonfinite, precision, softmax_chunked
+from linear_transformers.ops import _nonfinite, input_checks, precision, softmax_chunked
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.softmax_blocked import blocked_softmax_attention
 
@@ -97,9 +97,9 @@ def _build_mask_BHTS(batch, heads, t, s, *, causal, key_lengths, mask):
     if causal:
         combined = jnp.tril(jnp.ones((t, s), bool))[None, None]
     if key_lengths is not None:
-        padding = _checks.key_padding_mask(key_lengths, s)[:, None, None, :]
+        padding = input_checks.key_padding_mask(key_lengths, s)[:, None, None, :]
         combined = padding if combined is None else combined & padding
-    mask = _checks.check_mask(mask, (batch, heads, t, s), name="softmax_attention")
+    mask = input_checks.check_mask(mask, (batch, heads, t, s), name="softmax_attention")
     if mask is not None:
         combined = mask if combined is None else combined & mask
     return combined
@@ -113,7 +113,7 @@ def segment_mask_B1TS(query_ids_BT, key_ids_BS):
 
 def with_segments(mask, segment_ids, key_segment_ids, shape_BHTS):
     """The explicit mask and the segments' mask as one boolean mask (None when neither)."""
-    mask = _checks.check_mask(mask, shape_BHTS, name="softmax_attention")
+    mask = input_checks.check_mask(mask, shape_BHTS, name="softmax_attention")
     if segment_ids is None:
         return mask
     segments = segment_mask_B1TS(segment_ids, key_segment_ids)
@@ -128,7 +128,7 @@ def check_segments(segment_ids, key_segment_ids, shape_BTS, *, name: str):
         if key_segment_ids is not None:
             raise ValueError(f"{name}: key_segment_ids given without segment_ids (the queries' ids).")
         return None, None
-    segment_ids = _checks.check_segment_ids(segment_ids, (B, T), name=name)
+    segment_ids = input_checks.check_segment_ids(segment_ids, (B, T), name=name)
     if key_segment_ids is None:
         if T != S:
             raise ValueError(
@@ -136,7 +136,9 @@ def check_segments(segment_ids, key_segment_ids, shape_BTS, *, name: str):
                 f"pass the keys' ids as key_segment_ids."
             )
         return segment_ids, segment_ids
-    return segment_ids, _checks.check_segment_ids(key_segment_ids, (B, S), name=name, what="key_segment_ids")
+    return segment_ids, input_checks.check_segment_ids(
+        key_segment_ids, (B, S), name=name, what="key_segment_ids"
+    )
 
 
 def softmax_attention_weights(q_BTHD, k_BSHD, *, causal=False, key_lengths=None, mask=None, scale=None):
@@ -147,7 +149,7 @@ def softmax_attention_weights(q_BTHD, k_BSHD, *, causal=False, key_lengths=None,
     """
     B, T, H, D = q_BTHD.shape
     S = k_BSHD.shape[1]
-    acc = _checks.accumulation_dtype(q_BTHD.dtype)
+    acc = input_checks.accumulation_dtype(q_BTHD.dtype)
     scale = D**-0.5 if scale is None else scale
     logits_BHTS = precision.einsum_in(acc, "bthd,bshd->bhts", q_BTHD, k_BSHD)
     logits_BHTS = logits_BHTS * jnp.asarray(scale, acc)
@@ -170,7 +172,7 @@ def has_key_BTH1(t, s, *, causal, key_lengths, mask_BHTS):
         if causal:
             seen_BHTS = seen_BHTS & jnp.tril(jnp.ones((t, s), bool))
         if key_lengths is not None:
-            seen_BHTS = seen_BHTS & _checks.key_padding_mask(key_lengths, s)[:, None, None, :]
+            seen_BHTS = seen_BHTS & input_checks.key_padding_mask(key_lengths, s)[:, None, None, :]
         return jnp.swapaxes(jnp.any(seen_BHTS, axis=-1), 1, 2)[..., None]
     if s == 0:
         return jnp.zeros((1, 1, 1, 1), bool)
@@ -181,13 +183,13 @@ def has_key_BTH1(t, s, *, causal, key_lengths, mask_BHTS):
 
 def validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths):
     """Check shapes; return key_lengths as int32 [B] (or None)."""
-    _checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="softmax_attention")
+    input_checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="softmax_attention")
     if causal and q_BTHD.shape[1] != k_BSHD.shape[1]:
         raise ValueError(
             f"softmax_attention: causal=True needs as many queries as keys, got "
             f"T={q_BTHD.shape[1]} and S={k_BSHD.shape[1]}."
         )
-    return _checks.check_key_lengths(
+    return input_checks.check_key_lengths(
         key_lengths, q_BTHD.shape[0], name="softmax_attention", length=k_BSHD.shape[1]
     )
 
@@ -240,7 +242,7 @@ def softmax_attention(
       key_lengths: int [B] in [0, S]; keys at index >= key_lengths[b] are ignored (out of
         range: a ValueError eagerly, clamped under jit).
       mask: boolean [T, S] or [B, H, T, S] (size-1 dimensions broadcast), True = attend; a
-        float (additive) mask or a 3-D one is refused (`ops._checks.check_mask`).
+        float (additive) mask or a 3-D one is refused (`ops.input_checks.check_mask`).
       scale: multiplies the logits (softmax temperature); default 1/sqrt(D).
       implementation: None (the best for the platform and these arguments:
         `default_implementation`), "xla" or "cudnn" (jax.nn.dot_product_attention with that
@@ -309,7 +311,7 @@ def softmax_attention(
     if chosen:
         implementation = choose(on)
     if implementation == "chunked":
-        mask = _checks.check_mask(mask, (B, H, T, S), name="softmax_attention")
+        mask = input_checks.check_mask(mask, (B, H, T, S), name="softmax_attention")
         masks = dict(
             causal=causal,
             key_lengths=key_lengths,

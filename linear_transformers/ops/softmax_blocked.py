@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks
+from linear_transformers.ops import input_checks
 
 # Queries per block: at T = 1024 and 4096 (H = 8, D = 64) 256 ran fastest of 128-1024 on a
 # 2-core CPU; longer sequences get longer blocks so that the unrolled loop stays <= 16 blocks.
@@ -58,7 +58,7 @@ def _block_weights(qs_BHQD, k_BHKD, start, *, causal, key_lengths, mask_BHTS):
     if causal:
         valid = ((start + jnp.arange(Q))[:, None] >= jnp.arange(K)[None, :])[None, None]
     if key_lengths is not None:
-        padding_B11K = _checks.key_padding_mask(key_lengths, K)[:, None, None, :]
+        padding_B11K = input_checks.key_padding_mask(key_lengths, K)[:, None, None, :]
         valid = padding_B11K if valid is None else valid & padding_B11K
     if mask_BHTS is not None:
         rows = mask_BHTS if mask_BHTS.shape[2] == 1 else mask_BHTS[:, :, start : start + Q]
@@ -127,14 +127,14 @@ def blocked_softmax_attention(
     """softmax(q k^T * scale) v, [B, T, H, M] in the dtype of v.
 
     Same contract as `softmax.softmax_attention_reference` for checked inputs: key_lengths int
-    [B]; mask boolean [B|1, H|1, T|1, S|1] (`_checks.check_mask`), True = attend; causal needs
+    [B]; mask boolean [B|1, H|1, T|1, S|1] (`input_checks.check_mask`), True = attend; causal needs
     T == S. block_size: queries per block (default `default_block_size(T)`).
     """
     B, T, H, D = q_BTHD.shape
     S = k_BSHD.shape[1]
     if T == 0 or S == 0:  # no query, or no key to see: the output is 0
         return jnp.zeros((B, T, H, v_BSHM.shape[-1]), v_BSHM.dtype)
-    acc = _checks.accumulation_dtype(jnp.result_type(q_BTHD, k_BSHD, v_BSHM))
+    acc = input_checks.accumulation_dtype(jnp.result_type(q_BTHD, k_BSHD, v_BSHM))
     scale = D**-0.5 if scale is None else scale
     # Scaling the [T, D] queries, not the [T, S] logits; outside `_attend`, so a traced scale
     # gets its gradient from autodiff.

@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linear_transformers.ops import _checks
+from linear_transformers.ops import input_checks
 
 # A chunk's float32 logits at most this many bytes (and at least MIN_CHUNK queries).
 CHUNK_LOGITS_BYTES = 2**28
@@ -63,7 +63,7 @@ def _valid_BHCS(start, C: int, S: int, *, causal, key_lengths, mask, query_ids, 
     if causal:
         valid = ((start + jnp.arange(C))[:, None] >= jnp.arange(S)[None, :])[None, None]
     if key_lengths is not None:
-        valid = both(valid, _checks.key_padding_mask(key_lengths, S)[:, None, None, :])
+        valid = both(valid, input_checks.key_padding_mask(key_lengths, S)[:, None, None, :])
     if mask is not None:
         valid = both(valid, _rows(mask, start, C, axis=2))
     if query_ids is not None:
@@ -160,7 +160,7 @@ def _layout(q_BTHD, k_BSHD, v_BSHM, scale, chunk_size, key_lengths, mask, segmen
     """Heads next to the batch, q scaled and padded to whole chunks; the masks likewise."""
     B, T, H, D = q_BTHD.shape
     S = k_BSHD.shape[1]
-    acc = _checks.accumulation_dtype(jnp.result_type(q_BTHD, k_BSHD, v_BSHM))
+    acc = input_checks.accumulation_dtype(jnp.result_type(q_BTHD, k_BSHD, v_BSHM))
     C = default_chunk_size(B, H, T, S) if chunk_size is None else min(chunk_size, T)
     pad = -T % C
     # Scaling the [T, D] queries, not the [T, S] logits; outside `_attend`, so a traced scale
@@ -199,7 +199,7 @@ def chunked_softmax_attention(
     """softmax(q k^T * scale) v, [B, T, H, M] in the dtype of v, a chunk of queries at a time.
 
     Same contract as `softmax.softmax_attention_reference` for checked inputs: key_lengths int
-    [B]; mask boolean [B|1, H|1, T|1, S|1] (`_checks.check_mask`), True = attend; causal needs
+    [B]; mask boolean [B|1, H|1, T|1, S|1] (`input_checks.check_mask`), True = attend; causal needs
     T == S; segment_ids int [B, T] and key_segment_ids int [B, S] (both or neither): a query sees
     the keys of its own segment, never id 0. chunk_size: queries per chunk (default
     `default_chunk_size`).

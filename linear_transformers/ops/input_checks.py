@@ -1,4 +1,5 @@
-"""Input validation shared by the attention ops.
+"""Input validation shared by the attention ops, the layers and the speech losses: shapes,
+dtypes, lengths and masks checked with messages that name the argument and what is allowed.
 
 Legend: B batch, T query time, S key time, H heads, D key/query features, M value features.
 Checks run on static shapes only, so they cost nothing under `jit`.
