@@ -1,5 +1,8 @@
 """`TransformerConfig`: the hyperparameters of an encoder or decoder stack.
 
+The authors' builder arguments become a config through `interop.config_from_builder_kwargs`
+(`TransformerConfig.from_kwargs`, deprecated, is the same; interop/convert.py defines it).
+
 Legend: E model width, D key/query features per head, M value features per head.
 """
 
@@ -12,8 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from linear_transformers.attention import attention_class, check_sequence_axis
-from linear_transformers.builder_arguments import builder_fields
-from linear_transformers.multi_head_attention import core_options
+from linear_transformers.core_options import core_options
 from linear_transformers.ops.input_checks import check_int
 
 # "gelu" is the exact erf form, as torch.nn.functional.gelu and the authors' layers compute it;
@@ -71,9 +73,10 @@ class TransformerConfig:
       softmax_temp: logit scale for softmax kinds; default 1/sqrt(query_dim).
       final_normalization: LayerNorm after the last layer.
       layer_norm_epsilon: added to the variance in every LayerNorm (Flax's 1e-6 by default;
-        `from_kwargs` sets PyTorch's 1e-5, which the authors' models were trained with).
+        `interop.config_from_builder_kwargs` sets PyTorch's 1e-5, which the authors' models
+        were trained with).
       attention: registered kind of self-attention ("softmax", "linear", "causal-linear", ...).
-      attention_options: the kind's options, e.g. {"feature_map": "favor", "impl": "chunked"}.
+      attention_options: the kind's options, e.g. {"feature_map": "favor", "implementation": "chunked"}.
       cross_attention, cross_attention_options: decoder cross-attention; default the
         self-attention kind and options ("linear" where self-attention is "causal-linear",
         "softmax" with default options where it is "reformer").
@@ -223,15 +226,3 @@ class TransformerConfig:
         if self.cross_attention is None and _DEFAULT_CROSS_KIND.get(self.attention, ("", True))[1]:
             return self.attention_options
         return {}
-
-    @classmethod
-    def from_kwargs(cls, **kwargs) -> "TransformerConfig":
-        """The config of the model the authors' builders (`TransformerEncoderBuilder`,
-        `RecurrentEncoderBuilder`, `TransformerDecoderBuilder`, `RecurrentDecoderBuilder`)
-        build from the same keyword arguments, with their defaults: see
-        `linear_transformers.builder_arguments`.
-
-        >>> TransformerConfig.from_kwargs(n_layers=8, n_heads=8, query_dimensions=32,
-        ...                               value_dimensions=32, attention_type="causal-linear")
-        """
-        return cls(**builder_fields(**kwargs))

@@ -18,45 +18,13 @@ The same parameters serve three uses:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 from flax import nnx
 
-from linear_transformers.attention.base import (
-    check_attention_options,
-    keyword_state_arguments,
-    kinds_with,
-    make_attention_core,
-)
-
-
-def core_options(
-    kind: str,
-    attention_options: Mapping[str, Any] | Any | None = None,
-    *,
-    attention_dropout: float = 0.0,
-    softmax_temp: float | None = None,
-):
-    """The options object of the core of `kind` that `MultiHeadAttention` builds from the same
-    arguments: `attention_options` (a mapping, or an instance of the kind's options class) with
-    `attention_dropout` and `softmax_temp` added where set (non-zero, not None), built into the
-    kind's options class (`attention.check_attention_options`), so validated once.
-
-    An instance without additions is returned as it is; a configuration that builds many layers
-    (`TransformerConfig`) calls this once and hands each layer the instance.
-    """
-    extra = {"attention_dropout": attention_dropout} if attention_dropout else {}
-    if softmax_temp is not None:
-        extra["softmax_temp"] = softmax_temp
-    options = {} if attention_options is None else attention_options
-    if extra:
-        if not isinstance(options, Mapping):  # An options instance (else the error): its values.
-            options = check_attention_options(kind, options)
-            options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.init}
-        options = {**options, **extra}
-    return check_attention_options(kind, options)
+from linear_transformers.attention.base import keyword_state_arguments, kinds_with, make_attention_core
+from linear_transformers.core_options import core_options
 
 
 class MultiHeadAttention(nnx.Module):

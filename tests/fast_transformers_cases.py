@@ -21,10 +21,49 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import warnings
 
 import numpy as np
 
+from linear_transformers.interop import config_from_builder_kwargs
+
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "fast_transformers"
+
+
+def load_case(name: str) -> dict:
+    """A fixture's arrays by key."""
+    with np.load(FIXTURES / f"{name}.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def split_case(case: dict):
+    """(the builder's meta data, the PyTorch state dict) of a fixture."""
+    meta = json.loads(str(case["meta"]))
+    state = {k[len("state/") :]: v for k, v in case.items() if k.startswith("state/")}
+    return meta, state
+
+
+def case_config(meta: dict):
+    """Our config of the fixture's model, from the authors' builder keywords."""
+    with warnings.catch_warnings():
+        # The colab passes attention_dropout and softmax_temp whatever the kind.
+        warnings.simplefilter("ignore", UserWarning)
+        return config_from_builder_kwargs(**meta["builder_kwargs"])
+
+
+def mnist_sized_state(path):
+    """The tiny generator's weights with a 783-row position table: a model of 28 x 28 images
+    (the table is the only length-dependent array), saved as .npz."""
+    _, state = split_case(load_case("generator_causal_linear"))
+    width = state["pos_embedding.pe"].shape[-1]
+    angles = np.arange(783, dtype=np.float32)[:, None] * np.exp(
+        np.arange(0, width, 2, dtype=np.float32) * np.float32(-np.log(1e4) / width)
+    )
+    table = np.empty((1, 783, width), np.float32)
+    table[0, :, 0::2], table[0, :, 1::2] = np.sin(angles), np.cos(angles)
+    state["pos_embedding.pe"] = table
+    np.savez(path, **state)
+    return path
 
 
 def _torch():

@@ -157,3 +157,60 @@ def test_the_benchmarks_build_the_paper_image_model_in_one_place():
         "experiments/benchmarking/prefill_bench.py",
         "experiments/benchmarking/accelerator_bench.py",
     } <= _modules_importing("experiments/benchmarking", "experiments.benchmarking.generation_bench")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _first_party_imports() -> dict[str, set[str]]:
+    """{first-party module: the first-party modules it imports, inside functions too}; `from
+    package import name` imports the submodule `name` where there is one."""
+    files = {_module_name(path): path for folder in FIRST_PARTY for path in (ROOT / folder).rglob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    imported.add(submodule if submodule in files else node.module)
+        graph[module] = imported & set(files)
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    # Imports inside functions included: one there does not undo a circle, only hides it. What
+    # both sides need belongs in a module below them (experiments/training/config_diff.py,
+    # linear_transformers/core_options.py).
+    graph = _first_party_imports()
+    circles = []
+
+    def visit(module, trail):
+        for other in sorted(graph[module]):
+            if other in trail:
+                circles.append(trail[trail.index(other) :] + [other])
+            elif other not in done:
+                visit(other, trail + [other])
+        done.add(module)
+
+    done = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_trainer_imports_no_task_benchmark_or_entry_point():
+    # experiments/training/ is the layer the tasks stand on: what only tasks use lives with them.
+    upward = {
+        (module, other)
+        for module, imported in _first_party_imports().items()
+        if module.startswith("experiments.training")
+        for other in imported
+        if not other.startswith(("experiments.training", "experiments.data", "linear_transformers"))
+    }
+    assert not upward, f"the trainer imports upward: {sorted(upward)}"

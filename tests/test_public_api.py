@@ -7,7 +7,6 @@ import pytest
 import linear_transformers as lt
 from linear_transformers import (
     attention,
-    builder_arguments,
     config,
     generation,
     image_generator,
@@ -19,7 +18,7 @@ from linear_transformers import (
     seq2seq,
     transformer,
 )
-from linear_transformers.interop import convert
+from linear_transformers.interop import builder_arguments, convert
 
 PROMISED_OPS = [
     "softmax_attention",

@@ -4,6 +4,7 @@ import pathlib
 import re
 
 import numpy as np
+from fast_transformers_cases import mnist_sized_state
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -35,7 +36,6 @@ def test_readme_prefill_example_runs_and_streaming_equals_one_pass():
 def test_readme_fast_transformers_example_runs(tmp_path):
     # The example loads the demo's "linear.pth"; here the same arrays in a .npz of 28 x 28 images
     # (torch is not needed to read those).
-    from test_fast_transformers_interop import mnist_sized_state
 
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     (example,) = [b for b in blocks if "image_generator_from_fast_transformers" in b]

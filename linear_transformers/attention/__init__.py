@@ -6,7 +6,7 @@ return-order rule and how a kind is added).
   linear.py     "linear", "causal-linear"      (ops/linear.py, ops/causal_linear.py)
   reformer.py   "reformer"                     (ops/lsh.py)
   linformer.py  "linformer"                    (ops/linformer.py)
-  gated.py      what the gated kinds share     (ops/gated_linear.py, ops/gated_forms.py)
+  gated.py      what the gated kinds share     (ops/gated_linear/)
   retention.py  "retention" (RetNet)
   gla.py        "simple-gla", "gla"
 
@@ -15,6 +15,7 @@ Importing the package registers every kind above.
 
 from linear_transformers.attention.base import (
     AttentionCore,
+    CausalFormOptions,
     NoOptions,
     attention_class,
     attention_options,
@@ -43,6 +44,7 @@ from linear_transformers.attention.softmax import SoftmaxAttention, SoftmaxMemor
 
 __all__ = [
     "AttentionCore",
+    "CausalFormOptions",
     "NoOptions",
     "attention_class",
     "attention_options",

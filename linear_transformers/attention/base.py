@@ -38,7 +38,9 @@ in `jax.shard_map` under `jax.set_mesh(mesh)`; model code stays in the global vi
 Options: each kind declares them as one frozen dataclass, its `options_class`: the fields are
 the options a config may set, with their defaults, and `__post_init__` rejects unusable values.
 `check_attention_options(kind, mapping)` builds it, so the options are validated once, where
-they are given; the core receives the instance as `options=`.
+they are given; the core receives the instance as `options=`. An options class may name the old
+spellings of its options in `renamed_options` ({old: new}), which the mapping may still use, with
+a DeprecationWarning, for one release.
 
 New kinds subclass `AttentionCore` in a file of their own, set `options_class` to a frozen
 dataclass of their options (a kind that sets none inherits `NoOptions` and takes no options),
@@ -50,14 +52,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from linear_transformers import ops
+from linear_transformers import _deprecation, ops
 
 _KINDS: dict[str, type["AttentionCore"]] = {}
 
@@ -149,6 +151,9 @@ def check_attention_options(kind: str, options: Mapping[str, Any] | Any) -> Any:
             f"attention kind {kind!r} takes its options as a mapping or a "
             f"{options_class.__name__}, got {type(options).__name__}."
         )
+    for old, new in getattr(options_class, "renamed_options", {}).items():
+        if old in options:
+            options = _deprecation.rename_key(options, old, new, where=f"attention kind {kind!r} options")
     allowed = attention_options(kind)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -315,6 +320,48 @@ def integer_option(options, name: str, *, where: str, allow_none: bool = False, 
 @dataclasses.dataclass(frozen=True)
 class NoOptions:
     """The options of a kind that takes none: `AttentionCore.options_class` by default."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalFormOptions:
+    """The options of the kinds computed by the causal linear ops (`ops.causal_linear_attention`,
+    `ops.gated_linear_attention`): which form computes the parallel pass. `LinearOptions` and
+    `GatedOptions` extend it.
+
+    Attributes:
+      implementation: one of `ops.LINEAR_IMPLEMENTATIONS` (default "chunked"); all give the
+        same result.
+      chunk_size: chunk length for implementation="chunked" (None: `ops.DEFAULT_CHUNK_SIZE`).
+    """
+
+    # Old option names, accepted by `check_attention_options` with a DeprecationWarning.
+    renamed_options: ClassVar[Mapping[str, str]] = {"impl": "implementation"}
+
+    implementation: str = "chunked"
+    chunk_size: int | None = None
+
+    def __post_init__(self):
+        where = type(self).__name__
+        implementation = _deprecation.renamed_value(
+            self.implementation, "quadratic", "reference", what="implementation", where=where
+        )
+        if implementation not in ops.LINEAR_IMPLEMENTATIONS:
+            raise ValueError(
+                f"{where}: unknown implementation {implementation!r}; expected one of "
+                f"{ops.LINEAR_IMPLEMENTATIONS}."
+            )
+        object.__setattr__(self, "implementation", implementation)
+        integer_option(self, "chunk_size", where=where, allow_none=True)
+
+    def op_kwargs(self, feature_map, *, causal_form: bool = True) -> dict:
+        """The keyword arguments of the ops for these options and the layer's `feature_map` (an
+        option FAVOR+ turns into the layer's own random matrix): with `causal_form`, those of the
+        causal parallel form (implementation, chunk_size) too. Every call of an op builds its
+        keywords here."""
+        kwargs = {"feature_map": feature_map}
+        if causal_form:
+            kwargs.update(implementation=self.implementation, chunk_size=self.chunk_size)
+        return kwargs
 
 
 class AttentionCore(nnx.Module):

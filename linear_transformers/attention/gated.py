@@ -23,21 +23,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_transformers import ops
-from linear_transformers.attention.base import AttentionCore, integer_option, prefill_axis
+from linear_transformers.attention.base import AttentionCore, CausalFormOptions, prefill_axis
 from linear_transformers.packing import continue_positions, next_positions, segment_positions
 
 NORMS = ("rms", "group", None)
 
 
 @dataclasses.dataclass(frozen=True)
-class GatedOptions:
-    """Options every gated kind takes.
+class GatedOptions(CausalFormOptions):
+    """Options every gated kind takes: `CausalFormOptions` (the causal form: implementation,
+    chunk_size) and
 
     Attributes:
       feature_map: phi of queries and keys: "identity" (default, as RetNet and GLA), or another
         name from `ops.registered_feature_maps()`, or a callable.
-      impl: one of `ops.IMPLS` (default "chunked").
-      chunk_size: chunk length for impl="chunked" (None: the op's default).
       output_gate: multiply the output by swish(x W_gate), a projection of the layer input.
       norm: the norm of each head's output before the gate: "rms" (FLA's, a weight of M shared
         by the heads), "group" (RetNet's GroupNorm over the heads: a LayerNorm per head with a
@@ -46,17 +45,13 @@ class GatedOptions:
     """
 
     feature_map: str | Callable = "identity"
-    impl: str = "chunked"
-    chunk_size: int | None = None
     output_gate: bool = True
     norm: str | None = "rms"
     norm_eps: float = 1e-5
 
     def __post_init__(self):
+        super().__post_init__()
         kind = type(self).__name__
-        if self.impl not in ops.IMPLS:
-            raise ValueError(f"{kind}: unknown impl {self.impl!r}; expected one of {ops.IMPLS}.")
-        integer_option(self, "chunk_size", where=kind, allow_none=True)
         if self.norm not in NORMS:
             raise ValueError(f"{kind}: norm must be one of {NORMS}, got {self.norm!r}.")
         if not self.norm_eps > 0:
@@ -150,9 +145,6 @@ class GatedLinearCore(AttentionCore):
         gate_xHM = self.gate(x_xE).reshape(x_xE.shape[:-1] + (self.num_heads, self.value_dim))
         return (out_xHM * jax.nn.silu(gate_xHM)).astype(out_xHM.dtype)
 
-    def _op_options(self) -> dict:
-        return dict(feature_map=self.feature_map, impl=self.options.impl, chunk_size=self.options.chunk_size)
-
     def _rotate(self, q, k, positions):
         if not self.rotary:
             return q, k
@@ -190,7 +182,7 @@ class GatedLinearCore(AttentionCore):
             key_lengths=key_lengths,
             segment_ids=segment_ids,
             sequence_axis=self.sequence_axis,
-            **self._op_options(),
+            **self.options.op_kwargs(self.feature_map),
         )
         return self._finish(out_BTHM, x)
 
@@ -221,7 +213,12 @@ class GatedLinearCore(AttentionCore):
         log_decay = self.log_decay(x_BE[:, None])
         log_decay = log_decay if jnp.ndim(log_decay) == 1 else log_decay[:, 0]
         linear, out_BHM = ops.gated_linear_attention_step(
-            state.linear, q_BHD, k_BHD, v_BHM, log_decay=log_decay, feature_map=self.feature_map
+            state.linear,
+            q_BHD,
+            k_BHD,
+            v_BHM,
+            log_decay=log_decay,
+            **self.options.op_kwargs(self.feature_map, causal_form=False),
         )
         return GatedState(linear, state.position + 1), self._finish(out_BHM, x_BE)
 
@@ -259,6 +256,6 @@ class GatedLinearCore(AttentionCore):
             key_lengths=key_lengths,
             segment_ids=segment_ids,
             sequence_axis=prefill_axis(self.sequence_axis, T),
-            **self._op_options(),
+            **self.options.op_kwargs(self.feature_map),
         )
         return GatedState(linear, next_positions(positions, ids, state.position)), self._finish(out_BTHM, x)

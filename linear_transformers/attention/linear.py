@@ -15,6 +15,7 @@ from flax import nnx
 from linear_transformers import ops
 from linear_transformers.attention.base import (
     AttentionCore,
+    CausalFormOptions,
     integer_option,
     memory_queries,
     prefill_axis,
@@ -27,29 +28,24 @@ class FeatureProjection(nnx.Variable):
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearOptions:
-    """Options of `"linear"` and `"causal-linear"` attention.
+class LinearOptions(CausalFormOptions):
+    """Options of `"linear"` and `"causal-linear"` attention: `CausalFormOptions` (the causal
+    form: implementation, chunk_size) and
 
     Attributes:
       feature_map: "elu" (default), "relu", "favor" (FAVOR+, a random matrix drawn from the
         layer's `params` RNG stream and kept fixed until `redraw_features`), another name from
         `ops.registered_feature_maps()`, or a callable.
       num_features: F for "favor" (default head_dim); other feature maps do not take it.
-      impl: causal implementation, one of `ops.IMPLS` (default "chunked").
-      chunk_size: chunk length for impl="chunked" (None: `ops.DEFAULT_CHUNK_SIZE`).
       eps: added to the normaliser.
     """
 
     feature_map: str | Callable = "elu"
     num_features: int | None = None
-    impl: str = "chunked"
-    chunk_size: int | None = None
     eps: float = 1e-6
 
     def __post_init__(self):
-        if self.impl not in ops.IMPLS:
-            raise ValueError(f"linear attention: unknown impl {self.impl!r}; expected one of {ops.IMPLS}.")
-        integer_option(self, "chunk_size", where="linear attention", allow_none=True)
+        super().__post_init__()
         if self.feature_map == "favor":
             integer_option(self, "num_features", where="linear attention", allow_none=True)
         else:
@@ -59,6 +55,10 @@ class LinearOptions:
                     f"map {self.feature_map!r} does not take it."
                 )
             ops.make_feature_map(self.feature_map)  # An unknown name fails here, where it is given.
+
+    def op_kwargs(self, feature_map, *, causal_form: bool = True) -> dict:
+        """`CausalFormOptions.op_kwargs` and the normaliser's eps."""
+        return {**super().op_kwargs(feature_map, causal_form=causal_form), "eps": self.eps}
 
 
 @register_attention("linear")
@@ -87,10 +87,6 @@ class LinearAttention(AttentionCore):
     def __init__(self, *, rngs: nnx.Rngs, **kwargs):
         super().__init__(rngs=rngs, **kwargs)
         options = self.options
-        self.impl = options.impl
-        self.chunk_size = options.chunk_size
-        self.eps = options.eps
-        self.feature_map_spec = options.feature_map
         if options.feature_map == "favor":
             self.feature_projection = FeatureProjection(
                 ops.favor_projection(rngs.params(), options.num_features or self.head_dim, self.head_dim)
@@ -98,16 +94,16 @@ class LinearAttention(AttentionCore):
 
     def redraw_features(self, key):
         """Draw a new FAVOR+ random matrix (no-op error for deterministic feature maps)."""
-        if self.feature_map_spec != "favor":
-            raise ValueError(f"feature map {self.feature_map_spec!r} has no random features.")
+        if self.options.feature_map != "favor":
+            raise ValueError(f"feature map {self.options.feature_map!r} has no random features.")
         f, d = self.feature_projection[...].shape
         self.feature_projection.set_value(ops.favor_projection(key, f, d))
 
     @property
     def feature_map(self) -> ops.FeatureMap:
-        if self.feature_map_spec == "favor":
+        if self.options.feature_map == "favor":
             return ops.FavorFeatureMap(self.feature_projection[...])
-        return ops.make_feature_map(self.feature_map_spec)
+        return ops.make_feature_map(self.options.feature_map)
 
     def __call__(
         self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None, segment_ids=None, key_segment_ids=None
@@ -129,23 +125,19 @@ class LinearAttention(AttentionCore):
                 q_BTHD,
                 k_BSHD,
                 v_BSHM,
-                feature_map=self.feature_map,
-                impl=self.impl,
-                chunk_size=self.chunk_size,
-                eps=self.eps,
                 key_lengths=key_lengths,
                 segment_ids=segment_ids,
                 sequence_axis=self.sequence_axis,
+                **self.options.op_kwargs(self.feature_map),
             )
         return ops.linear_attention(
             q_BTHD,
             k_BSHD,
             v_BSHM,
-            feature_map=self.feature_map,
             key_lengths=key_lengths,
-            eps=self.eps,
             segment_ids=segment_ids,
             sequence_axis=self.sequence_axis,
+            **self.options.op_kwargs(self.feature_map, causal_form=False),
         )
 
     def init_state(self, batch, *, max_length=None, dtype=None):
@@ -162,11 +154,11 @@ class LinearAttention(AttentionCore):
         """s += phi(k_t) v_t^T, z += phi(k_t); out_t = phi(q_t)^T s / phi(q_t)^T z."""
         self._require_causal("step")
         return ops.linear_attention_step(
-            state, q_BHD, k_BHD, v_BHM, feature_map=self.feature_map, eps=self.eps
+            state, q_BHD, k_BHD, v_BHM, **self.options.op_kwargs(self.feature_map, causal_form=False)
         )
 
     def prefill(self, state, q_BTHD, k_BTHD, v_BTHM, *, key_lengths=None, segment_ids=None):
-        """The causal parallel form (this layer's impl) started from the state (s, z) and
+        """The causal parallel form (this layer's implementation) started from the state (s, z) and
         returning the state after the block (`ops.causal_linear_attention_prefill`); with
         key_lengths, the state after each example's real tokens; with segment_ids, the state of
         the last segment.
@@ -180,13 +172,10 @@ class LinearAttention(AttentionCore):
             q_BTHD,
             k_BTHD,
             v_BTHM,
-            feature_map=self.feature_map,
-            impl=self.impl,
-            chunk_size=self.chunk_size,
-            eps=self.eps,
             key_lengths=key_lengths,
             segment_ids=segment_ids,
             sequence_axis=prefill_axis(self.sequence_axis, q_BTHD.shape[1]),
+            **self.options.op_kwargs(self.feature_map),
         )
 
     def init_memory(self, k_BSHD, v_BSHM, key_lengths=None):
@@ -207,7 +196,9 @@ class LinearAttention(AttentionCore):
         """Read one query step q [B, H, D], or a block q [B, T, H, D], out of the (s, z)
         summary."""
         memory_queries(q, "linear attend_memory")
-        return ops.linear_attention_from_state(memory, q, feature_map=self.feature_map, eps=self.eps)
+        return ops.linear_attention_from_state(
+            memory, q, **self.options.op_kwargs(self.feature_map, causal_form=False)
+        )
 
 
 @register_attention("causal-linear")

@@ -1,7 +1,7 @@
 """Weights of the authors' PyTorch models (pytorch-fast-transformers) in our Flax modules.
 
     state_dict = load_torch_checkpoint("model.pth")      # or {name: numpy array}
-    config = TransformerConfig.from_kwargs(**the_builder_kwargs)
+    config = config_from_builder_kwargs(**the_builder_kwargs)
     encoder = encoder_from_fast_transformers(state_dict, config, causal=True)
     decoder = decoder_from_fast_transformers(state_dict, config)
     model = image_generator_from_fast_transformers(state_dict, config)   # the colab's Generator
@@ -31,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from linear_transformers import _deprecation
 from linear_transformers.image_generator import ImageGenerator
+from linear_transformers.interop.builder_arguments import builder_fields
 from linear_transformers.lm import sinusoidal_encoding
 from linear_transformers.transformer import Decoder, Encoder, TransformerConfig
 
@@ -39,10 +41,28 @@ _CONVERTIBLE_KINDS = ("softmax", "linear", "causal-linear")
 
 
 def config_from_builder_kwargs(**kwargs) -> TransformerConfig:
-    """The `TransformerConfig` of the model the authors' builder makes from `kwargs` (the same
-    as `TransformerConfig.from_kwargs`; `linear_transformers.builder_arguments` says how each
-    argument maps)."""
-    return TransformerConfig.from_kwargs(**kwargs)
+    """The `TransformerConfig` of the model the authors' builders (`TransformerEncoderBuilder`,
+    `RecurrentEncoderBuilder`, `TransformerDecoderBuilder`, `RecurrentDecoderBuilder`) build
+    from the same keyword arguments, with their defaults; `interop.builder_arguments` says how
+    each argument maps.
+
+    >>> config_from_builder_kwargs(n_layers=8, n_heads=8, query_dimensions=32,
+    ...                            value_dimensions=32, attention_type="causal-linear")
+    """
+    return TransformerConfig(**builder_fields(**kwargs))
+
+
+def _deprecated_from_kwargs(cls, **kwargs) -> TransformerConfig:
+    """Deprecated: `interop.config_from_builder_kwargs(**kwargs)`, the same config."""
+    _deprecation.warn(
+        "TransformerConfig.from_kwargs", "linear_transformers.interop.config_from_builder_kwargs"
+    )
+    return cls(**builder_fields(**kwargs))
+
+
+# The second door to the builders' arguments, kept open for the code that uses it: set here, where
+# they are read, so that TransformerConfig (plain data, below this module) knows nothing of them.
+TransformerConfig.from_kwargs = classmethod(_deprecated_from_kwargs)
 
 
 def load_torch_checkpoint(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -190,7 +210,7 @@ def _check_config(config: TransformerConfig, where: str):
     if not isinstance(config, TransformerConfig):
         raise ValueError(
             f"{where}: config must be a TransformerConfig (e.g. "
-            f"TransformerConfig.from_kwargs(**builder_kwargs)), got "
+            f"interop.config_from_builder_kwargs(**builder_kwargs)), got "
             f"{type(config).__name__}."
         )
     for kind in dict.fromkeys((config.attention, config.cross_kind)):
@@ -325,7 +345,7 @@ def generator_config(
     kwargs.update(builder_kwargs)
     if kwargs["attention_type"] in ("linear", "causal-linear"):
         kwargs.pop("attention_dropout")  # linear attention takes none: no warning for defaults
-    return TransformerConfig.from_kwargs(**kwargs)
+    return config_from_builder_kwargs(**kwargs)
 
 
 def image_generator_from_fast_transformers(

@@ -5,6 +5,7 @@ Layout follows `jax.nn.dot_product_attention`: queries [B, T, H, D], keys [B, S,
 values [B, S, H, M].
 """
 
+from linear_transformers import _deprecation
 from linear_transformers.ops import sequence_parallel
 from linear_transformers.ops.causal_linear import causal_linear_attention, causal_linear_attention_prefill
 from linear_transformers.ops.feature_maps import (
@@ -17,8 +18,9 @@ from linear_transformers.ops.feature_maps import (
     register_feature_map,
     registered_feature_maps,
 )
-from linear_transformers.ops.gated_forms import DEFAULT_CHUNK_SIZE, IMPLS
 from linear_transformers.ops.gated_linear import (
+    DEFAULT_CHUNK_SIZE,
+    LINEAR_IMPLEMENTATIONS,
     gated_linear_attention,
     gated_linear_attention_prefill,
     gated_linear_attention_step,
@@ -58,7 +60,7 @@ from linear_transformers.ops.softmax import (
 __all__ = [
     "sequence_parallel",
     "DEFAULT_CHUNK_SIZE",
-    "IMPLS",
+    "LINEAR_IMPLEMENTATIONS",
     "causal_linear_attention",
     "causal_linear_attention_prefill",
     "check_segment_ids",
@@ -98,3 +100,6 @@ __all__ = [
     "lsh_rotations",
     "rotary_embedding",
 ]
+
+# The old name of LINEAR_IMPLEMENTATIONS, until the next release.
+__getattr__ = _deprecation.moved_names(__name__, {"IMPLS": "linear_transformers.ops:LINEAR_IMPLEMENTATIONS"})

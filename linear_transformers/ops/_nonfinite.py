@@ -2,7 +2,7 @@
 
 A product with masked weights computes 0 * v for every key a query cannot see, and 0 * inf and
 0 * NaN are NaN: one bad value at a later position, or in padding, would spoil every earlier
-output. The forms that multiply by masked weights (causal linear "quadratic" and "chunked",
+output. The forms that multiply by masked weights (causal linear "reference" and "chunked",
 softmax) therefore run on `finite_part(v)` and then write NaN exactly where a query sees a
 non-finite value (`seen_nonfinite_BTHM`). A seen inf gives NaN rather than +-inf: either way
 the output is not finite, and the training loop refuses the step.

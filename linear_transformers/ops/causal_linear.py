@@ -1,6 +1,6 @@
 """Causal linear attention (the paper's), in four forms that compute the same thing, from any
 starting state: `gated_linear_attention` with the elu feature map, the normaliser, scale 1 and no
-decay (its forms are in `gated_forms.py`).
+decay (its forms are in the package `gated_linear`, one file each).
 
 Legend: B batch, T query time, S key time (the same positions: causal self-attention), H
 heads, D key/query features, F feature-map features, M value features, C chunk length, N number
@@ -15,7 +15,7 @@ the tokens before this block, so a prompt, or a long sequence cut into segments,
 parallel and carried on from where it ended (`return_state=True` gives (s_T, z_T);
 `causal_linear_attention_prefill` takes the state first and returns it first, as a step does).
 
-- "quadratic": the masked [T, T] product; O(T^2) time and memory. The reference.
+- "reference": the masked [T, T] product; O(T^2) time and memory.
 - "associative_scan": `jax.lax.associative_scan` of the prefix states; O(T log T) work but one
   [F, M] state per position in memory.
 - "chunked": within a chunk of C steps the masked [C, C] product, between chunks the prefix sum of
@@ -23,7 +23,8 @@ parallel and carried on from where it ended (`return_state=True` gives (s_T, z_T
   chunks go in segments of `segment_length()` steps through a `lax.scan` carrying (s, z), which
   keeps each segment in cache. Feature maps, masking and relayout happen a segment at a time,
   and the backward pass recomputes each segment from the state entering it rather than storing
-  it (`chunk_segments.py`): forward+backward keeps the inputs and one state per segment.
+  it (`gated_linear/chunk_segments.py`): forward+backward keeps the inputs and one state per
+  segment.
 - "scan": the RNN, `lax.scan` of the (s, z) update; O(F*M) state, T sequential steps.
 
 With `sequence_axis`, the time axis is split over the devices of a mesh axis (LASP-2, Sun et al.
@@ -34,17 +35,19 @@ it. The traffic is P states per device whatever the sequence length.
 
 from __future__ import annotations
 
-from linear_transformers.ops.gated_linear import attend, keep_dtypes
+from linear_transformers import _deprecation
+from linear_transformers.ops.gated_linear.op import attend, keep_dtypes
 from linear_transformers.ops.linear_state import LinearState
 
 
+@_deprecation.renamed_keyword("impl", "implementation")
 def causal_linear_attention(
     q_BTHD,
     k_BTHD,
     v_BTHM,
     *,
     feature_map="elu",
-    impl="chunked",
+    implementation="chunked",
     chunk_size=None,
     eps=1e-6,
     initial_state=None,
@@ -58,10 +61,10 @@ def causal_linear_attention(
     Args:
       q_BTHD, k_BTHD: [B, T, H, D]; v_BTHM: [B, T, H, M].
       feature_map: registered name, FeatureMap or callable (see `feature_maps`).
-      impl: one of "quadratic", "associative_scan", "chunked", "scan" (see the module docstring);
-        all give the same result for every T.
-      chunk_size: chunk length C for impl="chunked" (>= 1; None: `DEFAULT_CHUNK_SIZE`); T need
-        not be a multiple of it.
+      implementation: one of `LINEAR_IMPLEMENTATIONS`, "reference", "associative_scan",
+        "chunked", "scan" (see the module docstring); all give the same result for every T.
+      chunk_size: chunk length C for implementation="chunked" (>= 1; None:
+        `DEFAULT_CHUNK_SIZE`); T need not be a multiple of it.
       eps: added to the normaliser.
       initial_state: an `ops.LinearState` (s [B, H, F, M], z [B, H, F]) the sequence continues
         from: `init_linear_state`, the state of `linear_attention_step`, or the state a previous
@@ -93,7 +96,7 @@ def causal_linear_attention(
         feature_map=feature_map,
         normalize=True,
         scale=1.0,
-        impl=impl,
+        implementation=implementation,
         chunk_size=chunk_size,
         eps=eps,
         initial_state=initial_state,
@@ -105,12 +108,13 @@ def causal_linear_attention(
     )
 
 
+@_deprecation.renamed_keyword("impl", "implementation")
 def causal_linear_attention_prefill(state: LinearState, q_BTHD, k_BTHD, v_BTHM, **kwargs):
     """A block of T causal steps from `state`, in parallel form: -> (state, out [B, T, H, M]).
 
     Equal to T calls of `linear_attention_step` (up to rounding) and leaves the state they
     would leave; the state keeps its dtypes, so it stays a valid `lax.scan` carry. `kwargs` are
-    those of `causal_linear_attention` (feature_map, impl, chunk_size, eps, key_lengths,
+    those of `causal_linear_attention` (feature_map, implementation, chunk_size, eps, key_lengths,
     segment_ids, sequence_axis): with key_lengths, the state after each example's real tokens.
     """
     out_BTHM, new_state = causal_linear_attention(

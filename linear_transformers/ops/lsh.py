@@ -18,7 +18,7 @@ query left with no valid key (padding, or key_lengths 0) gets 0, as in every kin
 Causal LSH attends only to keys j <= i, but which of them share i's window depends on every
 position's hash, later ones included (they take places in the sorted order). That is the
 Reformer's definition, and the reason it has no recurrent form. Changing later positions moves
-earlier outputs by O(1) (tests/test_lsh_attention.py measures it), so a causal LSH model's
+earlier outputs by O(1) (tests/attention/test_lsh_attention.py measures it), so a causal LSH model's
 teacher-forced predictions are not what greedy decoding gives. Marking the later positions as
 padding (`key_lengths`) takes them out of the sorted order (padding has a bucket of its own),
 so the outputs up to a length equal those of the sequence cut there: decoding exactly means

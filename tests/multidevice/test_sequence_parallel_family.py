@@ -48,7 +48,11 @@ def _decay(kind, seed):
 
 def _gated(sequence_axis, impl):
     return functools.partial(
-        ops.gated_linear_attention, impl=impl, chunk_size=4, return_state=True, sequence_axis=sequence_axis
+        ops.gated_linear_attention,
+        implementation=impl,
+        chunk_size=4,
+        return_state=True,
+        sequence_axis=sequence_axis,
     )
 
 

@@ -1,0 +1,121 @@
+"""The chunked form's decayed scores within a chunk: q_t . diag(decay from s to t) k_s for every
+pair (t, s) of a chunk.
+
+Legend: B batch, H heads, N chunks, C chunk length, F feature-map features, X decay features (1:
+one decay per head and step; F: one per key feature), I and O blocks of a chunk (a query's and a
+key's, in the exact form of per-feature decays).
+
+Scores sum_f q_tf k_sf exp(L_tsf), L_tsf the log decay from s to t. Where every chunk's decays
+stay within exp(+-FACTOR_RANGE) of its midpoint m (typical gates), they are one matmul of
+q * exp(u) and k * exp(-u), u_t the log decay between m and t: exact to a relative
+eps * FACTOR_RANGE. Otherwise (strong decays) every pair's decay is summed on its own (per
+feature: within blocks of EXACT_BLOCK steps, and between blocks from factors that are all <= 1):
+exact and finite whatever the decays, and slower. `lax.cond` picks one per segment of chunks;
+the backward pass recomputes the one taken from its inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from linear_transformers.ops import precision
+from linear_transformers.ops.gated_linear import totals
+
+FACTOR_RANGE = 30.0
+EXACT_BLOCK = 8
+
+
+def from_midpoint(g, axis):
+    """u_t = sum_{m < i <= t} g_i after the midpoint m, -sum_{t < i <= m} g_i before it: each a
+    sum of same-sign terms starting at m (no cancellation)."""
+    n = g.shape[axis]
+    t, i, m = jnp.arange(n)[:, None], jnp.arange(n)[None, :], n // 2
+    signed_TT = jnp.where((m < i) & (i <= t), 1.0, 0.0) - jnp.where((t < i) & (i <= m), 1.0, 0.0)
+    return totals.masked_sums(signed_TT, g, axis)
+
+
+def fits_factored(u):
+    """Whether every chunk's log decays stay within FACTOR_RANGE of its midpoint."""
+    return jnp.max(jnp.abs(u)) <= FACTOR_RANGE
+
+
+def _factored_scores(q, k, u, acc):
+    return precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q * jnp.exp(u), k * jnp.exp(-u))
+
+
+def _blocked_scores(q, k, g, acc):
+    """Every pair's decay on its own. One decay per head: exp(L_ts) times q_t . k_s. Per feature:
+    blocks of EXACT_BLOCK steps, within a block the decays of every pair, between blocks q *
+    exp(decay since its block began) * exp(decays of the blocks in between) * k * exp(decay to
+    its block's end): sums of same-sign terms, every factor <= 1."""
+    if g.shape[-1] == 1:
+        C = q.shape[3]
+        mask = jnp.tril(jnp.ones((C, C), bool))
+        decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=3)[..., 0], -jnp.inf))
+        return precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q, k) * decay
+    B, H, N, C, F = q.shape
+    c = EXACT_BLOCK if C % EXACT_BLOCK == 0 else C
+    n = C // c
+    q, k = q.astype(acc), k.astype(acc)
+    qb, kb, gb = (x.reshape(B, H, N, n, c, F) for x in (q, k, g))
+    inner = jnp.tril(jnp.ones((c, c), bool))
+    decay = jnp.exp(jnp.where(inner[..., None], totals.pair_log_decay(gb, time_axis=4), -jnp.inf))
+    within = jnp.einsum("bhnitf,bhnisf,bhnitsf->bhnits", qb, kb, decay)
+    block = jnp.arange(n)
+    between_ijl = (block[None, None, :] > block[None, :, None]) & (
+        block[None, None, :] < block[:, None, None]
+    )
+    gap = jnp.exp(
+        jnp.sum(jnp.where(between_ijl[..., None], jnp.sum(gb, axis=4)[..., None, None, :, :], 0), axis=-2)
+    )
+    q_out = qb * jnp.exp(totals.prefix_sum(gb, axis=4))
+    k_in = kb * jnp.exp(totals.suffix_sum(gb, axis=4))
+    across = jnp.einsum("bhnitf,bhniof,bhnosf->bhniots", q_out, gap, k_in)
+    earlier = block[:, None] > block[None, :]
+    scores = jnp.where(earlier[:, :, None, None], across, 0) + jnp.where(
+        jnp.eye(n, dtype=bool)[:, :, None, None], within[:, :, :, :, None], 0
+    )
+    return jnp.swapaxes(scores, 4, 5).reshape(B, H, N, C, C)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _scores(q, k, g, u, acc):
+    return jax.lax.cond(
+        fits_factored(u),
+        lambda q, k, g, u: _factored_scores(q, k, u, acc),
+        lambda q, k, g, u: _blocked_scores(q, k, g, acc),
+        q,
+        k,
+        g,
+        u,
+    )
+
+
+def _scores_forward(q, k, g, u, acc):
+    return _scores(q, k, g, u, acc), (q, k, g, u)
+
+
+def _scores_backward(acc, inputs, cotangent):
+    # The form the forward pass took, differentiated again from its inputs: the residuals are
+    # the inputs alone, whichever form runs.
+    def factored(q, k, g, u):
+        dq, dk, du = jax.vjp(lambda q, k, u: _factored_scores(q, k, u, acc), q, k, u)[1](cotangent)
+        return dq, dk, jnp.zeros_like(g), du
+
+    def blocked(q, k, g, u):
+        dq, dk, dg = jax.vjp(lambda q, k, g: _blocked_scores(q, k, g, acc), q, k, g)[1](cotangent)
+        return dq, dk, dg, jnp.zeros_like(u)
+
+    return jax.lax.cond(fits_factored(inputs[3]), factored, blocked, *inputs)
+
+
+_scores.defvjp(_scores_forward, _scores_backward)
+
+
+def decayed_scores(q_BHNCF, k_BHNCF, g_xHNCX, acc):
+    """[B, H, N, C, C] scores q_t . diag(decay from s to t) k_s of every pair, s > t included:
+    the caller masks them."""
+    return _scores(q_BHNCF, k_BHNCF, g_xHNCX, from_midpoint(g_xHNCX, axis=3), acc)

@@ -1,0 +1,85 @@
+"""The gated linear op's inputs: the checks of its decays and state, and `prepare`, which turns
+raw inputs into what the recurrence reads.
+
+Legend: B batch, T time, H heads, D key/query features, F feature-map features (F = D but for
+FAVOR+), M value features, X decay features (1 or F).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from linear_transformers.ops import input_checks
+from linear_transformers.ops.linear_state import LinearState
+
+
+def check_log_decay(log_decay, shape_BTHF, *, name: str):
+    """`log_decay` as a float array of shape [B, T, H, X] (X = 1 or F), or None.
+
+    Accepted: None, [H] (a constant per head), [B, T, H] (per head and step) and [B, T, H, F]
+    (per key feature and step); values must be <= 0 (checked when concrete).
+    """
+    if log_decay is None:
+        return None
+    B, T, H, F = shape_BTHF
+    log_decay = jnp.asarray(log_decay)
+    input_checks.check_floating((("log_decay", log_decay),), name=name)
+    shapes = {1: (H,), 3: (B, T, H), 4: (B, T, H, F)}
+    if shapes.get(log_decay.ndim) != tuple(log_decay.shape):
+        raise ValueError(
+            f"{name}: log_decay must be [H]={[H]} (a constant per head), [B, T, H]={[B, T, H]} "
+            f"(per head and step) or [B, T, H, F]={[B, T, H, F]} (per key feature and step; F is "
+            f"the feature map's width), got shape {tuple(log_decay.shape)}."
+        )
+    if input_checks.is_concrete(log_decay) and log_decay.size:
+        largest = float(np.max(np.asarray(log_decay, np.float64)))
+        if largest > 0:
+            raise ValueError(
+                f"{name}: log_decay must be <= 0 (a decay exp(g) in (0, 1]), got a largest value of "
+                f"{largest}; e.g. jax.nn.log_sigmoid of a gate logit."
+            )
+    if log_decay.ndim == 1:
+        log_decay = jnp.broadcast_to(log_decay[:, None], (B, T, H, 1))
+    elif log_decay.ndim == 3:
+        log_decay = log_decay[..., None]
+    return log_decay
+
+
+def check_linear_state(state, expected_BHFM, *, normalize: bool, name: str) -> LinearState:
+    """Raise a ValueError unless `state` is a LinearState of shapes s [B, H, F, M] and z [B, H, F]
+    (z None when the op does not normalise)."""
+    if not isinstance(state, LinearState):
+        raise ValueError(
+            f"{name}: initial_state must be an ops.LinearState (init_linear_state, "
+            f"or the state a call with return_state=True returned), got "
+            f"{type(state).__name__}."
+        )
+    expected_z = tuple(expected_BHFM[:3]) if normalize else None
+    z_shape = None if state.z_BHF is None else tuple(state.z_BHF.shape)
+    if tuple(state.s_BHFM.shape) != tuple(expected_BHFM) or z_shape != expected_z:
+        raise ValueError(
+            f"{name}: initial_state shapes s {tuple(state.s_BHFM.shape)}, z {z_shape} do not fit "
+            f"the inputs, which need s {tuple(expected_BHFM)} and z {expected_z} "
+            f"(init_linear_state(batch, heads, F, M, normalizer={normalize}))."
+        )
+    for part in state:
+        if part is not None and not jnp.issubdtype(part.dtype, jnp.floating):
+            raise ValueError(f"{name}: initial_state must be floating point, got {part.dtype}.")
+    return state
+
+
+def prepare(q_BTHD, k_BTHD, v_BTHM, g_BTHX, valid_BT, *, fm, scale, acc):
+    """(phi(q) * scale, phi(k), v, g) for any stretch of steps, phi(k), v and g zeroed where a key
+    does not count (`valid_BT` False; None: every key counts) and g in `acc`. `where`, not a
+    product: padded values may hold inf or NaN."""
+    phi_q, phi_k = fm.query(q_BTHD), fm.key(k_BTHD)
+    if scale != 1.0:
+        phi_q = phi_q * jnp.asarray(scale, phi_q.dtype)
+    v, g = v_BTHM, None if g_BTHX is None else g_BTHX.astype(acc)
+    if valid_BT is not None:
+        valid_BT11 = valid_BT[:, :, None, None]
+        phi_k = jnp.where(valid_BT11, phi_k, 0)
+        v = jnp.where(valid_BT11, v, 0)
+        g = None if g is None else jnp.where(valid_BT11, g, 0)
+    return phi_q, phi_k, v, g
