@@ -5,6 +5,10 @@
   copy              copy.py              the copy task, decoder-only or encoder-decoder
   progressions      progressions.py      the demo: arithmetic progressions, continued as an RNN
   speech            speech.py            speech recognition with CTC: phoneme error rate
+
+Beside them, what only tasks use: `images.py` (PNG sample grids, for image generation and
+image_sampling.py) and `greedy_recompute.py` (greedy decoding of models without a recurrent
+form, for copy).
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ import optax
 from flax import nnx
 
 from experiments.data import copy_task
-from experiments.training import greedy_recompute, schemas
+from experiments.tasks import greedy_recompute
 from experiments.training import mesh as mesh_lib
+from experiments.training import schemas
 from experiments.training.config_checks import check_sizes, model_config
 from experiments.training.trainer import Task, Trainer
 from linear_transformers.attention import attention_class, kinds_with

@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from experiments.data import pipeline
-from experiments.training import images, schemas
+from experiments.tasks import images
+from experiments.training import schemas
 from experiments.training.config_checks import check_sizes, model_config
 from experiments.training.trainer import Task, Trainer
 from linear_transformers import mixture

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from experiments.data import pipeline
+from experiments.tasks import images
 from experiments.tasks.image_generation import ImageGeneration
-from experiments.training import images
 from experiments.training.restore import load_config, restore_trainer
 from linear_transformers import interop
 from linear_transformers.image_generator import sample_images, sample_images_full_recompute

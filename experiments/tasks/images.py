@@ -7,6 +7,7 @@ import os
 import pathlib
 
 import numpy as np
+from PIL import Image
 
 
 def image_grid(images: np.ndarray, num_classes: int, *, pad: int = 1) -> np.ndarray:
@@ -28,8 +29,6 @@ def image_grid(images: np.ndarray, num_classes: int, *, pad: int = 1) -> np.ndar
 def save_image_grid(path, images, num_classes: int, *, scale: int = 1) -> pathlib.Path:
     """Write a PNG grid of the images; `scale` enlarges small images (nearest neighbour). The
     file appears whole or not at all (a resumed trainer rewrites only a missing one)."""
-    from PIL import Image
-
     grid = image_grid(images, num_classes)
     if scale > 1:
         grid = grid.repeat(scale, axis=0).repeat(scale, axis=1)

@@ -23,7 +23,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from experiments.data.speech import batching
+from experiments.data.speech import batching, loading  # loading imports no TFDS until it loads
+from experiments.data.speech.features import NUM_MELS
+from experiments.data.speech.phonemes import PHONEMES
 from experiments.training import schemas
 from experiments.training.config_checks import check_sizes, model_config
 from experiments.training.trainer import Task, Trainer
@@ -200,8 +202,6 @@ class Speech(Task):
 
     def check(self) -> None:
         c = self.config
-        from experiments.data.speech import loading  # imports no TFDS until it loads
-
         if c.corpus not in loading.CORPORA:
             raise ValueError(f"config.corpus {c.corpus!r} is not one of {sorted(loading.CORPORA)}.")
         if c.corpus_size not in loading.SYNTHETIC_SIZES:
@@ -239,19 +239,13 @@ class Speech(Task):
         return {"model.attention": self.config.model.attention}
 
     def input_dim(self) -> int:
-        from experiments.data.speech import features
-
-        return features.NUM_MELS * self.config.stack_frames
+        return NUM_MELS * self.config.stack_frames
 
     def num_classes(self) -> int:
-        from experiments.data.speech import phonemes
-
-        return len(phonemes.PHONEMES)
+        return len(PHONEMES)
 
     def load_split(self, split: str):
         """Split `split` in memory (loading.Utterances), read once."""
-        from experiments.data.speech import loading
-
         if split not in self.splits:
             c = self.config
             train = split == "train"

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from experiments.data.speech import phonemes
 from experiments.tasks.speech import Speech
 from experiments.training.restore import load_config, restore_trainer
 from linear_transformers import ctc
 
 
 def _phonemes(ids) -> str:
-    from experiments.data.speech import phonemes
-
     return " ".join(phonemes.decode(ids))
 
 

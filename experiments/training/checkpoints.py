@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from experiments.training import interrupts, processes, save_faults
+from experiments.training.config_diff import config_differences
 
 MANIFEST = "checksums.json"
 DAMAGED_DIR = "damaged_checkpoints"  # beside the checkpoint directory, outside Orbax's view
@@ -478,27 +479,6 @@ class Checkpointer:
     def close(self) -> None:
         """Release the manager's resources."""
         self._manager.close()
-
-
-def _flatten(tree, prefix=""):
-    if isinstance(tree, dict):
-        out = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
-def config_differences(saved: dict, config: dict) -> list[str]:
-    """'key: saved -> new' for every (dotted) key whose value differs between two configs. A
-    key the saved config does not record (one added since it was written) is not listed: it
-    cannot explain what the checkpoint holds."""
-    old, new = _flatten(saved), _flatten(config)
-    return [
-        f"{key}: {old[key]!r} -> {new.get(key, '(absent)')!r}"
-        for key in sorted(old)
-        if old[key] != new.get(key)
-    ]
 
 
 def _config_mismatch(checkpointer, step, workdir, config) -> str | None:

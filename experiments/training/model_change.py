@@ -17,6 +17,7 @@ import pathlib
 import ml_collections
 from absl import logging
 
+from experiments.training.config_diff import differences, format_difference
 from experiments.training.schemas import upgrade_saved_config
 
 # The keys that define the model's function: groups of fields (the stack; the copy task's
@@ -38,28 +39,24 @@ class ModelChangeError(ValueError):
     """A resumed run whose config changes the model its checkpoint was trained as."""
 
 
-def _text(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-
-
 def model_changes(saved: dict, config: dict) -> list[str]:
     """'key: old -> new' for every model-defining key (`MODEL_GROUPS`' fields, `MODEL_KEYS`)
     whose value differs between a saved config (config.json, any layout) and `config` (both as
     JSON dicts). A key the saved config does not record (written before the key existed) is not
     compared: nothing says what it was."""
     saved = upgrade_saved_config(saved)
-    changes = []
+    old, new = {}, {}  # the compared keys, dotted, with their values
+    ignored = set(TRAINING_ONLY_FIELDS) | set(COMPILATION_FIELDS)
     for group in MODEL_GROUPS:
-        old, new = saved.get(group), config.get(group)
-        if not isinstance(old, dict) or not isinstance(new, dict):
+        group_old, group_new = saved.get(group), config.get(group)
+        if not isinstance(group_old, dict) or not isinstance(group_new, dict):
             continue
-        for name in sorted(set(old) & set(new) - set(TRAINING_ONLY_FIELDS) - set(COMPILATION_FIELDS)):
-            if old[name] != new[name]:
-                changes.append(f"{group}.{name}: {_text(old[name])} -> {_text(new[name])}")
+        for name in sorted(set(group_old) & set(group_new) - ignored):
+            old[f"{group}.{name}"], new[f"{group}.{name}"] = group_old[name], group_new[name]
     for key in MODEL_KEYS:
-        if key in saved and key in config and saved[key] != config[key]:
-            changes.append(f"{key}: {_text(saved[key])} -> {_text(config[key])}")
-    return changes
+        if key in saved and key in config:
+            old[key], new[key] = saved[key], config[key]
+    return [format_difference(*d) for d in differences(old, new)]
 
 
 def check_resumed_model(workdir, config: ml_collections.ConfigDict, step: int) -> None:

@@ -46,6 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from experiments.training import coordinator
+from experiments.training.config_diff import config_differences, format_difference
+
 # Prefix of this library's keys in the coordination service's key-value store.
 _KEY = "linear_transformers"
 # How often a process beats and looks at the others: a twentieth of peer_timeout, within these
@@ -141,8 +144,6 @@ class _Cluster:
 
     def end_service(self) -> None:
         if self.service is not None and self.service.poll() is None:
-            from experiments.training import coordinator
-
             self.service.send_signal(coordinator.STOP)  # it removes its pid file and ends
             try:
                 self.service.wait(timeout=5)
@@ -241,8 +242,6 @@ def _start_service(config) -> subprocess.Popen:
     ]
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    from experiments.training import coordinator
-
     coordinator.end_lingering(port)
     deadline = time.monotonic() + config.coordinator_timeout
     while True:
@@ -317,8 +316,6 @@ def check_same_config(config, workdir) -> None:
     process naming the keys whose values differ from process 0's."""
     if not multiprocess():
         return
-    from experiments.training.checkpoints import config_differences
-
     mine = {"config": _comparable(config), "workdir": os.path.abspath(os.path.expanduser(str(workdir)))}
     client, index = _cluster.client, _cluster.index
     client.key_value_set(f"{_KEY}/config/{index}", json.dumps(mine))
@@ -326,7 +323,7 @@ def check_same_config(config, workdir) -> None:
     reference = json.loads(client.blocking_key_value_get(f"{_KEY}/config/0", wait_ms))
     differences = config_differences(reference["config"], mine["config"])
     if reference["workdir"] != mine["workdir"]:
-        differences.append(f"workdir: {reference['workdir']!r} -> {mine['workdir']!r}")
+        differences.append(format_difference("workdir", reference["workdir"], mine["workdir"]))
     client.key_value_set(f"{_KEY}/config_differs/{index}", "; ".join(differences))
     reports = {
         p: client.blocking_key_value_get(f"{_KEY}/config_differs/{p}", wait_ms) for p in range(_cluster.count)

@@ -40,6 +40,7 @@ import ml_collections
 import optax
 from absl import logging
 from flax import nnx
+from tqdm import tqdm
 
 from experiments.training import interrupts, processes
 from experiments.training import mesh as mesh_lib
@@ -365,8 +366,6 @@ def _train(
     writer = MetricsWriter(run.path)
     progress = None
     if config.progress_bar and jax.process_index() == 0:
-        from tqdm import tqdm
-
         progress = tqdm(
             total=config.num_steps,
             initial=step,

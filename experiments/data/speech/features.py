@@ -1,8 +1,9 @@
 """80-dim log-mel filterbank features at exactly 100 frames per second, from audio of any sample rate.
 
 Written in NumPy rather than with librosa: librosa would add a dependency (and with it numba, llvmlite,
-soundfile, audioread, ...) for a computation of a few lines, which `tests/test_speech_data.py` checks
-against a slow, obviously correct reference (a dense DFT, explicit loops).
+soundfile, audioread, ...) for a computation of a few lines, which
+`tests/experiments/test_speech_data.py` checks against a slow, obviously correct reference (a dense
+DFT, explicit loops).
 
 The recipe, the same at every sample rate `sr`, so that features of 22.05 kHz synthetic speech and of
 16 kHz recorded corpora are comparable:
