@@ -16,48 +16,15 @@ that fails or runs out of time is recorded with the reason and the next one runs
 CPU (they would take hours there): use --sizes=tiny.
 """
 
-from absl import app, flags
+from absl import app
 
-from experiments import cli
+from experiments.benchmarking import accelerator_bench, flags
 
-_SIZES = flags.DEFINE_enum(
-    "sizes",
-    "accelerator",
-    ["accelerator", "check", "tiny"],
-    "accelerator: the GPU section's sizes; check: the part of them experiments.check_accelerator "
-    "runs; tiny: seconds, any device.",
+main = flags.main(
+    accelerator_bench.AcceleratorBenchOptions,
+    accelerator_bench.run_and_report,
+    out_dir="benchmark_results/accelerator",
 )
-_PARTS = flags.DEFINE_list(
-    "parts",
-    ["attention", "generation", "train_step", "compile", "chunk_size", "prefill", "gated"],
-    "Parts to run (the others are listed as not selected).",
-)
-_MAX_MINUTES = flags.DEFINE_float(
-    "max_minutes", 8.5, "Parts not started within this many minutes are skipped (a case in flight finishes)."
-)
-_DEVICE = flags.DEFINE_enum("device", None, ["cpu", "gpu", "tpu"], "Backend (default: JAX's).")
-_OUT = flags.DEFINE_string("out_dir", "benchmark_results/accelerator", "Where accelerator.md/.csv go.")
-
-
-@cli.one_line_errors
-def main(argv):
-    del argv
-    import jax
-
-    if _DEVICE.value:
-        jax.config.update("jax_platforms", _DEVICE.value)
-
-    from experiments.training import mesh
-
-    mesh.announce_backend()
-
-    from experiments.benchmarking import accelerator_bench
-
-    opts = accelerator_bench.AcceleratorBenchOptions(
-        sizes=_SIZES.value, parts=tuple(_PARTS.value), max_minutes=_MAX_MINUTES.value
-    )
-    accelerator_bench.run_and_report(opts, _OUT.value)
-
 
 if __name__ == "__main__":
     app.run(main)

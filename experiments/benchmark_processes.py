@@ -10,30 +10,17 @@ the trainer's own steps_per_sec. On one CPU the processes share its cores and ex
 gradients over loopback (Gloo): the figure shows that cost, not a cluster's.
 """
 
-from absl import app, flags
+from absl import app
 
-_CONFIG = flags.DEFINE_string("config", "configs/digits.py", "The config file each setup trains.")
-_STEPS = flags.DEFINE_integer("num_steps", 300, "Steps per setup.")
-_LOG_EVERY = flags.DEFINE_integer("log_every", 25, "Steps per log window (one timing each).")
-_SETUPS = flags.DEFINE_list("setups", ["1x4", "2x2", "1x2"], "PROCESSESxDEVICES, first = the reference.")
-_OUT = flags.DEFINE_string("out_dir", "benchmark_results/processes", "Where CSV/JSON go.")
+from experiments.benchmarking import flags, processes_bench
 
-
-def main(argv):
-    del argv
-    from experiments.benchmarking import processes_bench
-
-    setups = []
-    for text in _SETUPS.value:
-        count, _, devices = text.partition("x")
-        if not (count.isdigit() and devices.isdigit() and int(count) >= 1 and int(devices) >= 1):
-            raise app.UsageError(f"--setups takes PROCESSESxDEVICES like 2x2, got {text!r}.")
-        setups.append(processes_bench.Setup(int(count), int(devices)))
-    opts = processes_bench.ProcessesBenchOptions(
-        config=_CONFIG.value, num_steps=_STEPS.value, log_every=_LOG_EVERY.value, setups=tuple(setups)
-    )
-    processes_bench.run_and_report(opts, _OUT.value)
-
+main = flags.main(
+    processes_bench.ProcessesBenchOptions,
+    processes_bench.run_and_report,
+    out_dir="benchmark_results/processes",
+    device=False,
+    announce=False,
+)
 
 if __name__ == "__main__":
     app.run(main)

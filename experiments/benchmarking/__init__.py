@@ -12,5 +12,7 @@ entry points.
 - `accelerator_bench`: every GPU measurement in one run and one report.
 - `copy_bench`: the copy task's runs (paper section 4.1): table, curves and plot.
 - `peers`: the authors' library timed on the same cases in the same run.
-- `report`: tables on stdout, CSV/JSON files, log-log PNG plots.
+- `report`: tables on stdout, CSV/JSON files, log-log PNG plots, and `run_and_report`, the run
+  and report every benchmark module shares.
+- `flags`: an options dataclass's command-line flags, and the entry points' absl `main`.
 """

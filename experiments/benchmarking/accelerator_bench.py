@@ -41,6 +41,7 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import numpy as np
@@ -76,9 +77,7 @@ class Sizes:
     chunk_length: int  # N of the chunk-size sweep (same B, H, D)
     chunk_dtypes: tuple[str, ...]
     chunk_sizes: tuple[int, ...]
-    generation: generation_bench.GenerationBenchOptions
-    generation_dtype: str
-    generation_layers: int | None  # None: the paper's 8
+    generation: generation_bench.GenerationBenchOptions  # (one case per method and batch)
     train_dataset: str  # its image shape sets the sequence length
     train_model: tuple[tuple[str, object], ...]  # config.model overrides of the paper's MNIST model
     train_batches: tuple[int, ...]
@@ -94,55 +93,8 @@ class Sizes:
 
 
 def _sizes(name: str) -> Sizes:
-    if name == "accelerator":
-        return Sizes(
-            attention=attention_bench.AttentionBenchOptions(
-                lengths=(16384, 65536), heads=8, head_dim=64, value_dim=64, dtype="bfloat16", min_seconds=0.5
-            ),
-            attention_batch=8,
-            chunk_length=16384,
-            chunk_dtypes=("float32", "bfloat16"),
-            chunk_sizes=(32, 64, 128, 256),
-            generation=generation_bench.GenerationBenchOptions(
-                archs=("mnist",),
-                methods=("linear/recurrent", "softmax/kv-cache"),
-                batches=(1, 256, 1024),
-                timed_steps=0,  # whole images: the GPU section's figures are per image
-                memory_lengths=(),
-                min_seconds=1.0,
-            ),
-            generation_dtype="bfloat16",
-            generation_layers=None,
-            train_dataset="mnist",
-            train_model=(),
-            train_batches=(16, 128),  # 16: configs/mnist.py's batch
-            train_dtypes=("bfloat16", "float32"),  # float32 to say what bf16 buys
-            train_min_seconds=1.0,
-            compile_layers=(2, 8, 16),
-            prefill=prefill_bench.PrefillBenchOptions(
-                prompt_lengths=(512, 2048, 8192),
-                batches=(1,),
-                softmax_lengths=(512, 2048),
-                # Image completion compiles two 8-layer samplers per case (~a minute in all):
-                # the MNIST model's speed is the generation part's.
-                image_arch="",
-                min_seconds=0.5,
-            ),
-            gated=gated_bench.GatedBenchOptions(
-                lengths=(4096, 16384), batch=8, dtype="bfloat16", impls=("chunked",), min_seconds=0.5
-            ),
-            # 510 s in all (max_minutes 8.5): with JAX's start and a last case running over, the
-            # run fits a 10-minute device command.
-            budgets_s=(
-                ("attention", 100.0),
-                ("generation", 140.0),
-                ("train_step", 80.0),
-                ("compile", 80.0),
-                ("chunk_size", 60.0),
-                ("prefill", 70.0),
-                ("gated", 60.0),
-            ),
-        )
+    if name == "tiny":
+        return _tiny_sizes()
     if name == "check":
         full = _sizes("accelerator")
         return dataclasses.replace(
@@ -154,76 +106,94 @@ def _sizes(name: str) -> Sizes:
                 (part, dict(attention=45.0, train_step=30.0, compile=100.0).get(part, 60.0)) for part in PARTS
             ),
         )
-    if name == "tiny":
-        return Sizes(
-            # One case or two per part, forward passes only: what costs seconds here is compiling.
-            attention=attention_bench.AttentionBenchOptions(
-                lengths=(64,),
-                heads=2,
-                head_dim=8,
-                value_dim=8,
-                dtype="bfloat16",
-                passes=("forward",),
-                chunk_size=16,
-                min_repeats=1,
-                min_seconds=0.0,
-            ),
-            attention_batch=2,
-            chunk_length=64,
-            chunk_dtypes=("float32", "bfloat16"),
-            chunk_sizes=(16,),
-            generation=generation_bench.GenerationBenchOptions(
-                archs=("mnist",),
-                methods=("linear/recurrent",),  # the KV cache: generation_bench's own tests
-                batches=(1,),
-                timed_steps=1,
-                memory_lengths=(),
-                min_repeats=1,
-                min_seconds=0.0,
-            ),
-            generation_dtype="bfloat16",
-            generation_layers=1,
-            train_dataset="digits",  # 64 sub-pixels
-            train_model=(("num_layers", 1), ("num_heads", 2), ("model_dim", 16), ("feed_forward_dim", 32)),
-            train_batches=(2,),
-            train_dtypes=("bfloat16",),
-            train_min_seconds=0.0,
-            compile_layers=(1, 2),
-            prefill=prefill_bench.PrefillBenchOptions(
-                prompt_lengths=(16,),
-                batches=(2,),
-                kinds=("linear",),
-                num_layers=1,
-                model_dim=16,
-                num_heads=2,
-                vocab_size=11,
-                image_arch="",  # image completion reuses generation's model, timed above
-                min_repeats=1,
-                min_seconds=0.0,
-            ),
-            gated=gated_bench.GatedBenchOptions(
-                lengths=(64,),
-                batch=2,
-                heads=2,
-                head_dim=8,
-                value_dim=8,
-                dtype="bfloat16",
-                decays=("step",),
-                passes=("forward",),
-                impls=("chunked",),
-                min_repeats=1,
-                min_seconds=0.0,
-            ),
-            budgets_s=tuple((part, 120.0) for part in PARTS),
-        )
-    raise ValueError(f"unknown sizes {name!r}; expected one of {SIZES}.")
+    return Sizes(
+        attention=attention_bench.AttentionBenchOptions(lengths=(16384, 65536), dtype="bfloat16"),
+        attention_batch=8,
+        chunk_length=16384,
+        chunk_dtypes=("float32", "bfloat16"),
+        chunk_sizes=(32, 64, 128, 256),
+        generation=generation_bench.GenerationBenchOptions(
+            archs=("mnist",),
+            methods=("linear/recurrent", "softmax/kv-cache"),
+            batches=(1, 256, 1024),
+            timed_steps=0,  # whole images: the GPU section's figures are per image
+            memory_lengths=(),
+            dtype="bfloat16",
+        ),
+        train_dataset="mnist",
+        train_model=(),
+        train_batches=(16, 128),  # 16: configs/mnist.py's batch
+        train_dtypes=("bfloat16", "float32"),  # float32 to say what bf16 buys
+        train_min_seconds=1.0,
+        compile_layers=(2, 8, 16),
+        # Image completion compiles two 8-layer samplers per case (~a minute in all): the
+        # MNIST model's speed is the generation part's.
+        prefill=prefill_bench.PrefillBenchOptions(batches=(1,), image_arch="", min_seconds=0.5),
+        gated=gated_bench.GatedBenchOptions(batch=8, dtype="bfloat16", impls=("chunked",)),
+        # 510 s in all (max_minutes 8.5): with JAX's start and a last case running over, the
+        # run fits a 10-minute device command.
+        budgets_s=tuple(zip(PARTS, (100.0, 140.0, 80.0, 80.0, 60.0, 70.0, 60.0))),
+    )
+
+
+def _tiny_sizes() -> Sizes:
+    """One case or two per part, forward passes only: what costs seconds here is compiling."""
+    quick = {"min_repeats": 1, "min_seconds": 0.0}
+    small = {"heads": 2, "head_dim": 8, "value_dim": 8, "dtype": "bfloat16", "passes": ("forward",)}
+    return Sizes(
+        attention=attention_bench.AttentionBenchOptions(lengths=(64,), chunk_size=16, **small, **quick),
+        attention_batch=2,
+        chunk_length=64,
+        chunk_dtypes=("float32", "bfloat16"),
+        chunk_sizes=(16,),
+        generation=generation_bench.GenerationBenchOptions(
+            archs=("mnist",),
+            methods=("linear/recurrent",),  # the KV cache: generation_bench's own tests
+            batches=(1,),
+            timed_steps=1,
+            memory_lengths=(),
+            dtype="bfloat16",
+            num_layers=1,
+            **quick,
+        ),
+        train_dataset="digits",  # 64 sub-pixels
+        train_model=(("num_layers", 1), ("num_heads", 2), ("model_dim", 16), ("feed_forward_dim", 32)),
+        train_batches=(2,),
+        train_dtypes=("bfloat16",),
+        train_min_seconds=0.0,
+        compile_layers=(1, 2),
+        prefill=prefill_bench.PrefillBenchOptions(
+            prompt_lengths=(16,),
+            batches=(2,),
+            kinds=("linear",),
+            num_layers=1,
+            model_dim=16,
+            num_heads=2,
+            vocab_size=11,
+            image_arch="",  # image completion reuses generation's model, timed above
+            **quick,
+        ),
+        gated=gated_bench.GatedBenchOptions(
+            lengths=(64,), batch=2, decays=("step",), impls=("chunked",), **small, **quick
+        ),
+        budgets_s=tuple((part, 120.0) for part in PARTS),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class AcceleratorBenchOptions:
-    sizes: str = "accelerator"
+    """What `run_and_report` measures.
+
+    sizes: accelerator: the GPU section's sizes; check: the part of them
+        experiments.check_accelerator runs; tiny: seconds, any device.
+    parts: Parts to run (the others are listed as not selected).
+    max_minutes: Parts not started within this many minutes are skipped (a case in flight
+        finishes).
+    """
+
+    sizes: Literal["accelerator", "check", "tiny"] = "accelerator"
     parts: tuple[str, ...] = PARTS
-    max_minutes: float = 8.5  # the whole run; parts (and cases) not started by then are skipped
+    max_minutes: float = 8.5
 
     def __post_init__(self):
         if self.sizes not in SIZES:
@@ -292,7 +262,7 @@ def attention_cases(sizes: Sizes) -> list[Case]:
     gpu = jax.devices()[0].platform == "gpu"
     opts = sizes.attention
     cases = [
-        Case(f"{kind} {pass_} N={n}", _attention_case(sizes, kind, pass_, n))
+        _sweep_case(attention_bench, _attention_opts(sizes, n), kind, pass_, n)
         for kinds in ([CHUNKED, CUDNN] if gpu else [CHUNKED], ["softmax"])
         for n in opts.lengths
         for kind in kinds
@@ -303,37 +273,32 @@ def attention_cases(sizes: Sizes) -> list[Case]:
     return cases
 
 
-def _attention_case(sizes: Sizes, kind: str, pass_: str, n: int, *, dtype=None, chunk_size=None):
+def _attention_opts(sizes: Sizes, n: int, **changes) -> attention_bench.AttentionBenchOptions:
+    """The attention options of one N, at the part's batch (attention_bench's B = tokens // N)."""
+    return dataclasses.replace(sizes.attention, lengths=(n,), tokens=sizes.attention_batch * n, **changes)
+
+
+def _sweep_case(bench, opts, kind: str, pass_: str, n: int, label: str = "") -> Case:
+    """One (kind, pass, N) case, as `bench` (attention_bench or gated_bench) runs it in its sweep."""
+
     def run() -> list[dict]:
-        opts = dataclasses.replace(
-            sizes.attention,
-            lengths=(n,),
-            tokens=sizes.attention_batch * n,  # attention_bench's B = tokens // N
-            dtype=dtype or sizes.attention.dtype,
-            chunk_size=chunk_size or sizes.attention.chunk_size,
-        )
-        budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
-        return [attention_bench.run_case(opts, kind, pass_, n, budget)]
+        return [bench.run_case(opts, kind, pass_, n, opts.budget_bytes())]
 
-    return run
-
-
-def attention_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    return [("time / time(causal-linear/chunked), same run", attention_bench.speedups(rows, CHUNKED))]
+    return Case(label or f"{kind} {pass_} N={n}", run)
 
 
 def attention_targets(rows: list[dict]) -> list[dict]:
     times = {(r["kind"], r["pass"], r["n"]): r["time_ms"] for r in rows if r.get("status") == "ok"}
-    out = []
-    for n, goal in ATTENTION_TARGETS.items():
-        for pass_ in attention_bench.PASSES:
-            chunked, cudnn = times.get((CHUNKED, pass_, n)), times.get((CUDNN, pass_, n))
-            target = f"chunked >= {goal:g}x cuDNN flash attention, N={n}, {pass_}"
-            if chunked and cudnn:
-                out.append(_target(target, f"{cudnn / chunked:.2f}x", cudnn / chunked >= goal))
-            else:
-                out.append(_target(target, "not measured", None))
-    return out
+    return [
+        _ratio_target(
+            f"chunked >= {goal:g}x cuDNN flash attention, N={n}, {pass_}",
+            times.get((CUDNN, pass_, n)),
+            times.get((CHUNKED, pass_, n)),
+            lambda ratio, goal=goal: ratio >= goal,
+        )
+        for n, goal in ATTENTION_TARGETS.items()
+        for pass_ in attention_bench.PASSES
+    ]
 
 
 def _number(value: float) -> str:
@@ -348,26 +313,22 @@ def _target(target: str, measured: str, met: bool | None) -> dict:
     }
 
 
+def _ratio_target(target: str, numerator, denominator, met: Callable[[float], bool]) -> dict:
+    """The target on numerator / denominator (same run); not measured where either is missing."""
+    if not (numerator and denominator):
+        return _target(target, "not measured", None)
+    ratio = numerator / denominator
+    return _target(target, f"{ratio:.2f}x", met(ratio))
+
+
 def generation_cases(sizes: Sizes) -> list[Case]:
     def case(method: str, batch: int):
-        def run() -> list[dict]:
-            opts = dataclasses.replace(
-                sizes.generation,
-                methods=(method,),
-                batches=(batch,),
-                dtype=sizes.generation_dtype,
-                num_layers=sizes.generation_layers,
-            )
-            speed, _ = generation_bench.run(opts)
-            return [{**r, "dtype": sizes.generation_dtype} for r in speed]
-
-        return Case(f"{method} B={batch}", run)
+        one = dataclasses.replace(sizes.generation, methods=(method,), batches=(batch,))
+        return Case(
+            f"{method} B={batch}", lambda: [{**r, "dtype": one.dtype} for r in generation_bench.run(one)[0]]
+        )
 
     return [case(m, b) for b in sizes.generation.batches for m in sizes.generation.methods]
-
-
-def generation_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    return [("linear/recurrent images/s over each method's, same batch", generation_bench.ratios(rows))]
 
 
 def generation_targets(rows: list[dict]) -> list[dict]:
@@ -384,10 +345,7 @@ def generation_targets(rows: list[dict]) -> list[dict]:
     for batch in dict.fromkeys(b for _, b in ips) or [None]:
         target = f"linear recurrent >= {RECURRENT_OVER_KV_TARGET:g}x softmax KV cache, B={batch}"
         lin, kv = ips.get(("linear/recurrent", batch)), ips.get(("softmax/kv-cache", batch))
-        if lin and kv:
-            out.append(_target(target, f"{lin / kv:.2f}x", lin / kv >= RECURRENT_OVER_KV_TARGET))
-        else:
-            out.append(_target(target, "not measured", None))
+        out.append(_ratio_target(target, lin, kv, lambda ratio: ratio >= RECURRENT_OVER_KV_TARGET))
     return out
 
 
@@ -399,29 +357,45 @@ def train_step_cases(sizes: Sizes) -> list[Case]:
     ]
 
 
-def _train_step_row(sizes: Sizes, dtype: str, batch: int) -> dict:
-    """The trainer's compiled step (loss, gradients, RAdam update, finite check; dropout on) of
-    the paper's MNIST model on random sub-pixels: the step a training run repeats."""
+def _training(sizes: Sizes, dtype: str, batch: int, layers: int | None = None):
+    """(config, a function making its Trainer, random sub-pixels [batch, length]) of the paper's
+    MNIST model (configs/mnist.py's) with `sizes`' data set and model overrides."""
     from experiments import tasks
     from experiments.training import mesh as mesh_lib
     from experiments.training import trainer as trainer_lib
 
-    config = generation_bench.paper_config("mnist", dtype=dtype)  # configs/mnist.py's model
+    config = generation_bench.paper_config("mnist", dtype=dtype)
     config.dataset = sizes.train_dataset
     config.model.update(dict(sizes.train_model))
+    config.model.num_layers = layers or config.model.num_layers
     config.batch_size = batch
     task = trainer_lib.check_config(config, tasks.task_class(config))
-    trainer = trainer_lib.Trainer(config, task, mesh_lib.make_mesh(config))
-    length = task.sequence_length()
-    batch_BT = np.random.default_rng(config.seed).integers(
-        0, task.info.num_classes, (batch, length), dtype=np.uint8
-    )
+    shape = (batch, task.sequence_length())
+    batch_BT = np.random.default_rng(config.seed).integers(0, task.info.num_classes, shape, dtype=np.uint8)
+    return config, lambda: trainer_lib.Trainer(config, task, mesh_lib.make_mesh(config)), batch_BT
+
+
+def _first_call(trainer, batch_BT) -> tuple[float, dict]:
+    """(seconds, metrics) of one training step."""
     start = time.perf_counter()
-    metrics = jax.block_until_ready(trainer.train(batch_BT))  # compiles
-    first_call_s = time.perf_counter() - start
+    metrics = jax.block_until_ready(trainer.train(batch_BT))
+    return time.perf_counter() - start, metrics
+
+
+def _step_status(metrics) -> str:
+    return "ok" if bool(metrics["finite"]) else "failed: non-finite loss or gradients"
+
+
+def _train_step_row(sizes: Sizes, dtype: str, batch: int) -> dict:
+    """The trainer's compiled step (loss, gradients, RAdam update, finite check; dropout on) of
+    the paper's MNIST model on random sub-pixels: the step a training run repeats."""
+    config, make_trainer, batch_BT = _training(sizes, dtype, batch)
+    trainer = make_trainer()
+    first_call_s, metrics = _first_call(trainer, batch_BT)  # compiles
     timing = measure.time_call(
         lambda: jax.block_until_ready(trainer.train(batch_BT)), min_seconds=sizes.train_min_seconds
     )
+    length = batch_BT.shape[1]
     return {
         "dtype": dtype,
         "batch": batch,
@@ -434,7 +408,7 @@ def _train_step_row(sizes: Sizes, dtype: str, batch: int) -> dict:
         "first_call_s": first_call_s,
         "loss": float(metrics["loss"]),
         "repeats": timing.repeats,
-        "status": "ok" if bool(metrics["finite"]) else "failed: non-finite loss or gradients",
+        "status": _step_status(metrics),
     }
 
 
@@ -461,31 +435,13 @@ def _first_step_row(sizes: Sizes, dtype: str, batch: int, layers: int) -> dict:
     pays, jit's in-memory caches cleared); then the step's median time."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    from experiments import tasks
-    from experiments.training import mesh as mesh_lib
-    from experiments.training import trainer as trainer_lib
-
-    config = generation_bench.paper_config("mnist", dtype=dtype, num_layers=layers)
-    config.dataset = sizes.train_dataset
-    config.model.update(dict(sizes.train_model))
-    config.model.num_layers = layers
-    config.batch_size = batch
-    task = trainer_lib.check_config(config, tasks.task_class(config))
-
-    def first_call(trainer, batch_BT):
-        start = time.perf_counter()
-        metrics = jax.block_until_ready(trainer.train(batch_BT))
-        return time.perf_counter() - start, metrics
-
+    _, make_trainer, batch_BT = _training(sizes, dtype, batch, layers)
     previous = jax.config.jax_compilation_cache_dir
     with tempfile.TemporaryDirectory() as cache:
         jax.config.update("jax_compilation_cache_dir", cache)
         compilation_cache.reset_cache()
         try:
-            trainer = trainer_lib.Trainer(config, task, mesh_lib.make_mesh(config))
-            batch_BT = np.random.default_rng(config.seed).integers(
-                0, task.info.num_classes, (batch, task.sequence_length()), dtype=np.uint8
-            )
+            trainer = make_trainer()
             with jax.set_mesh(trainer.mesh):
                 args = (trainer.state, trainer.rng_state, trainer.shard_batch(batch_BT))
                 start = time.perf_counter()
@@ -493,10 +449,10 @@ def _first_step_row(sizes: Sizes, dtype: str, batch: int, layers: int) -> dict:
                 traced = time.perf_counter()
                 compiled_step = lowered.compile()
                 compiled = time.perf_counter()
-            run_s, metrics = first_call(trainer, batch_BT)  # jit compiles again, or reads the cache
+            run_s, metrics = _first_call(trainer, batch_BT)  # jit compiles again, or reads the cache
             del compiled_step
             jax.clear_caches()
-            warm_s, _ = first_call(trainer_lib.Trainer(config, task, mesh_lib.make_mesh(config)), batch_BT)
+            warm_s, _ = _first_call(make_trainer(), batch_BT)
         finally:
             jax.config.update("jax_compilation_cache_dir", previous)
             compilation_cache.reset_cache()
@@ -510,67 +466,64 @@ def _first_step_row(sizes: Sizes, dtype: str, batch: int, layers: int) -> dict:
         "first_call_s": compiled - start + run_s,
         "cached_first_call_s": warm_s,
         "step_ms": timing.median_s * 1e3,
-        "status": "ok" if bool(metrics["finite"]) else "failed: non-finite loss or gradients",
+        "status": _step_status(metrics),
     }
 
 
-def compile_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    ok = sorted((r for r in rows if r.get("status") == "ok"), key=lambda r: r["layers"])
-    if not ok:
-        return []
-    base = ok[0]
-    ratios = [
-        {
-            "layers": r["layers"],
-            f"first_call_over_{base['layers']}_layers": r["first_call_s"] / base["first_call_s"],
-        }
-        for r in ok
-    ]
-    return [("first call / the shallowest's, same run", ratios)]
+def _ran_by_depth(rows: list[dict]) -> list[dict]:
+    return sorted((r for r in rows if r.get("status") == "ok"), key=lambda r: r["layers"])
+
+
+def first_call_ratios(rows: list[dict]) -> list[dict]:
+    ok = _ran_by_depth(rows)
+    over = f"first_call_over_{ok[0]['layers']}_layers" if ok else ""
+    return [{"layers": r["layers"], over: r["first_call_s"] / ok[0]["first_call_s"]} for r in ok]
 
 
 def compile_targets(rows: list[dict]) -> list[dict]:
-    ok = sorted((r for r in rows if r.get("status") == "ok"), key=lambda r: r["layers"])
+    ok = _ran_by_depth(rows)
     if len(ok) < 2:
         return [_target("first step flat in the depth", "not measured", None)]
     low, high = ok[0], ok[-1]
-    ratio = high["first_call_s"] / low["first_call_s"]
     target = f"first step at {high['layers']} layers <= {FLAT_COMPILE_TARGET:g}x that at {low['layers']}"
-    return [_target(target, f"{ratio:.2f}x", ratio <= FLAT_COMPILE_TARGET)]
-
-
-def train_step_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    times = {(r["dtype"], r["batch"]): r["step_ms"] for r in rows if r.get("status") == "ok"}
-    ratios = [
-        {"batch": b, "float32_over_bfloat16": t / times[("bfloat16", b)]}
-        for (d, b), t in times.items()
-        if d == "float32" and ("bfloat16", b) in times
+    return [
+        _ratio_target(target, high["first_call_s"], low["first_call_s"], lambda r: r <= FLAT_COMPILE_TARGET)
     ]
-    return [("step time float32 / bfloat16, same run", ratios)]
+
+
+def float32_over_bfloat16(rows: list[dict]) -> list[dict]:
+    pairs = report.paired(rows, ("batch",), "dtype", "bfloat16", "step_ms")
+    return [{"batch": r["batch"], "float32_over_bfloat16": r["step_ms"] / b["step_ms"]} for r, b in pairs]
 
 
 def chunk_size_cases(sizes: Sizes) -> list[Case]:
     n = sizes.chunk_length
     return [
-        Case(f"{dtype} C={c} {pass_}", _attention_case(sizes, CHUNKED, pass_, n, dtype=dtype, chunk_size=c))
+        _sweep_case(
+            attention_bench,
+            _attention_opts(sizes, n, dtype=dtype, chunk_size=c),
+            CHUNKED,
+            pass_,
+            n,
+            f"{dtype} C={c} {pass_}",
+        )
         for dtype in sizes.chunk_dtypes
         for c in sizes.chunk_sizes
         for pass_ in sizes.attention.passes
     ]
 
 
-def chunk_size_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    best = {}
-    for r in rows:
-        if r.get("status") == "ok":
-            key = (r["dtype"], r["pass"])
-            if key not in best or r["time_ms"] < best[key]["time_ms"]:
-                best[key] = r
-    fastest = [
-        {"dtype": d, "pass": p, "fastest_chunk_size": r["chunk_size"], "time_ms": r["time_ms"]}
-        for (d, p), r in best.items()
+def fastest_chunk_sizes(rows: list[dict]) -> list[dict]:
+    ok = [r for r in rows if r.get("status") == "ok"]
+    best = [
+        min((r for r in ok if (r["dtype"], r["pass"]) == key), key=lambda r: r["time_ms"])
+        for key in dict.fromkeys((r["dtype"], r["pass"]) for r in ok)
     ]
-    return [("fastest chunk size per dtype and pass", fastest)]
+    return [
+        {k: r[k] for k in ("dtype", "pass")}
+        | {"fastest_chunk_size": r["chunk_size"], "time_ms": r["time_ms"]}
+        for r in best
+    ]
 
 
 def prefill_cases(sizes: Sizes) -> list[Case]:
@@ -590,43 +543,22 @@ def prefill_cases(sizes: Sizes) -> list[Case]:
     return cases
 
 
-def prefill_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    lm = [r for r in rows if "prompt" in r]
-    images = [r for r in rows if "prefix" in r]
-    return [
-        ("language model: step-scan / prefill, same run", prefill_bench.speedups(lm, prefill_bench.LM_GROUP)),
-        (
-            "image completion: step-scan / prefill, same run",
-            prefill_bench.speedups(images, prefill_bench.IMAGE_GROUP),
-        ),
-    ]
-
-
 def gated_cases(sizes: Sizes) -> list[Case]:
     opts = sizes.gated
-
-    def case(kind, pass_, n):
-        def run():
-            budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
-            return [gated_bench.run_case(opts, kind, pass_, n, budget)]
-
-        return Case(f"{kind} {pass_} N={n}", run)
-
-    return [case(k, p, n) for n in opts.lengths for k in opts.kinds() for p in opts.passes]
-
-
-def gated_tables(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    measured = [r for r in rows if "n" in r]
     return [
-        (
-            "time / time(causal-linear/chunked), same run",
-            gated_bench.ratio_table(gated_bench.add_ratios(measured)),
-        )
+        _sweep_case(gated_bench, opts, k, p, n)
+        for n in opts.lengths
+        for k in opts.kinds()
+        for p in opts.passes
     ]
+
+
+def _gated_ratios(rows: list[dict]) -> list[dict]:
+    return gated_bench.add_ratios([r for r in rows if "n" in r])
 
 
 def gated_targets(rows: list[dict]) -> list[dict]:
-    checks = gated_bench.goal_checks(gated_bench.add_ratios([r for r in rows if "n" in r]))
+    checks = gated_bench.goal_checks(_gated_ratios(rows))
     goal = f"x causal linear {gated_bench.GOAL_PASS}"
     return [
         {
@@ -642,95 +574,65 @@ def gated_targets(rows: list[dict]) -> list[dict]:
 class PartSpec:
     title: str
     cases: Callable[[Sizes], list[Case]]
-    columns: tuple[str, ...]  # shown in the markdown table (the CSV has every column)
-    tables: Callable[[list[dict]], list[tuple[str, list[dict]]]] = lambda rows: []
+    columns: list[str]  # shown in the markdown table (the CSV has every column)
+    tables: dict[str, Callable[[list[dict]], list[dict]]] = dataclasses.field(default_factory=dict)
     targets: Callable[[list[dict]], list[dict]] = lambda rows: []
 
 
-_ATTENTION_COLUMNS = ("kind", "pass", "n", "batch", "dtype", "chunk_size", "time_ms", "peak_mib", "status")
+_VS_CHUNKED = "time / time(causal-linear/chunked), same run"
+_ATTENTION_COLUMNS = "kind pass n batch dtype chunk_size time_ms peak_mib status".split()
 PART_SPECS = {
     "attention": PartSpec(
         "Attention: causal linear (chunked) vs softmax (cuDNN flash, XLA)",
         attention_cases,
         _ATTENTION_COLUMNS,
-        attention_tables,
+        {_VS_CHUNKED: attention_bench.speedups},
         attention_targets,
     ),
     "generation": PartSpec(
         "Image generation, MNIST architecture: linear recurrent vs softmax KV cache",
         generation_cases,
-        (
-            "method",
-            "batch",
-            "dtype",
-            "images_per_s",
-            "ms_per_step",
-            "timed_steps",
-            "length",
-            "peak_mib",
-            "status",
-        ),
-        generation_tables,
+        "method batch dtype images_per_s ms_per_step timed_steps length peak_mib status".split(),
+        {"linear/recurrent images/s over each method's, same batch": generation_bench.ratios},
         generation_targets,
     ),
     "train_step": PartSpec(
         "Training step of the paper's MNIST model (trainer's jitted step, random sub-pixels)",
         train_step_cases,
-        (
-            "dtype",
-            "batch",
-            "length",
-            "step_ms",
-            "steps_per_s",
-            "tokens_per_s",
-            "first_call_s",
-            "loss",
-            "status",
-        ),
-        train_step_tables,
+        "dtype batch length step_ms steps_per_s tokens_per_s first_call_s loss status".split(),
+        {"step time float32 / bfloat16, same run": float32_over_bfloat16},
     ),
     "compile": PartSpec(
         "The training step's first call by depth (the paper's MNIST model, bf16)",
         compile_cases,
-        (
-            "layers",
-            "dtype",
-            "batch",
-            "trace_lower_s",
-            "compile_s",
-            "first_call_s",
-            "cached_first_call_s",
-            "step_ms",
-            "status",
-        ),
-        compile_tables,
+        "layers dtype batch trace_lower_s compile_s first_call_s cached_first_call_s step_ms status".split(),
+        {"first call / the shallowest's, same run": first_call_ratios},
         compile_targets,
     ),
     "chunk_size": PartSpec(
-        "Chunk size of the chunked form, per dtype", chunk_size_cases, _ATTENTION_COLUMNS, chunk_size_tables
+        "Chunk size of the chunked form, per dtype",
+        chunk_size_cases,
+        _ATTENTION_COLUMNS,
+        {"fastest chunk size per dtype and pass": fastest_chunk_sizes},
     ),
     "prefill": PartSpec(
         "Prefill: the prompt in one parallel pass vs token by token",
         prefill_cases,
-        (
-            "kind",
-            "batch",
-            "prompt",
-            "prefix",
-            "method",
-            "time_ms",
-            "images_per_s",
-            "compile_s",
-            "peak_mib",
-            "status",
-        ),
-        prefill_tables,
+        "kind batch prompt prefix method time_ms images_per_s compile_s peak_mib status".split(),
+        {
+            "language model: step-scan / prefill, same run": lambda rows: prefill_bench.speedups(
+                [r for r in rows if "prompt" in r], prefill_bench.LM_GROUP
+            ),
+            "image completion: step-scan / prefill, same run": lambda rows: prefill_bench.speedups(
+                [r for r in rows if "prefix" in r], prefill_bench.IMAGE_GROUP
+            ),
+        },
     ),
     "gated": PartSpec(
         "The gated kinds: what a decay costs",
         gated_cases,
-        ("kind", "pass", "n", "batch", "dtype", "time_ms", "peak_mib", "status"),
-        gated_tables,
+        "kind pass n batch dtype time_ms peak_mib status".split(),
+        {_VS_CHUNKED: lambda rows: gated_bench.ratio_table(_gated_ratios(rows))},
         gated_targets,
     ),
 }
@@ -830,9 +732,19 @@ def _derived(name: str, rows: list[dict]) -> tuple[list[tuple[str, list[dict]]],
     """(tables, targets) of a part's rows; a bug there costs those lines, not the report."""
     spec = PART_SPECS[name]
     try:
-        return spec.tables(rows), spec.targets(rows)
+        return [(heading, table(rows)) for heading, table in spec.tables.items()], spec.targets(rows)
     except Exception as e:  # noqa: BLE001 - the rows are still written
         return [("derived tables failed", [{"error": _error(e)}])], []
+
+
+def device_line(machine: dict) -> str:
+    """The device, versions and host of `describe_machine`, as the reports open."""
+    m = machine
+    return (
+        f"**Device:** {m['device_kind']} (platform {m['platform']}, {m['num_devices']} device(s)); "
+        f"jax {m['jax']}, jaxlib {m['jaxlib']}, flax {m['flax']}, numpy {m['numpy']}; host {m['host']} "
+        f"({m['machine']}, {m['host_cpus']} CPUs)."
+    )
 
 
 def write_report(
@@ -841,20 +753,52 @@ def write_report(
     """accelerator.md (summary, targets, one section per part) and accelerator.csv (every row,
     one summary row per part, one row per target; every row names the device)."""
     targets = all_targets(results)
-    device = {"device": machine["device_kind"], "platform": machine["platform"]}
-    csv_rows = [
-        {
-            "part": name,
-            "case": "part summary",
-            **device,
-            "status": r.status,
-            "seconds": r.seconds,
-            "budget_s": r.budget_s,
-        }
-        for name, r in results.items()
+    parts = [
+        {"part": n, "status": r.status, "seconds": r.seconds, "budget_s": r.budget_s, "rows": len(r.rows)}
+        for n, r in results.items()
     ]
-    csv_rows += [{"part": name, **device, **row} for name, r in results.items() for row in r.rows]
-    csv_rows += [
+    command = (
+        f"python -m experiments.benchmark_accelerator --sizes={opts.sizes} --parts={','.join(opts.parts)} "
+        f"--max_minutes={opts.max_minutes:g}"
+    )
+    lines = [
+        "# Accelerator benchmark report",
+        "",
+        device_line(machine),
+        "",
+        f"`{command}`: {'finished' if finished else 'in progress'} after {elapsed_s:.0f} s. Times are "
+        "medians of repeats of a compiled call (compile excluded); memory is XLA's figure for the "
+        "compiled call.",
+        "",
+        "## Parts",
+        "",
+        report.Table(parts).markdown(),
+        "",
+        "## Targets",
+        "",
+        "BENCHMARKS.md's GPU targets, from this run's rows.",
+        "",
+        report.Table(targets).markdown() if targets else "(none measured)",
+    ]
+    for name, result in results.items():
+        spec = PART_SPECS[name]
+        lines += ["", f"## {name}: {spec.title}", "", f"Status: {result.status}.", ""]
+        if result.rows:
+            lines.append(report.Table(result.rows, columns=["case", *spec.columns]).markdown())
+            for heading, table in _derived(name, result.rows)[0]:
+                lines += ["", f"{heading}:", "", report.Table(table).markdown()] if table else []
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "accelerator.md"
+    md.write_text("\n".join(lines) + "\n")
+    # A summary row per part, every part's rows, a row per target; each names the device.
+    device = {"device": machine["device_kind"], "platform": machine["platform"]}
+    summary = ("status", "seconds", "budget_s")
+    rows = [
+        {"part": p["part"], "case": "part summary", **device, **{k: p[k] for k in summary}} for p in parts
+    ]
+    rows += [{"part": name, **device, **row} for name, r in results.items() for row in r.rows]
+    rows += [
         {
             "part": t["part"],
             "case": "target: " + t["target"],
@@ -864,59 +808,4 @@ def write_report(
         }
         for t in targets
     ]
-    lines = [
-        "# Accelerator benchmark report",
-        "",
-        f"**Device:** {machine['device_kind']} (platform {machine['platform']}, "
-        f"{machine['num_devices']} device(s)); jax {machine['jax']}, jaxlib {machine['jaxlib']}, "
-        f"flax {machine['flax']}, numpy {machine['numpy']}; host {machine['host']} "
-        f"({machine['machine']}, {machine['host_cpus']} CPUs).",
-        "",
-        f"`python -m experiments.benchmark_accelerator --sizes={opts.sizes} --parts={','.join(opts.parts)} "
-        f"--max_minutes={opts.max_minutes:g}`: {'finished' if finished else 'in progress'} after "
-        f"{elapsed_s:.0f} s. Times are medians of repeats of a compiled call (compile excluded); "
-        f"memory is XLA's figure for the compiled call.",
-        "",
-        "## Parts",
-        "",
-        report.markdown_table(
-            [
-                {
-                    "part": n,
-                    "status": r.status,
-                    "seconds": r.seconds,
-                    "budget_s": r.budget_s,
-                    "rows": len(r.rows),
-                }
-                for n, r in results.items()
-            ],
-            ["part", "status", "seconds", "budget_s", "rows"],
-        ),
-        "",
-        "## Targets",
-        "",
-        "BENCHMARKS.md's GPU targets, from this run's rows.",
-        "",
-        report.markdown_table(targets, ["part", "target", "measured", "verdict"])
-        if targets
-        else "(none measured)",
-    ]
-    for name, result in results.items():
-        spec = PART_SPECS[name]
-        lines += ["", f"## {name}: {spec.title}", "", f"Status: {result.status}.", ""]
-        if result.rows:
-            columns = ["case"] + [c for c in spec.columns if any(c in r for r in result.rows)]
-            lines.append(report.markdown_table(result.rows, columns))
-            for heading, table in _derived(name, result.rows)[0]:
-                if table:
-                    lines += [
-                        "",
-                        f"{heading}:",
-                        "",
-                        report.markdown_table(table, list(dict.fromkeys(k for t in table for k in t))),
-                    ]
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md = out_dir / "accelerator.md"
-    md.write_text("\n".join(lines) + "\n")
-    return {"md": md, "csv": report.write_csv(out_dir / "accelerator.csv", csv_rows)}
+    return {"md": md, "csv": report.write_csv(out_dir / "accelerator.csv", rows)}

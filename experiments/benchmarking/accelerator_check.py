@@ -18,6 +18,7 @@ check of the check.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -30,60 +31,45 @@ import time
 from experiments.benchmarking import accelerator_bench, pytest_results, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# The tests of linear_transformers.ops, and of the modules and models built on them. The
-# experiments' own tests (data, trainer, command lines, processes) are the CPU's.
-OP_TESTS = (
-    "test_attention_layouts.py",
-    "test_causal_linear.py",
-    "test_chunk_segments.py",
-    "test_ctc.py",
-    "test_default_precision.py",
-    "test_fla_parity.py",
-    "test_gated_linear_attention.py",
-    "test_kv_cache_blocks.py",
-    "test_linear_and_softmax_ops.py",
-    "test_linformer_attention.py",
-    "test_lsh_attention.py",
-    "test_masked_rows.py",
-    "test_memory.py",
-    "test_mixture.py",
-    "test_op_errors.py",
-    "test_softmax_choice.py",
-    "test_softmax_chunked.py",
-    "test_state_passing_ops.py",
-)
-MODEL_TESTS = (
-    "test_acoustic.py",
-    "test_attention_layer.py",
-    "test_attention_options.py",
-    "test_builder_kwargs.py",
-    "test_family_kinds.py",
-    "test_fast_transformers_interop.py",
-    "test_image_generator.py",
-    "test_layer_stack.py",
-    "test_library_input_checks.py",
-    "test_module_errors.py",
-    "test_packed_sequences.py",
-    "test_precision.py",
-    "test_prefill.py",
-    "test_public_api.py",
-    "test_seq2seq.py",
-    "test_transformer.py",
-)
-GROUPS = {"ops": OP_TESTS, "models": MODEL_TESTS}
+# The tests of linear_transformers, by layer: the ops and the attention layers on them, then the
+# models. The experiments' own tests (tests/experiments: data, trainer, command lines, processes)
+# are the CPU's.
+GROUPS = {
+    "ops": ("tests/ops", "tests/attention"),
+    "models": ("tests/models", "tests/test_public_api.py"),
+}
+OUTCOMES = ("passed", "failed", "skipped")
 MAX_WORKERS = 14  # a 16-core host: two cores for the controller and the compiler's own threads
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckOptions:
+    """What `run` checks.
+
+    groups: Test groups (accelerator_check.GROUPS).
+    tests: Tests (files or node ids) to run instead of the groups.
+    tests_from: A file of tests (files or node ids), one per line, to run instead of the groups
+        (read into `tests`).
+    workers: pytest-xdist workers (0: one per core but two, at most 14).
+    test_minutes: The tests stop after this many minutes (0: none).
+    bench_parts: benchmark_accelerator parts to run after them.
+    bench_minutes: The benchmarks' limit in minutes (0: none).
+    """
+
     groups: tuple[str, ...] = tuple(GROUPS)
-    tests: tuple[str, ...] = ()  # pytest node ids or files instead of the groups
-    workers: int = 0  # 0: one per core but two, at most MAX_WORKERS
+    tests: tuple[str, ...] = ()
+    tests_from: str | None = None
+    workers: int = 0
     test_minutes: float = 4.5
     bench_parts: tuple[str, ...] = ("attention", "train_step", "compile")
     bench_minutes: float = 2.5
 
     def __post_init__(self):
+        if self.tests_from:
+            with open(self.tests_from) as f:  # node ids may hold commas and spaces: a line each
+                lines = tuple(line.strip() for line in f if line.strip())
+            object.__setattr__(self, "tests", self.tests + lines)
+            object.__setattr__(self, "tests_from", None)
         unknown = [g for g in self.groups if g not in GROUPS]
         if unknown:
             raise ValueError(f"unknown test groups {unknown}; expected some of {sorted(GROUPS)}.")
@@ -108,12 +94,12 @@ def workers(requested: int) -> int:
 def test_targets(opts: CheckOptions) -> list[str]:
     if opts.tests:
         return list(opts.tests)
-    return [f"tests/{name}" for group in opts.groups for name in GROUPS[group]]
+    return [path for group in opts.groups for path in GROUPS[group]]
 
 
 def group_of(nodeid: str) -> str:
-    name = nodeid.split("::")[0].removeprefix("tests/")
-    return next((g for g, files in GROUPS.items() if name in files), "other")
+    path = nodeid.split("::")[0]
+    return next((g for g, paths in GROUPS.items() if any(path.startswith(p) for p in paths)), "other")
 
 
 def run_tests(
@@ -131,25 +117,9 @@ def run_tests(
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-o",
-        "addopts=",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "experiments.benchmarking.pytest_results",
-        "-m",
-        "not slow",
-        "-q",
-        "-rfE",
-        "--tb=short",
-        "-n",
-        str(num_workers),
-        "--dist",
-        "loadfile",
-        *targets,
+        *(sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider"),
+        *("-p", "experiments.benchmarking.pytest_results", "-m", "not slow", "-q", "-rfE", "--tb=short"),
+        *("-n", str(num_workers), "--dist", "loadfile", *targets),
     ]
     log(f"tests: {' '.join(command[2:])}")
     start = time.perf_counter()
@@ -176,29 +146,19 @@ def run_tests(
 def outcomes(records: list[dict]) -> dict[str, str]:
     """Each test's outcome: "failed" if any phase failed (a teardown error too), else "skipped"
     if it was skipped, else "passed"."""
+    rank = {"skipped": 1, "failed": 2}  # any other outcome counts as passed
     by_test: dict[str, str] = {}
     for r in records:
-        now = by_test.get(r["nodeid"])
-        if r["outcome"] == "failed" or now == "failed":
-            by_test[r["nodeid"]] = "failed"
-        elif r["outcome"] == "skipped" or now == "skipped":
-            by_test[r["nodeid"]] = "skipped"
-        else:
-            by_test[r["nodeid"]] = "passed"
+        now = by_test.get(r["nodeid"], "passed")
+        by_test[r["nodeid"]] = max(now, r["outcome"], key=lambda outcome: rank.get(outcome, 0))
     return by_test
 
 
 def counts(records: list[dict]) -> list[dict]:
-    table: dict[str, dict] = {}
-    for nodeid, outcome in outcomes(records).items():
-        row = table.setdefault(
-            group_of(nodeid), {"group": group_of(nodeid), "passed": 0, "failed": 0, "skipped": 0}
-        )
-        row[outcome] += 1
-    rows = list(table.values())
-    if rows:
-        rows.append({"group": "all", **{k: sum(r[k] for r in rows) for k in ("passed", "failed", "skipped")}})
-    return rows
+    """Per group (in the order of their first test), then for "all": the tests of each outcome."""
+    found = collections.Counter((group_of(nodeid), o) for nodeid, o in outcomes(records).items())
+    rows = [{"group": g, **{o: found[g, o] for o in OUTCOMES}} for g in dict.fromkeys(g for g, _ in found)]
+    return rows + [{"group": "all", **{o: sum(r[o] for r in rows) for o in OUTCOMES}}] if rows else []
 
 
 def assertion(message: str, max_lines: int = 20) -> str:
@@ -217,55 +177,8 @@ def write_report(
     bench: dict | None,
     elapsed_s: float,
 ) -> pathlib.Path:
-    lines = [
-        "# Accelerator check",
-        "",
-        f"**Device:** {machine['device_kind']} (platform {machine['platform']}, {machine['num_devices']} "
-        f"device(s)); jax {machine['jax']}, jaxlib {machine['jaxlib']}, flax {machine['flax']}; host "
-        f"{machine['host']} ({machine['host_cpus']} CPUs). {elapsed_s:.0f} s so far.",
-        "",
-        "## Tests",
-        "",
-    ]
-    if tests is None:
-        lines.append("(not run)")
-    else:
-        stopped = (
-            f"stopped at its limit of {opts.test_minutes:g} minutes"
-            if tests["timed_out"]
-            else f"exit status {tests['returncode']}"
-        )
-        finished = len(outcomes(tests["records"]))
-        collected = "?" if tests["collected"] is None else tests["collected"]
-        lines += [
-            f"pytest on {len(test_targets(opts))} files or tests, {workers(opts.workers)} workers, "
-            f"XLA_PYTHON_CLIENT_PREALLOCATE=false: {finished} of {collected} tests finished in "
-            f"{tests['seconds']:.0f} s, {stopped}.",
-            "",
-            report.markdown_table(counts(tests["records"]), ["group", "passed", "failed", "skipped"])
-            if tests["records"]
-            else "(no test finished)",
-        ]
-        failed = [r for r in tests["records"] if r["outcome"] == "failed"]
-        if failed:
-            lines += ["", "### Failures", ""]
-            for r in failed:
-                lines += [
-                    f"**{r['nodeid']}** ({r['when']}, {r['duration_s']:.1f} s)",
-                    "",
-                    "```",
-                    assertion(r["message"]),
-                    "```",
-                    "",
-                ]
-        slowest = sorted(tests["records"], key=lambda r: -r["duration_s"])[:10]
-        if slowest:
-            lines += [
-                "",
-                "### Slowest",
-                "",
-                report.markdown_table(slowest, ["nodeid", "when", "outcome", "duration_s"]),
-            ]
+    lines = ["# Accelerator check", "", f"{accelerator_bench.device_line(machine)} {elapsed_s:.0f} s so far."]
+    lines += ["", "## Tests", ""] + (["(not run)"] if tests is None else _test_lines(opts, tests))
     lines += ["", "## Benchmarks", ""]
     if bench is None:
         lines.append("(not run)")
@@ -275,6 +188,37 @@ def write_report(
     path = out_dir / "check.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _test_lines(opts: CheckOptions, tests: dict) -> list[str]:
+    """The report's test section: what ran, the counts, every failure, the slowest tests."""
+    stopped = (
+        f"stopped at its limit of {opts.test_minutes:g} minutes"
+        if tests["timed_out"]
+        else f"exit status {tests['returncode']}"
+    )
+    finished = len(outcomes(tests["records"]))
+    collected = "?" if tests["collected"] is None else tests["collected"]
+    lines = [
+        f"pytest on {len(test_targets(opts))} files or tests, {workers(opts.workers)} workers, "
+        f"XLA_PYTHON_CLIENT_PREALLOCATE=false: {finished} of {collected} tests finished in "
+        f"{tests['seconds']:.0f} s, {stopped}.",
+        "",
+        report.markdown_table(counts(tests["records"]), ["group", *OUTCOMES])
+        if tests["records"]
+        else "(no test finished)",
+    ]
+    failed = [r for r in tests["records"] if r["outcome"] == "failed"]
+    if failed:
+        lines += ["", "### Failures", ""]
+        for r in failed:
+            heading = f"**{r['nodeid']}** ({r['when']}, {r['duration_s']:.1f} s)"
+            lines += [heading, "", "```", assertion(r["message"]), "```", ""]
+    slowest = sorted(tests["records"], key=lambda r: -r["duration_s"])[:10]
+    if slowest:
+        table = report.markdown_table(slowest, ["nodeid", "when", "outcome", "duration_s"])
+        lines += ["", "### Slowest", "", table]
+    return lines
 
 
 def check_test_tools() -> None:

@@ -5,19 +5,21 @@ features, M value features.
 
 Every case is compiled first; XLA's peak memory for it decides whether it runs (a case that would
 not fit in the memory budget is recorded as skipped, with the figure). The batch shrinks as N
-grows, B = max(1, tokens // N), as in the paper, and results are also given per sample.
+grows, B = max(1, tokens // N), as in the paper, and results are also given per sample. The
+sweep over (N, kind, pass) cases (`sweep`, `time_case`) is also gated_bench's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from experiments.benchmarking import measure, peers
+from experiments.benchmarking import measure, peers, report
 from linear_transformers import ops
 
 KINDS = (
@@ -31,6 +33,7 @@ KINDS = (
     "lsh-4",
     "lsh-8",
 )
+BASELINE = "causal-linear/chunked"
 # The paper's Reformer baselines (causal LSH, R rounds, chunks of 32, 8 buckets: the cost does
 # not depend on the bucket count); opt-in with --kinds, so the default run stays as documented.
 LSH_CHUNK, LSH_BUCKETS = 32, 8
@@ -38,36 +41,56 @@ PASSES = ("forward", "forward+backward")
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionBenchOptions:
+class SweepOptions(measure.CaseOptions):
+    """The shapes of a sweep over (N, kind, pass) cases (`sweep`; gated_bench's too).
+
+    lengths: Sequence lengths N.
+    tokens: Batch = max(1, tokens // N).
+    heads: Heads H.
+    head_dim: Query/key features per head D.
+    value_dim: Value features per head M.
+    passes: forward, forward+backward.
+    max_call_seconds: Stop growing N for a case once one call takes longer.
+    """
+
     lengths: tuple[int, ...] = tuple(2**p for p in range(9, 17))
-    tokens: int = 4096  # batch = max(1, tokens // N)
+    tokens: int = 4096
     heads: int = 8
-    head_dim: int = 64  # D
-    value_dim: int = 64  # M
-    dtype: str = "float32"
-    kinds: tuple[str, ...] = ()  # () = every kind this device can run
+    head_dim: int = 64
+    value_dim: int = 64
     passes: tuple[str, ...] = PASSES
-    chunk_size: int = ops.DEFAULT_CHUNK_SIZE
-    memory_fraction: float = 0.6  # of the device's free memory, per case
-    max_call_seconds: float = 5.0  # a kind slower than this at N skips the longer lengths
-    min_repeats: int = 3
-    min_seconds: float = 0.5
-    seed: int = 0
-    peers: tuple[str, ...] = ()  # "fast-transformers": time the authors' library beside ours
+    max_call_seconds: float = 5.0
 
     def __post_init__(self):
-        peers.check_peers(self.peers)
-        for kind in self.kinds:
-            if kind not in KINDS:
-                raise ValueError(f"unknown attention kind {kind!r}; expected some of {KINDS}.")
-        for p in self.passes:
-            if p not in PASSES:
-                raise ValueError(f"unknown pass {p!r}; expected some of {PASSES}.")
-        bad = [n for n in self.lengths if n < 1]
-        if bad or not self.lengths:
+        measure.check_known("pass", self.passes, PASSES)
+        if not self.lengths or any(n < 1 for n in self.lengths):
             raise ValueError(f"lengths must be positive integers, got {self.lengths}.")
         if self.tokens < 1 or self.heads < 1 or self.head_dim < 1 or self.value_dim < 1:
             raise ValueError("tokens, heads, head_dim and value_dim must be >= 1.")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBenchOptions(SweepOptions):
+    """What `run` measures.
+
+    dtype: Input dtype.
+    kinds: Kinds to run (default: all this device can run, but the opt-in LSH baselines lsh-1,
+        lsh-4, lsh-8).
+    chunk_size: Chunk length of the chunked form (default: the library's, ops.DEFAULT_CHUNK_SIZE).
+    peers: Also time these libraries on the same cases, in this run: fast-transformers (the
+        authors'; needs torch and pytorch-fast-transformers importable).
+    """
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    kinds: tuple[str, ...] = ()
+    chunk_size: int | None = None
+    peers: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "chunk_size", self.chunk_size or ops.DEFAULT_CHUNK_SIZE)
+        peers.check_peers(self.peers)
+        measure.check_known("attention kind", self.kinds, KINDS)
 
 
 def default_kinds(platform: str) -> tuple[str, ...]:
@@ -95,41 +118,50 @@ def attention_fn(kind: str, chunk_size: int):
         )
     if kind.startswith("causal-linear/"):
         impl = kind.split("/", 1)[1]
-        return lambda q, k, v: ops.causal_linear_attention(q, k, v, impl=impl, chunk_size=chunk_size)
+        return lambda q, k, v: ops.causal_linear_attention(
+            q, k, v, implementation=impl, chunk_size=chunk_size
+        )
     raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}.")
 
 
 def pass_fn(attend, pass_: str):
-    """forward: (q, k, v, g) -> out; forward+backward: -> (dq, dk, dv) for cotangent g."""
+    """forward: (*primals, g) -> out; forward+backward: -> the VJP of every primal (q, k, v, and
+    more where `attend` takes more) for the output cotangent g."""
     if pass_ == "forward":
-        return lambda q, k, v, g: attend(q, k, v)
+        return lambda *args: attend(*args[:-1])
 
-    def forward_backward(q, k, v, g):
-        _, vjp = jax.vjp(attend, q, k, v)
-        return vjp(g)
+    def forward_backward(*args):
+        _, vjp = jax.vjp(attend, *args[:-1])
+        return vjp(args[-1])
 
     return forward_backward
 
 
+def input_specs(opts, batch: int, n: int, *extra: jax.ShapeDtypeStruct) -> list[jax.ShapeDtypeStruct]:
+    """Shapes of (q, k, v, *extra, output cotangent) of one case."""
+    dtype = jnp.dtype(opts.dtype)
+    qk = jax.ShapeDtypeStruct((batch, n, opts.heads, opts.head_dim), dtype)
+    vo = jax.ShapeDtypeStruct((batch, n, opts.heads, opts.value_dim), dtype)
+    return [qk, qk, vo, *extra, vo]
+
+
+def normal_inputs(specs, seed: int) -> tuple:
+    """Standard normal arrays of `specs`, from `seed`."""
+    keys = jax.random.split(jax.random.key(seed), len(specs))
+    return tuple(jax.random.normal(key, s.shape, s.dtype) for key, s in zip(keys, specs))
+
+
 def random_inputs(opts: AttentionBenchOptions, batch: int, n: int):
     """Random q, k, v and an output cotangent (for the backward pass) of one case, from opts.seed."""
-    dtype = jnp.dtype(opts.dtype)
-    keys = jax.random.split(jax.random.key(opts.seed), 4)
-    shape_q = (batch, n, opts.heads, opts.head_dim)
-    shape_v = (batch, n, opts.heads, opts.value_dim)
-    return tuple(
-        jax.random.normal(key, shape, dtype) for key, shape in zip(keys, (shape_q, shape_q, shape_v, shape_v))
-    )
+    return normal_inputs(input_specs(opts, batch, n), opts.seed)
 
 
-def run_case(
-    opts: AttentionBenchOptions, kind: str, pass_: str, n: int, budget: int, *, skip_reason: str | None = None
-) -> dict:
-    """Compile one case, read its peak memory, and time it unless it is over the budget or
-    `skip_reason` says why not (then only the memory figure is kept)."""
-    batch = max(1, opts.tokens // n)
-    row = {
+def case_row(opts, kind: str, pass_: str, n: int, batch: int, chunk_size, labels=(), per_sample_peak=True):
+    """A case's row before it runs: what it is, then its figures (NaN) and status."""
+    figures = ("time_ms", "time_per_sample_ms", "peak_mib") + ("peak_per_sample_mib",) * per_sample_peak
+    return {
         "kind": kind,
+        **dict(labels),
         "pass": pass_,
         "n": n,
         "batch": batch,
@@ -137,117 +169,96 @@ def run_case(
         "head_dim": opts.head_dim,
         "value_dim": opts.value_dim,
         "dtype": opts.dtype,
-        "chunk_size": opts.chunk_size if kind == "causal-linear/chunked" else None,
-        "time_ms": math.nan,
-        "time_per_sample_ms": math.nan,
-        "peak_mib": math.nan,
-        "peak_per_sample_mib": math.nan,
+        "chunk_size": chunk_size,
+        **dict.fromkeys(figures, math.nan),
         "repeats": 0,
         "status": "ok",
     }
-    fn = jax.jit(pass_fn(attention_fn(kind, opts.chunk_size), pass_))
-    specs = [
-        jax.ShapeDtypeStruct(x, jnp.dtype(opts.dtype))
-        for x in (
-            (batch, n, opts.heads, opts.head_dim),
-            (batch, n, opts.heads, opts.head_dim),
-            (batch, n, opts.heads, opts.value_dim),
-            (batch, n, opts.heads, opts.value_dim),
-        )
-    ]
+
+
+def time_case(opts, row: dict, fn, specs, inputs, budget: int, skip_reason: str | None = None) -> dict:
+    """Compile `fn` for `specs`, read its peak memory, and time it on `inputs()` unless it is over
+    the budget or `skip_reason` says why not (then only the memory figure is kept)."""
     try:
-        compiled = fn.lower(*specs).compile()
+        compiled = jax.jit(fn).lower(*specs).compile()
     except Exception as e:  # noqa: BLE001 - e.g. cuDNN rejecting a dtype: record why, go on
         row["status"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
         return row
-    peak = measure.peak_bytes(compiled)
-    if peak is not None:
-        row["peak_mib"] = peak / 2**20
-        row["peak_per_sample_mib"] = peak / 2**20 / batch
-        if peak > budget:
-            row["status"] = f"skipped: needs {peak / 2**30:.1f} GiB, budget {budget / 2**30:.1f} GiB"
-            return row
-    if skip_reason:
-        row["status"] = skip_reason
-        return row
-    timing = measure.time_compiled(
-        compiled, *random_inputs(opts, batch, n), min_repeats=opts.min_repeats, min_seconds=opts.min_seconds
-    )
-    row.update(
-        time_ms=timing.median_s * 1e3,
-        time_per_sample_ms=timing.median_s * 1e3 / batch,
-        repeats=timing.repeats,
-    )
+    timing = measure.fit_and_time(row, compiled, inputs, budget, opts, skip_reason=skip_reason)
+    if "peak_per_sample_mib" in row:
+        row["peak_per_sample_mib"] = row["peak_mib"] / row["batch"]
+    if timing:
+        row.update(time_ms=timing.median_s * 1e3, time_per_sample_ms=timing.median_s * 1e3 / row["batch"])
     return row
 
 
-def run(opts: AttentionBenchOptions, *, log=print) -> list[dict]:
-    """Every (kind, pass, N) case, shortest N first; returns one row per case."""
-    device = jax.devices()[0]
-    kinds = opts.kinds or default_kinds(device.platform)
-    budget = measure.memory_budget_bytes(device, opts.memory_fraction)
+def run_case(
+    opts: AttentionBenchOptions, kind: str, pass_: str, n: int, budget: int, *, skip_reason: str | None = None
+) -> dict:
+    """One (kind, pass, N) case (`time_case`)."""
+    batch = max(1, opts.tokens // n)
+    chunk = opts.chunk_size if kind == BASELINE else None
+    row = case_row(opts, kind, pass_, n, batch, chunk)
+    fn = pass_fn(attention_fn(kind, opts.chunk_size), pass_)
+    specs = input_specs(opts, batch, n)
+    return time_case(
+        opts, row, fn, specs, functools.partial(random_inputs, opts, batch, n), budget, skip_reason
+    )
+
+
+def sweep(opts, kinds, run_case, *, extra=None, log=print) -> list[dict]:
+    """Every (N, kind, pass) case, shortest N first: `run_case(opts, kind, pass_, n, budget,
+    skip_reason=...)`, then `extra(opts, row, too_slow, budget)`'s rows (the peer's). A (kind,
+    pass) slower than opts.max_call_seconds per call is only compiled (memory) at longer N."""
+    budget = opts.budget_bytes()
     too_slow: dict[tuple[str, str], str] = {}
     rows = []
     for n in sorted(opts.lengths):
         for kind in kinds:
             for pass_ in opts.passes:
-                row = run_case(opts, kind, pass_, n, budget, skip_reason=too_slow.get((kind, pass_)))
-                if (kind, pass_) not in too_slow:
-                    if row["time_ms"] / 1e3 > opts.max_call_seconds:
-                        too_slow[(kind, pass_)] = (
+                found = [run_case(opts, kind, pass_, n, budget, skip_reason=too_slow.get((kind, pass_)))]
+                found += extra(opts, found[0], too_slow, budget) if extra else []
+                for row in found:
+                    if (row["kind"], pass_) not in too_slow and row["time_ms"] / 1e3 > opts.max_call_seconds:
+                        too_slow[(row["kind"], pass_)] = (
                             f"skipped: {row['time_ms'] / 1e3:.1f} s per call at N={n} > max_call_seconds"
                         )
-                rows.append(row)
-                log(format_row(row))
-                if opts.peers and kind in peers.ATTENTION_KINDS:
-                    rows.append(_peer_case(opts, kind, pass_, n, row, too_slow, budget))
-                    log(format_row(rows[-1]))
+                    rows.append(row)
+                    log(format_row(row))
     return rows
 
 
-def _peer_case(
-    opts: AttentionBenchOptions, kind: str, pass_: str, n: int, ours: dict, too_slow: dict, budget: int
-) -> dict:
-    """The authors' library on our case's shapes; skipped where ours was skipped for memory,
-    where theirs would need more than the budget (`peers.attention_peak_bytes`), or where
-    theirs grew too slow at a shorter N."""
-    peer_kind = "fast-transformers:" + peers.ATTENTION_KINDS[kind]
-    reason = too_slow.get((peer_kind, pass_))
-    needs = peers.attention_peak_bytes(kind, pass_, n, ours["batch"], opts.heads)
+def run(opts: AttentionBenchOptions, *, log=print) -> list[dict]:
+    """Every (kind, pass, N) case, shortest N first; returns one row per case."""
+    kinds = opts.kinds or default_kinds(jax.devices()[0].platform)
+    return sweep(opts, kinds, run_case, extra=peer_rows if opts.peers else None, log=log)
+
+
+def peer_rows(opts: AttentionBenchOptions, ours: dict, too_slow: dict, budget: int) -> list[dict]:
+    """The authors' library on our case's shapes (none if it has no such kind); skipped where
+    ours was skipped for memory, where theirs would need more than the budget
+    (`peers.attention_peak_bytes`), or where theirs grew too slow at a shorter N."""
+    kind, pass_, n, batch = ours["kind"], ours["pass"], ours["n"], ours["batch"]
+    if kind not in peers.ATTENTION_KINDS:
+        return []
+    row = case_row(opts, "fast-transformers:" + peers.ATTENTION_KINDS[kind], pass_, n, batch, None)
+    needs = peers.attention_peak_bytes(kind, pass_, n, batch, opts.heads)
     if ours["status"].startswith("skipped: needs"):
-        reason = "skipped: over the memory budget (as ours)"
+        row["status"] = "skipped: over the memory budget (as ours)"
     elif needs > budget:
-        reason = f"skipped: needs at least {needs / 2**30:.1f} GiB, budget {budget / 2**30:.1f} GiB"
-    if reason:
-        return {
-            **ours,
-            "kind": peer_kind,
-            "chunk_size": None,
-            "time_ms": math.nan,
-            "time_per_sample_ms": math.nan,
-            "peak_mib": math.nan,
-            "peak_per_sample_mib": math.nan,
-            "repeats": 0,
-            "status": reason,
-        }
-    row = peers.attention_row(
-        kind,
-        pass_,
-        n,
-        ours["batch"],
-        opts.heads,
-        opts.head_dim,
-        opts.value_dim,
-        opts.dtype,
-        min_repeats=opts.min_repeats,
-        min_seconds=opts.min_seconds,
-        seed=opts.seed,
-    )
-    if row["time_ms"] / 1e3 > opts.max_call_seconds:
-        too_slow[(peer_kind, pass_)] = (
-            f"skipped: {row['time_ms'] / 1e3:.1f} s per call at N={n} > max_call_seconds"
+        row["status"] = f"skipped: needs at least {needs / 2**30:.1f} GiB, budget {budget / 2**30:.1f} GiB"
+    elif (row["kind"], pass_) in too_slow:
+        row["status"] = too_slow[(row["kind"], pass_)]
+    elif opts.dtype != "float32":
+        row["status"] = "unavailable: the peer runs in float32 only"
+    else:
+        call = peers.attention_call(
+            kind, pass_, n, batch, opts.heads, opts.head_dim, opts.value_dim, seed=opts.seed
         )
-    return row
+        timing = measure.time_call(call, min_repeats=opts.min_repeats, min_seconds=opts.min_seconds)
+        ms = timing.median_s * 1e3
+        row.update(time_ms=ms, time_per_sample_ms=ms / batch, repeats=timing.repeats)
+    return [row]
 
 
 def format_row(row: dict) -> str:
@@ -257,113 +268,68 @@ def format_row(row: dict) -> str:
     )
 
 
-def speedups(rows: list[dict], baseline: str = "causal-linear/chunked") -> list[dict]:
+def speedups(rows: list[dict], baseline: str = BASELINE) -> list[dict]:
     """time(kind) / time(baseline) for every N and pass where both ran."""
-    times = {(r["kind"], r["pass"], r["n"]): r["time_ms"] for r in rows if r["status"] == "ok"}
-    out = []
-    for (kind, pass_, n), t in sorted(times.items(), key=lambda x: (x[0][2], x[0][1], x[0][0])):
-        base = times.get((baseline, pass_, n))
-        if base and kind != baseline:
-            out.append({"n": n, "pass": pass_, "kind": kind, f"slower_than_{baseline}": t / base})
-    return out
+    pairs = report.paired(rows, ("pass", "n"), "kind", baseline, "time_ms")
+    return [
+        {
+            "n": r["n"],
+            "pass": r["pass"],
+            "kind": r["kind"],
+            f"slower_than_{baseline}": r["time_ms"] / b["time_ms"],
+        }
+        for r, b in sorted(pairs, key=lambda p: (p[0]["n"], p[0]["pass"], p[0]["kind"]))
+    ]
 
 
 def memory_slopes(rows: list[dict], pass_: str = "forward+backward") -> dict[str, float]:
     """Log-log slope of peak memory per sample vs N, over the lengths where B == 1 (pure N)."""
-    slopes = {}
-    for kind in dict.fromkeys(r["kind"] for r in rows):
-        pts = [
-            (r["n"], r["peak_mib"])
-            for r in rows
-            if r["kind"] == kind and r["pass"] == pass_ and r["batch"] == 1 and np.isfinite(r["peak_mib"])
+    return report.log_log_slopes([r for r in rows if r["pass"] == pass_ and r["batch"] == 1], "n", "peak_mib")
+
+
+def per_sample_panels(rows: list[dict], passes, memory: bool) -> list[dict]:
+    """Time per sample vs N for each of `passes`, then (`memory`) the last one's peak memory
+    per sample, a line per kind (cases that did not run left out)."""
+
+    def lines(pass_, field):
+        ran = [
+            {**r, field: r[field] if r["status"] == "ok" else math.nan} for r in rows if r["pass"] == pass_
         ]
-        if len(pts) >= 2:
-            n, mem = np.log(np.array(pts)).T
-            slopes[kind] = float(np.polyfit(n, mem, 1)[0])
-    return slopes
+        return report.series(ran, "n", field, lambda r: r["kind"])
+
+    found = {f"{p} time per sample (ms)": lines(p, "time_per_sample_ms") for p in passes}
+    if memory:
+        found["peak memory per sample (MiB, XLA)"] = lines(passes[-1], "peak_per_sample_mib")
+    return report.panels("sequence length N", found)
 
 
-def run_and_report(opts: AttentionBenchOptions, out_dir, *, log=print) -> dict:
-    """Run every case, print the tables, write attention.csv/json/png under out_dir."""
-    import pathlib
-
-    from experiments.benchmarking import report
-
-    out_dir = pathlib.Path(out_dir)
-    machine = measure.machine_description()
-    log(f"machine: {machine}")
-    rows = run(opts, log=log)
-    ours_rows = [r for r in rows if not r["kind"].startswith("fast-transformers:")]
-    ratios = speedups(ours_rows)
-    slopes = memory_slopes(ours_rows)
+def summarize(opts: AttentionBenchOptions, rows: list[dict], machine: dict) -> report.Report:
+    ours = [r for r in rows if not r["kind"].startswith("fast-transformers:")]
+    ratios, slopes = speedups(ours), memory_slopes(ours)
     peer_ratios = peers.same_run_ratios(
         rows, ("n", "batch", "pass"), "time_ms", peers.ATTENTION_KINDS, "kind"
     )
-    files = {
-        "csv": report.write_csv(out_dir / "attention.csv", rows),
-        "json": report.write_json(
-            out_dir / "attention.json",
-            machine=machine,
-            options=dataclasses.asdict(opts),
-            rows=rows,
-            speedups=ratios,
-            memory_slopes=slopes,
-            peer_ratios=peer_ratios,
-        ),
-    }
     plotted = "forward+backward" if "forward+backward" in opts.passes else opts.passes[0]
-    mine = [r for r in rows if r["pass"] == plotted]
-    kinds = list(dict.fromkeys(r["kind"] for r in mine))
-    panels = [
-        {
-            "xlabel": "sequence length N",
-            "ylabel": f"{plotted} time per sample (ms)",
-            "series": {k: [(r["n"], r["time_per_sample_ms"]) for r in mine if r["kind"] == k] for k in kinds},
-        },
-        {
-            "xlabel": "sequence length N",
-            "ylabel": "peak memory per sample (MiB, XLA)",
-            "series": {
-                k: [
-                    (r["n"], r["peak_per_sample_mib"] if r["status"] == "ok" else math.nan)
-                    for r in mine
-                    if r["kind"] == k
-                ]
-                for k in kinds
-            },
-        },
-    ]
-    files["png"] = report.plot_series(
-        out_dir / "attention.png",
-        panels,
+    return report.Report(
+        rows,
+        ("n", "batch", "kind", "pass", "time_ms", "time_per_sample_ms", "peak_mib", "status"),
+        tables=[
+            report.Table(ratios, f"time / time({BASELINE})"),
+            report.Table(peer_ratios, peers.RATIOS_HEADING, csv="peers"),
+        ],
+        extra={"speedups": ratios, "memory_slopes": slopes, "peer_ratios": peer_ratios},
+        panels=per_sample_panels(rows, [plotted], memory=True),
         title=(
             f"{machine['device']}, {opts.dtype}, H={opts.heads}, D={opts.head_dim}, "
             f"M={opts.value_dim}, batch=max(1, {opts.tokens}/N); jax {machine['jax']}"
         ),
+        notes=[
+            "\nlog-log slope of peak memory vs N (batch 1): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in slopes.items())
+        ],
     )
-    log(
-        "\n"
-        + report.markdown_table(
-            rows, ["n", "batch", "kind", "pass", "time_ms", "time_per_sample_ms", "peak_mib", "status"]
-        )
-    )
-    if ratios:
-        log("\ntime / time(causal-linear/chunked):\n" + report.markdown_table(ratios, list(ratios[0].keys())))
-    if peer_ratios:
-        log(
-            "\nthe authors' library in this run (theirs_over_ours > 1: ours is faster):\n"
-            + report.markdown_table(peer_ratios, list(peer_ratios[0]))
-        )
-        files["peers_csv"] = report.write_csv(out_dir / "attention_peers.csv", peer_ratios)
-    log(
-        "\nlog-log slope of peak memory vs N (batch 1): "
-        + ", ".join(f"{k} {v:.2f}" for k, v in slopes.items())
-    )
-    log("wrote " + ", ".join(str(p) for p in files.values()))
-    return {
-        "rows": rows,
-        "speedups": ratios,
-        "memory_slopes": slopes,
-        "peer_ratios": peer_ratios,
-        "files": files,
-    }
+
+
+def run_and_report(opts: AttentionBenchOptions, out_dir, *, log=print) -> dict:
+    """Run every case, print the tables, write attention.csv/json/png (and attention_peers.csv)."""
+    return report.run_and_report("attention", opts, out_dir, run, summarize, log=log)

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.benchmarking import measure, peers
+from experiments.benchmarking import measure, peers, report
 from experiments.data import pipeline
 from experiments.tasks import image_generation
 from linear_transformers import sample_images, sample_images_full_recompute
@@ -48,21 +49,36 @@ WHOLE_IMAGE_METHODS = ("softmax/kv-cache",)
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerationBenchOptions:
+class GenerationBenchOptions(measure.CaseOptions):
+    """What `run` measures.
+
+    archs: mnist (784 steps), cifar10 (3072).
+    methods: linear/recurrent, softmax/kv-cache, softmax/recompute, linear/recompute.
+    batches: Batch sizes.
+    timed_steps: Sub-pixels timed per image (0: all); softmax/kv-cache is always timed whole.
+    recompute_steps: Sub-pixels timed for recompute methods.
+    memory_lengths: Generated lengths for the memory table (compile only).
+    memory_batch: Batch size of the memory table.
+    min_repeats: Time each case at least this often (a CIFAR-10 image with a KV cache: minutes).
+    peers: Also time these libraries on the MNIST architecture, in this run: fast-transformers
+        (the authors'; needs torch and pytorch-fast-transformers importable).
+    dtype: The models' compute dtype (parameters stay float32).
+    num_layers: Layers of the models (default: the paper's; fewer only for quick tests).
+    matmul_reference: Also measure this machine's matmul throughput, for comparison.
+    """
+
     archs: tuple[str, ...] = ARCHS
     methods: tuple[str, ...] = DEFAULT_METHODS
     batches: tuple[int, ...] = (1, 16)
-    timed_steps: int = 128  # at most this many sub-pixels timed per image (0 = all; KV cache: all)
-    recompute_steps: int = 1  # ... for the recompute methods
+    timed_steps: int = 128
+    recompute_steps: int = 1
     memory_lengths: tuple[int, ...] = (256, 1024, 4096, 16384, 65536)
     memory_batch: int = 1
-    min_repeats: int = 3
     min_seconds: float = 1.0
-    memory_fraction: float = 0.6  # of free memory; a case needing more is skipped
-    seed: int = 0
-    peers: tuple[str, ...] = ()  # "fast-transformers": the authors' library, MNIST shapes
-    dtype: str = "float32"  # the model's compute dtype (parameters stay float32)
-    num_layers: int | None = None  # None: the paper's depth (fewer: quick tests)
+    peers: tuple[str, ...] = ()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    num_layers: int | None = None
+    matmul_reference: bool = True
 
     def __post_init__(self):
         peers.check_peers(self.peers)
@@ -70,12 +86,8 @@ class GenerationBenchOptions:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1 or None, got {self.num_layers}.")
-        for a in self.archs:
-            if a not in ARCHS:
-                raise ValueError(f"unknown architecture {a!r}; expected some of {ARCHS}.")
-        for m in self.methods:
-            if m not in METHODS:
-                raise ValueError(f"unknown method {m!r}; expected some of {tuple(METHODS)}.")
+        measure.check_known("architecture", self.archs, ARCHS)
+        measure.check_known("method", self.methods, METHODS)
         if not self.batches or min(self.batches) < 1:
             raise ValueError(f"batches must be positive, got {self.batches}.")
         if self.timed_steps < 0 or self.recompute_steps < 1:
@@ -103,25 +115,22 @@ def paper_config(
     return config
 
 
-def paper_model(
-    arch: str,
-    attention: str,
-    *,
-    max_length: int | None = None,
-    seed: int = 0,
-    num_layers: int | None = None,
-    dtype: str = "float32",
-):
+def paper_model(arch: str, attention: str, *, max_length: int | None = None, **config):
     """The paper's image generator for `arch` ("mnist" or "cifar10") with `attention`, in eval
-    mode (untrained); `max_length` changes the generated length, `num_layers` the depth (quick
-    tests), `dtype` the compute dtype."""
-    config = paper_config(arch, attention, seed=seed, num_layers=num_layers, dtype=dtype)
+    mode (untrained); `max_length` changes the generated length; `config`: `paper_config`'s
+    seed, num_layers (quick tests) and dtype."""
     info = pipeline.dataset_info(arch)
     if max_length is not None:  # a longer or shorter "image": memory vs generated length
         info = dataclasses.replace(info, image_shape=(max_length, 1, 1))
-    model = image_generation.build_model(config, info)
+    model = image_generation.build_model(paper_config(arch, attention, **config), info)
     model.eval()
     return model
+
+
+def _paper_model(opts: GenerationBenchOptions, arch: str, attention: str, **config):
+    return paper_model(
+        arch, attention, seed=opts.seed, num_layers=opts.num_layers, dtype=opts.dtype, **config
+    )
 
 
 def _compiled_sampler(model, sample, batch: int, num_steps: int):
@@ -149,43 +158,38 @@ def step_flops(model, batch: int) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
+def speed_row(arch: str, method: str, batch: int, length: int, steps: int) -> dict:
+    """A generation case's row before it runs (`steps` of `length` sub-pixels timed)."""
+    figures = ("peak_mib", "images_per_s", "seconds_per_image", "ms_per_step")
+    head = {"arch": arch, "method": method, "batch": batch, "length": length, "timed_steps": steps}
+    return {**head, **dict.fromkeys(figures, math.nan), "repeats": 0, "status": "ok"}
+
+
+def add_speed(row: dict, timing: measure.Timing) -> float:
+    """The row's speed from the time of its `timed_steps`, scaled to its length; -> s/step."""
+    seconds_per_step = timing.median_s / row["timed_steps"]
+    seconds_per_batch = seconds_per_step * row["length"]
+    row.update(
+        images_per_s=row["batch"] / seconds_per_batch,
+        seconds_per_image=seconds_per_batch / row["batch"],
+        ms_per_step=seconds_per_step * 1e3,
+        repeats=timing.repeats,
+    )
+    return seconds_per_step
+
+
 def time_method(opts: GenerationBenchOptions, arch: str, method: str, batch: int) -> dict:
     attention, sample = METHODS[method]
-    model = paper_model(arch, attention, seed=opts.seed, num_layers=opts.num_layers, dtype=opts.dtype)
+    model = _paper_model(opts, arch, attention)
     length = model.max_length
     limit = opts.recompute_steps if method.endswith("recompute") else opts.timed_steps
     steps = min(length, limit) if limit and method not in WHOLE_IMAGE_METHODS else length
     compiled, args = _compiled_sampler(model, sample, batch, steps)
-    row = {
-        "arch": arch,
-        "method": method,
-        "batch": batch,
-        "length": length,
-        "timed_steps": steps,
-        "peak_mib": (measure.peak_bytes(compiled) or math.nan) / 2**20,
-    }
-    budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
-    if row["peak_mib"] * 2**20 > budget:
-        row.update(
-            images_per_s=math.nan,
-            seconds_per_image=math.nan,
-            ms_per_step=math.nan,
-            repeats=0,
-            status=f"skipped: needs {row['peak_mib'] / 1024:.1f} GiB, budget {budget / 2**30:.1f} GiB",
-        )
+    row = speed_row(arch, method, batch, length, steps)
+    timing = measure.fit_and_time(row, compiled, lambda: args, opts.budget_bytes(), opts)
+    if timing is None:
         return row
-    timing = measure.time_compiled(
-        compiled, *args, min_repeats=opts.min_repeats, min_seconds=opts.min_seconds
-    )
-    seconds_per_step = timing.median_s / steps
-    seconds_per_batch = seconds_per_step * length
-    row.update(
-        images_per_s=batch / seconds_per_batch,
-        seconds_per_image=seconds_per_batch / batch,
-        ms_per_step=seconds_per_step * 1e3,
-        repeats=timing.repeats,
-        status="ok",
-    )
+    seconds_per_step = add_speed(row, timing)
     # XLA counts a loop body once, and the KV-cache step loops over the filled blocks: its
     # cost analysis would be one block's, not a step's.
     if not method.endswith("recompute") and method not in WHOLE_IMAGE_METHODS:
@@ -195,50 +199,35 @@ def time_method(opts: GenerationBenchOptions, arch: str, method: str, batch: int
     return row
 
 
+def peer_row(opts: GenerationBenchOptions, method: str, batch: int, length: int) -> dict:
+    """The authors' recurrent model on the MNIST architecture (`peers.generation_call`)."""
+    steps, call = peers.generation_call(method, batch, length, opts.timed_steps, seed=opts.seed)
+    row = speed_row("mnist", f"fast-transformers:{peers.GENERATION_METHODS[method]}", batch, length, steps)
+    add_speed(row, measure.time_call(call, min_repeats=opts.min_repeats, min_seconds=opts.min_seconds))
+    return row
+
+
 def memory_vs_length(opts: GenerationBenchOptions, method: str) -> list[dict]:
     """XLA's peak memory of generating L sub-pixels with the MNIST architecture (compile only)."""
     attention, sample = METHODS[method]
     rows = []
     for length in opts.memory_lengths:
-        model = paper_model(
-            "mnist",
-            attention,
-            max_length=length,
-            seed=opts.seed,
-            num_layers=opts.num_layers,
-            dtype=opts.dtype,
-        )
-        compiled, _ = _compiled_sampler(model, sample, opts.memory_batch, length)
-        peak = measure.peak_bytes(compiled)
-        rows.append(
-            {
-                "method": method,
-                "length": length,
-                "batch": opts.memory_batch,
-                "peak_mib": (peak or math.nan) / 2**20,
-            }
-        )
+        model = _paper_model(opts, "mnist", attention, max_length=length)
+        peak = measure.peak_bytes(_compiled_sampler(model, sample, opts.memory_batch, length)[0])
+        rows.append({"method": method, "length": length, "batch": opts.memory_batch})
+        rows[-1]["peak_mib"] = (peak or math.nan) / 2**20
     return rows
 
 
 def run(opts: GenerationBenchOptions, *, log=print) -> tuple[list[dict], list[dict]]:
+    """(a speed row per architecture, batch and method, the memory rows of `memory_vs_length`)."""
     speed = []
     for arch in opts.archs:
         for batch in opts.batches:
             for method in opts.methods:
                 rows = [time_method(opts, arch, method, batch)]
                 if opts.peers and arch == "mnist" and method in peers.GENERATION_METHODS:
-                    rows.append(
-                        peers.generation_row(
-                            method,
-                            batch,
-                            rows[0]["length"],
-                            opts.timed_steps,
-                            min_repeats=opts.min_repeats,
-                            min_seconds=opts.min_seconds,
-                            seed=opts.seed,
-                        )
-                    )
+                    rows.append(peer_row(opts, method, batch, rows[0]["length"]))
                 for row in rows:
                     speed.append(row)
                     log(
@@ -261,118 +250,67 @@ def run(opts: GenerationBenchOptions, *, log=print) -> tuple[list[dict], list[di
 
 def ratios(speed: list[dict], baseline: str = "linear/recurrent") -> list[dict]:
     """images/s of the baseline over each other method, same architecture and batch."""
-    by_key = {
-        (r["arch"], r["batch"], r["method"]): r["images_per_s"]
-        for r in speed
-        if not r["method"].startswith("fast-transformers:")
-    }
-    out = []
-    for (arch, batch, method), ips in by_key.items():
-        base = by_key.get((arch, batch, baseline))
-        if base and method != baseline and math.isfinite(ips):
-            out.append({"arch": arch, "batch": batch, "method": method, f"{baseline}_speedup": base / ips})
-    return out
+    ours = [r for r in speed if not r["method"].startswith("fast-transformers:")]
+    return [
+        {
+            "arch": r["arch"],
+            "batch": r["batch"],
+            "method": r["method"],
+            f"{baseline}_speedup": b["images_per_s"] / r["images_per_s"],
+        }
+        for r, b in report.paired(ours, ("arch", "batch"), "method", baseline, "images_per_s")
+    ]
 
 
-def run_and_report(
-    opts: GenerationBenchOptions, out_dir, *, matmul_reference: bool = True, log=print
-) -> dict:
-    """Run, print tables, write generation*.csv/json and generation.png under out_dir."""
-    import pathlib
-
-    from experiments.benchmarking import report
-
-    out_dir = pathlib.Path(out_dir)
-    machine = measure.machine_description()
-    log(f"machine: {machine}")
-    speed, memory = run(opts, log=log)
+def summarize(
+    opts: GenerationBenchOptions, ran: tuple[list[dict], list[dict]], machine: dict
+) -> report.Report:
+    speed, memory = ran
     extra = {
+        "memory": memory,
         "ratios": ratios(speed),
         "peer_ratios": peers.same_run_ratios(
             speed, ("arch", "batch"), "ms_per_step", peers.GENERATION_METHODS, "method"
         ),
     }
-    if matmul_reference:
+    notes = []
+    if opts.matmul_reference:
         # What this machine's matmuls reach: a large square one, and the MLP's shape per step.
         extra["matmul_gflops"] = {
             "2048x2048x2048": measure.matmul_flops_per_second(2048, 2048, 2048) / 1e9,
             **{f"{b}x256x1024": measure.matmul_flops_per_second(b, 256, 1024) / 1e9 for b in opts.batches},
         }
-    files = {
-        "csv": report.write_csv(out_dir / "generation.csv", speed),
-        "memory_csv": report.write_csv(out_dir / "generation_memory.csv", memory),
-        "json": report.write_json(
-            out_dir / "generation.json",
-            machine=machine,
-            options=dataclasses.asdict(opts),
-            rows=speed,
-            memory=memory,
-            **extra,
-        ),
-    }
-    methods = list(dict.fromkeys(r["method"] for r in speed))
-    panels = [
-        {
-            "xlabel": "batch size",
-            "ylabel": "images/s (more is better)",
-            "series": {
-                f"{arch} {m}": [
-                    (r["batch"], r["images_per_s"]) for r in speed if r["arch"] == arch and r["method"] == m
-                ]
-                for arch in opts.archs
-                for m in methods
+        gflops = ", ".join(f"{k}: {v:.1f}" for k, v in extra["matmul_gflops"].items())
+        notes.append(f"\nmatmul GFLOP/s on this device: {gflops}")
+    return report.Report(
+        speed,
+        "arch batch method images_per_s seconds_per_image ms_per_step timed_steps peak_mib achieved_gflops "
+        "status".split(),
+        tables=[
+            report.Table(extra["ratios"]),
+            report.Table(extra["peer_ratios"], peers.RATIOS_HEADING, csv="peers"),
+            report.Table(memory, columns=("method", "length", "batch", "peak_mib"), csv="memory"),
+        ],
+        extra=extra,
+        panels=[
+            {
+                "xlabel": "batch size",
+                "ylabel": "images/s (more is better)",
+                "series": report.series(
+                    speed, "batch", "images_per_s", lambda r: f"{r['arch']} {r['method']}"
+                ),
             },
-        },
-        {
-            "xlabel": f"generated length L (MNIST architecture, batch {opts.memory_batch})",
-            "ylabel": "peak memory (MiB, XLA)",
-            "series": {
-                m: [(r["length"], r["peak_mib"]) for r in memory if r["method"] == m]
-                for m in dict.fromkeys(r["method"] for r in memory)
+            {
+                "xlabel": f"generated length L (MNIST architecture, batch {opts.memory_batch})",
+                "ylabel": "peak memory (MiB, XLA)",
+                "series": report.series(memory, "length", "peak_mib", lambda r: r["method"]),
             },
-        },
-    ]
-    files["png"] = report.plot_series(
-        out_dir / "generation.png",
-        panels,
-        title=f"{machine['device']}, float32, untrained paper architectures; jax {machine['jax']}",
+        ],
+        title=f"{machine['device']}, {opts.dtype}, untrained paper architectures; jax {machine['jax']}",
+        notes=notes,
     )
-    log(
-        "\n"
-        + report.markdown_table(
-            speed,
-            [
-                c
-                for c in (
-                    "arch",
-                    "batch",
-                    "method",
-                    "images_per_s",
-                    "seconds_per_image",
-                    "ms_per_step",
-                    "timed_steps",
-                    "peak_mib",
-                    "achieved_gflops",
-                    "status",
-                )
-                if any(c in r for r in speed)
-            ],
-        )
-    )
-    if extra["ratios"]:
-        log("\n" + report.markdown_table(extra["ratios"], list(extra["ratios"][0])))
-    if extra["peer_ratios"]:
-        log(
-            "\nthe authors' library in this run (theirs_over_ours > 1: ours is faster):\n"
-            + report.markdown_table(extra["peer_ratios"], list(extra["peer_ratios"][0]))
-        )
-        files["peers_csv"] = report.write_csv(out_dir / "generation_peers.csv", extra["peer_ratios"])
-    if memory:
-        log("\n" + report.markdown_table(memory, ["method", "length", "batch", "peak_mib"]))
-    if matmul_reference:
-        log(
-            "\nmatmul GFLOP/s on this device: "
-            + ", ".join(f"{k}: {v:.1f}" for k, v in extra["matmul_gflops"].items())
-        )
-    log("wrote " + ", ".join(str(p) for p in files.values()))
-    return {"speed": speed, "memory": memory, "files": files, **extra}
+
+
+def run_and_report(opts: GenerationBenchOptions, out_dir, *, log=print) -> dict:
+    """Run, print tables, write generation.csv/json/png (and generation_memory/_peers.csv)."""
+    return report.run_and_report("generation", opts, out_dir, run, summarize, log=log)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import math
 import os
 import platform
 import statistics
@@ -18,6 +19,34 @@ import time
 
 import jax
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseOptions:
+    """How every case is measured (the benchmarks' options extend it).
+
+    min_repeats: Time each case at least this often.
+    min_seconds: Repeat each case for at least this long.
+    memory_fraction: Fraction of the device's free memory a case may use (one that needs more
+        is skipped).
+    seed: Seed of the random inputs and untrained weights.
+    """
+
+    min_repeats: int = 3
+    min_seconds: float = 0.5
+    memory_fraction: float = 0.6
+    seed: int = 0
+
+    def budget_bytes(self) -> int:
+        """What one case may use on the default device (`memory_budget_bytes`)."""
+        return memory_budget_bytes(fraction=self.memory_fraction)
+
+
+def check_known(what: str, values, known) -> None:
+    """A ValueError for the first of `values` (an option's) that is not in `known`."""
+    for value in values:
+        if value not in known:
+            raise ValueError(f"unknown {what} {value!r}; expected some of {tuple(known)}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +108,28 @@ def peak_bytes(compiled) -> int | None:
         - analysis.alias_size_in_bytes
     )
     return int(max(total, getattr(analysis, "peak_memory_in_bytes", 0)))
+
+
+def fit_and_time(
+    row: dict, compiled, args, budget: int, opts: CaseOptions, *, skip_reason=None, devices=None
+) -> Timing | None:
+    """Record `compiled`'s peak memory (row["peak_mib"]) and time it on `args()` (made only when
+    timed; row["repeats"]; opts' min_repeats and min_seconds), unless it needs more than `budget`
+    bytes (on all `devices` together, when given) or `skip_reason` says why not: then
+    row["status"] says so and None is returned."""
+    peak = peak_bytes(compiled)
+    row["peak_mib"] = math.nan if peak is None else peak / 2**20
+    needs = (peak or 0) * (devices or 1)
+    if needs > budget:
+        where = f" on {devices} devices" if devices else ""
+        row["status"] = f"skipped: needs {needs / 2**30:.1f} GiB{where}, budget {budget / 2**30:.1f} GiB"
+        return None
+    if skip_reason:
+        row["status"] = skip_reason
+        return None
+    timing = time_compiled(compiled, *args(), min_repeats=opts.min_repeats, min_seconds=opts.min_seconds)
+    row["repeats"] = timing.repeats
+    return timing
 
 
 def memory_budget_bytes(device=None, fraction: float = 0.6) -> int:

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import math
 
-from experiments.benchmarking import measure
-
 PEERS = ("fast-transformers",)
 # Our attention benchmark kind -> their attention class (and whether it gets a causal mask).
 ATTENTION_KINDS = {"causal-linear/chunked": "causal-linear", "softmax": "full", "linear": "linear"}
 GENERATION_METHODS = {"linear/recurrent": "causal-linear", "softmax/kv-cache": "full"}
+RATIOS_HEADING = "the authors' library in this run (theirs_over_ours > 1: ours is faster)"
 
 
 def check_peers(peers) -> tuple[str, ...]:
@@ -75,45 +74,14 @@ def attention_peak_bytes(kind: str, pass_: str, n: int, batch: int, heads: int) 
     return matrices * batch * heads * n * n * 4
 
 
-def attention_row(
-    kind: str,
-    pass_: str,
-    n: int,
-    batch: int,
-    heads: int,
-    head_dim: int,
-    value_dim: int,
-    dtype: str,
-    *,
-    min_repeats: int = 3,
-    min_seconds: float = 0.5,
-    seed: int = 0,
-) -> dict:
-    """One attention case of the peer, as a row shaped like attention_bench's."""
+def attention_call(
+    kind: str, pass_: str, n: int, batch: int, heads: int, head_dim: int, value_dim: int, *, seed: int = 0
+):
+    """One attention case of the peer (float32) as a synchronous call, for `measure.time_call`."""
     import torch
     from fast_transformers.masking import FullMask, LengthMask, TriangularCausalMask
 
     name = ATTENTION_KINDS[kind]
-    row = {
-        "kind": f"fast-transformers:{name}",
-        "pass": pass_,
-        "n": n,
-        "batch": batch,
-        "heads": heads,
-        "head_dim": head_dim,
-        "value_dim": value_dim,
-        "dtype": dtype,
-        "chunk_size": None,
-        "time_ms": math.nan,
-        "time_per_sample_ms": math.nan,
-        "peak_mib": math.nan,
-        "peak_per_sample_mib": math.nan,
-        "repeats": 0,
-        "status": "ok",
-    }
-    if dtype != "float32":
-        row["status"] = "unavailable: the peer runs in float32 only"
-        return row
     torch.manual_seed(seed)
     attention = attention_module(name, head_dim).eval()
     q, k = (torch.randn(batch, n, heads, head_dim) for _ in range(2))
@@ -133,13 +101,7 @@ def attention_row(
         def call():
             torch.autograd.grad(attention(q, k, v, mask, lengths, lengths), (q, k, v), g)
 
-    timing = measure.time_call(call, min_repeats=min_repeats, min_seconds=min_seconds)
-    row.update(
-        time_ms=timing.median_s * 1e3,
-        time_per_sample_ms=timing.median_s * 1e3 / batch,
-        repeats=timing.repeats,
-    )
-    return row
+    return call
 
 
 class _Generator:
@@ -201,18 +163,9 @@ class _Generator:
         return value, state
 
 
-def generation_row(
-    method: str,
-    batch: int,
-    length: int,
-    timed_steps: int,
-    *,
-    min_repeats: int = 3,
-    min_seconds: float = 1.0,
-    seed: int = 0,
-) -> dict:
-    """Generation speed of the peer for the MNIST architecture, shaped like generation_bench's
-    rows (`timed_steps` sub-pixels timed and scaled to `length`, as there)."""
+def generation_call(method: str, batch: int, length: int, timed_steps: int, *, seed: int = 0):
+    """(steps, call): the peer generating `steps` sub-pixels of the MNIST architecture (the first
+    `timed_steps`, 0: all, for generation_bench to scale to `length`, as there)."""
     import torch
 
     name = GENERATION_METHODS[method]
@@ -228,21 +181,7 @@ def generation_row(
             for t in range(steps):
                 token_B, state = model.step(token_B, t, state)
 
-    timing = measure.time_call(generate, min_repeats=min_repeats, min_seconds=min_seconds)
-    seconds_per_step, repeats = timing.median_s / steps, timing.repeats
-    return {
-        "arch": "mnist",
-        "method": f"fast-transformers:{name}",
-        "batch": batch,
-        "length": length,
-        "timed_steps": steps,
-        "peak_mib": math.nan,
-        "images_per_s": batch / (seconds_per_step * length),
-        "seconds_per_image": seconds_per_step * length / batch,
-        "ms_per_step": seconds_per_step * 1e3,
-        "repeats": repeats,
-        "status": "ok",
-    }
+    return steps, generate
 
 
 def same_run_ratios(

@@ -26,6 +26,7 @@ fraction of identical sub-pixels).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -33,44 +34,56 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.benchmarking import measure
+from experiments.benchmarking import measure, report
 from linear_transformers.lm import CausalLM
 from linear_transformers.mixture import mol_sample
 from linear_transformers.transformer import TransformerConfig
 
-METHODS = ("prefill", "step-scan")
 LM_KINDS = ("linear", "softmax")
 IMAGE_ARCHS = ("mnist", "cifar10")
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillBenchOptions:
+class PrefillBenchOptions(measure.CaseOptions):
     """What `run` measures. Lengths per kind: softmax reads its whole KV cache at every step, so
-    its token-by-token path grows as P^2 and stops at `softmax_lengths`."""
+    its token-by-token path grows as P^2 and stops at `softmax_lengths`.
+
+    prompt_lengths: Prompt lengths P.
+    batches: Batch sizes of the language-model part.
+    kinds: Attention kinds: linear, softmax.
+    softmax_lengths: Prompt lengths softmax runs at (its token-by-token path costs P^2: a KV
+        cache read per step).
+    num_layers: Layers of the language model.
+    model_dim: Width of the language model.
+    num_heads: Heads of the language model.
+    vocab_size: Vocabulary of the language model.
+    image_arch: Paper architecture for image completion (mnist, cifar10; '' to skip).
+    image_kinds: Kinds for images.
+    image_batches: Batch sizes for images.
+    image_length: Sub-pixels per image (default: the architecture's).
+    image_layers: Layers of the image model (default: the architecture's; fewer only for quick
+        tests).
+    image_prefix: Given sub-pixels (default: half).
+    """
 
     prompt_lengths: tuple[int, ...] = (512, 2048, 8192)
     batches: tuple[int, ...] = (1, 4)
     kinds: tuple[str, ...] = LM_KINDS
-    softmax_lengths: tuple[int, ...] = (512, 2048)  # the lengths softmax runs at (subset)
+    softmax_lengths: tuple[int, ...] = (512, 2048)
     num_layers: int = 4
     model_dim: int = 256
     num_heads: int = 8
     vocab_size: int = 256
-    image_arch: str = "mnist"  # "" = no image-completion part
+    image_arch: str = "mnist"
     image_kinds: tuple[str, ...] = ("linear", "softmax")
     image_batches: tuple[int, ...] = (1, 16)
-    image_length: int | None = None  # None: the architecture's own length (MNIST: 784)
-    image_layers: int | None = None  # None: the architecture's own depth (MNIST: 8); tests only
-    image_prefix: int | None = None  # None: half the image
-    min_repeats: int = 3
+    image_length: int | None = None
+    image_layers: int | None = None
+    image_prefix: int | None = None
     min_seconds: float = 1.0
-    memory_fraction: float = 0.6  # of free memory; a case needing more is skipped
-    seed: int = 0
 
     def __post_init__(self):
-        for kind in (*self.kinds, *self.image_kinds):
-            if kind not in LM_KINDS:
-                raise ValueError(f"unknown attention kind {kind!r}; expected some of {LM_KINDS}.")
+        measure.check_known("attention kind", (*self.kinds, *self.image_kinds), LM_KINDS)
         if self.image_arch and self.image_arch not in IMAGE_ARCHS:
             raise ValueError(
                 f"unknown image architecture {self.image_arch!r}; expected one of "
@@ -96,47 +109,45 @@ class PrefillBenchOptions:
         return tuple(self.prompt_lengths)
 
 
-def lm_model(opts: PrefillBenchOptions, kind: str) -> CausalLM:
-    """The benchmark's language model in eval mode (untrained, no dropout)."""
-    config = TransformerConfig(
+def lm_model(opts, kind: str, **config) -> CausalLM:
+    """The benchmark's language model (`opts`' shape, untrained, no dropout, eval mode)."""
+    model_config = TransformerConfig(
         num_layers=opts.num_layers,
         num_heads=opts.num_heads,
         model_dim=opts.model_dim,
         attention=kind,
         dropout=0.0,
+        **config,
     )
-    model = CausalLM(config, opts.vocab_size, rngs=nnx.Rngs(opts.seed))
+    model = CausalLM(model_config, opts.vocab_size, rngs=nnx.Rngs(opts.seed))
     model.eval()
     return model
 
 
-def first_token_fn(model, method: str):
-    """(params, prompt_BT) -> (state, logits_BV of the first new token), for `method`.
+def first_token_fns(model) -> dict:
+    """{method: (params, prompt_BT) -> (state, logits_BV of the first new token)}: the prompt but
+    its last token read by one `prefill`, or by `step` in a `lax.scan`; the last one by `step`.
 
     The KV cache (softmax) holds P + 1 steps: the prompt and the first new token.
     """
     graphdef, _ = nnx.split(model)
 
-    def prefill(params, prompt_BT):
+    def first_token(read, params, prompt_BT):
         model = nnx.merge(graphdef, params)
         batch, length = prompt_BT.shape
         state = model.init_state(batch, max_length=length + 1)
         if length > 1:
-            state, _ = model.prefill(state, prompt_BT[:, :-1])
+            state = read(model, state, prompt_BT[:, :-1])
         return model.step(state, prompt_BT[:, -1])
 
-    def step_scan(params, prompt_BT):
-        model = nnx.merge(graphdef, params)
-        batch, length = prompt_BT.shape
-        state = model.init_state(batch, max_length=length + 1)
-        state, _ = jax.lax.scan(model.step, state, prompt_BT[:, :-1].T)
-        return model.step(state, prompt_BT[:, -1])
-
-    if method == "prefill":
-        return prefill
-    if method == "step-scan":
-        return step_scan
-    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}.")
+    return {
+        "prefill": functools.partial(
+            first_token, lambda model, state, read_BT: model.prefill(state, read_BT)[0]
+        ),
+        "step-scan": functools.partial(
+            first_token, lambda model, state, read_BT: jax.lax.scan(model.step, state, read_BT.T)[0]
+        ),
+    }
 
 
 def compile_timed(fn, *args):
@@ -146,58 +157,45 @@ def compile_timed(fn, *args):
     return compiled, time.perf_counter() - start
 
 
-def _over_budget(row: dict, compiled, budget: int) -> bool:
-    peak = measure.peak_bytes(compiled)
-    row["peak_mib"] = (peak or math.nan) / 2**20
-    if peak is not None and peak > budget:
-        row["status"] = f"skipped: needs {peak / 2**30:.1f} GiB, budget {budget / 2**30:.1f} GiB"
-        return True
-    return False
+def time_methods(opts: PrefillBenchOptions, head: dict, figures, fns: dict, args: tuple, budget: int):
+    """(a row per method: `head`, its `figures`, compile_s, peak_mib, time_ms unless over the
+    budget; {method: its output} of those that ran) for `fns` (method -> function of `args`)."""
+    rows, outputs = [], {}
+    for method, fn in fns.items():
+        row = {**head, "method": method, **dict.fromkeys(figures, math.nan), "repeats": 0, "status": "ok"}
+        compiled, row["compile_s"] = compile_timed(fn, *args)
+        timing = measure.fit_and_time(row, compiled, lambda: args, budget, opts)
+        if timing:
+            row["time_ms"] = timing.median_s * 1e3
+            if "images_per_s" in row:
+                row["images_per_s"] = head["batch"] / timing.median_s
+            outputs[method] = compiled(*args)
+        rows.append(row)
+    return rows, outputs
 
 
 def run_lm(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
     """One row per (kind, batch, prompt length, method): time to the first new token."""
-    budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
+    budget = opts.budget_bytes()
     rows = []
     for kind in opts.kinds:
         model = lm_model(opts, kind)
         params = nnx.split(model)[1]
+        fns = first_token_fns(model)
         for batch in opts.batches:
             for length in opts.lengths_for(kind):
                 key = jax.random.fold_in(jax.random.key(opts.seed), length * 1000 + batch)
                 prompt_BT = jax.random.randint(key, (batch, length), 0, opts.vocab_size)
-                logits = {}
-                for method in METHODS:
-                    row = {
-                        "kind": kind,
-                        "batch": batch,
-                        "prompt": length,
-                        "method": method,
-                        "time_ms": math.nan,
-                        "compile_s": math.nan,
-                        "peak_mib": math.nan,
-                        "repeats": 0,
-                        "status": "ok",
-                    }
-                    compiled, row["compile_s"] = compile_timed(
-                        first_token_fn(model, method), params, prompt_BT
-                    )
-                    if not _over_budget(row, compiled, budget):
-                        timing = measure.time_compiled(
-                            compiled,
-                            params,
-                            prompt_BT,
-                            min_repeats=opts.min_repeats,
-                            min_seconds=opts.min_seconds,
-                        )
-                        row.update(time_ms=timing.median_s * 1e3, repeats=timing.repeats)
-                        logits[method] = compiled(params, prompt_BT)[1]
-                    rows.append(row)
-                if len(logits) == 2:  # both paths compute the same function
-                    diff = float(jnp.max(jnp.abs(logits["prefill"] - logits["step-scan"])))
-                    for row in rows[-2:]:
+                head = {"kind": kind, "batch": batch, "prompt": length}
+                found, out = time_methods(
+                    opts, head, ("time_ms", "compile_s", "peak_mib"), fns, (params, prompt_BT), budget
+                )
+                if len(out) == 2:  # both paths compute the same function
+                    diff = float(jnp.max(jnp.abs(out["prefill"][1] - out["step-scan"][1])))
+                    for row in found:
                         row["max_logit_diff"] = diff
-                for row in rows[-2:]:
+                rows += found
+                for row in found:
                     log(format_lm_row(row))
     return rows
 
@@ -243,30 +241,27 @@ def complete_token_by_token(model, key, batch: int, prefix_BT):
     return jnp.concatenate([prefix_BT, drawn_TB.T], axis=1)
 
 
-def completion_fn(model, method: str, batch: int):
-    """(params, key, prefix_BT) -> images [B, T] for `method`."""
+def completion_fns(model, batch: int) -> dict:
+    """{method: (params, key, prefix_BT) -> images [B, T]}: `sample_images(prefix=...)`, or
+    `complete_token_by_token`."""
     from linear_transformers import sample_images
 
     graphdef, _ = nnx.split(model)
-
-    def prefill(params, key, prefix_BT):
-        return sample_images(nnx.merge(graphdef, params), key, batch, prefix=prefix_BT)
-
-    def step_scan(params, key, prefix_BT):
-        return complete_token_by_token(nnx.merge(graphdef, params), key, batch, prefix_BT)
-
-    if method == "prefill":
-        return prefill
-    if method == "step-scan":
-        return step_scan
-    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}.")
+    return {
+        "prefill": lambda params, key, prefix_BT: sample_images(
+            nnx.merge(graphdef, params), key, batch, prefix=prefix_BT
+        ),
+        "step-scan": lambda params, key, prefix_BT: complete_token_by_token(
+            nnx.merge(graphdef, params), key, batch, prefix_BT
+        ),
+    }
 
 
 def run_images(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
     """One row per (kind, batch, method): images/s completing images from their first K."""
     if not opts.image_arch:
         return []
-    budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
+    budget = opts.budget_bytes()
     rows = []
     for kind in opts.image_kinds:
         model = image_model(opts, kind)
@@ -280,48 +275,17 @@ def run_images(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
             prefix_BT = jax.random.randint(
                 jax.random.fold_in(key, 1), (batch, k), 0, model.num_classes, jnp.int32
             )
-            images = {}
-            for method in METHODS:
-                row = {
-                    "arch": opts.image_arch,
-                    "kind": kind,
-                    "batch": batch,
-                    "length": length,
-                    "prefix": k,
-                    "method": method,
-                    "time_ms": math.nan,
-                    "images_per_s": math.nan,
-                    "compile_s": math.nan,
-                    "peak_mib": math.nan,
-                    "repeats": 0,
-                    "status": "ok",
-                }
-                compiled, row["compile_s"] = compile_timed(
-                    completion_fn(model, method, batch), params, key, prefix_BT
-                )
-                if not _over_budget(row, compiled, budget):
-                    timing = measure.time_compiled(
-                        compiled,
-                        params,
-                        key,
-                        prefix_BT,
-                        min_repeats=opts.min_repeats,
-                        min_seconds=opts.min_seconds,
-                    )
+            head = {"arch": opts.image_arch, "kind": kind, "batch": batch, "length": length, "prefix": k}
+            fns = completion_fns(model, batch)
+            figures = ("time_ms", "images_per_s", "compile_s", "peak_mib")
+            found, images = time_methods(opts, head, figures, fns, (params, key, prefix_BT), budget)
+            for row in found:
+                if len(images) == 2:  # same keys per sub-pixel: the same images, up to draws that
+                    # land within rounding of a bin edge
+                    same = float(jnp.mean(images["prefill"] == images["step-scan"]))
                     row.update(
-                        time_ms=timing.median_s * 1e3,
-                        images_per_s=batch / timing.median_s,
-                        repeats=timing.repeats,
+                        same_subpixels=same, prefix_kept=bool(jnp.all(images["prefill"][:, :k] == prefix_BT))
                     )
-                    images[method] = compiled(params, key, prefix_BT)
-                rows.append(row)
-            if len(images) == 2:  # same keys per sub-pixel: the same images, up to draws that
-                # land within rounding of a bin edge
-                same = float(jnp.mean(images["prefill"] == images["step-scan"]))
-                prefix_kept = bool(jnp.all(images["prefill"][:, :k] == prefix_BT))
-                for row in rows[-2:]:
-                    row.update(same_subpixels=same, prefix_kept=prefix_kept)
-            for row in rows[-2:]:
                 row["layers"] = model.transformer.num_layers
                 log(
                     f"images {row['arch']} {kind:<8} B={batch:<3} K={k}/{length} "
@@ -329,145 +293,64 @@ def run_images(opts: PrefillBenchOptions, *, log=print) -> list[dict]:
                     f"{row['time_ms']:>10.1f} ms  compile {row['compile_s']:6.2f} s  "
                     f"{row['peak_mib']:>8.1f} MiB  {row['status']}"
                 )
+            rows += found
     return rows
 
 
 def speedups(rows: list[dict], group: tuple[str, ...]) -> list[dict]:
     """time(step-scan) / time(prefill) for every `group` key where both ran (same run)."""
-    times = {}
-    for r in rows:
-        if r.get("status") == "ok" and math.isfinite(r.get("time_ms", math.nan)):
-            times[(tuple(r[g] for g in group), r["method"])] = r["time_ms"]
-    out = []
-    for (key, method), t in times.items():
-        base = times.get((key, "step-scan"))
-        if method == "prefill" and base:
-            out.append(
-                {
-                    **dict(zip(group, key)),
-                    "prefill_ms": t,
-                    "step_scan_ms": base,
-                    "step_scan_over_prefill": base / t,
-                }
-            )
-    return out
+    return [
+        {
+            **{g: r[g] for g in group},
+            "prefill_ms": r["time_ms"],
+            "step_scan_ms": b["time_ms"],
+            "step_scan_over_prefill": b["time_ms"] / r["time_ms"],
+        }
+        for r, b in report.paired(rows, group, "method", "step-scan", "time_ms")
+    ]
 
 
 LM_GROUP = ("kind", "batch", "prompt")
 IMAGE_GROUP = ("arch", "kind", "batch")
 
 
-def run_and_report(opts: PrefillBenchOptions, out_dir, *, log=print) -> dict:
-    """Run both parts, print the tables, write prefill*.csv/json and prefill.png under out_dir."""
-    import pathlib
+def run(opts: PrefillBenchOptions, *, log=print) -> tuple[list[dict], list[dict]]:
+    return run_lm(opts, log=log), run_images(opts, log=log)
 
-    from experiments.benchmarking import report
 
-    out_dir = pathlib.Path(out_dir)
-    machine = measure.machine_description()
-    log(f"machine: {machine}")
-    lm_rows = run_lm(opts, log=log)
-    image_rows = run_images(opts, log=log)
-    lm_ratios = speedups(lm_rows, LM_GROUP)
-    image_ratios = speedups(image_rows, IMAGE_GROUP)
-    files = {
-        "csv": report.write_csv(out_dir / "prefill.csv", lm_rows),
-        "json": report.write_json(
-            out_dir / "prefill.json",
-            machine=machine,
-            options=dataclasses.asdict(opts),
-            rows=lm_rows,
-            ratios=lm_ratios,
-            images=image_rows,
-            image_ratios=image_ratios,
+def summarize(opts: PrefillBenchOptions, ran: tuple[list[dict], list[dict]], machine: dict) -> report.Report:
+    lm_rows, image_rows = ran
+    lm_ratios, image_ratios = speedups(lm_rows, LM_GROUP), speedups(image_rows, IMAGE_GROUP)
+    series = report.series(
+        lm_rows, "prompt", "time_ms", lambda r: f"{r['kind']} B={r['batch']} {r['method']}"
+    )
+    ratio_series = report.series(
+        lm_ratios, "prompt", "step_scan_over_prefill", lambda r: f"{r['kind']} B={r['batch']}"
+    )
+    image_columns = (
+        "arch kind batch prefix length method images_per_s time_ms compile_s peak_mib same_subpixels "
+    )
+    return report.Report(
+        lm_rows,
+        "kind batch prompt method time_ms compile_s peak_mib max_logit_diff status".split(),
+        tables=[
+            report.Table(lm_ratios, "step-scan / prefill (same run)"),
+            report.Table(image_rows, columns=(image_columns + "prefix_kept status").split(), csv="images"),
+            report.Table(image_ratios, "image completion, step-scan / prefill (same run)"),
+        ],
+        extra={"ratios": lm_ratios, "images": image_rows, "image_ratios": image_ratios},
+        panels=report.panels(
+            "prompt length P (tokens)",
+            {"time to first new token (ms)": series, "step-scan time / prefill time": ratio_series},
         ),
-    }
-    if image_rows:
-        files["images_csv"] = report.write_csv(out_dir / "prefill_images.csv", image_rows)
-    series = {}
-    for r in lm_rows:
-        series.setdefault(f"{r['kind']} B={r['batch']} {r['method']}", []).append((r["prompt"], r["time_ms"]))
-    ratio_series = {}
-    for r in lm_ratios:
-        ratio_series.setdefault(f"{r['kind']} B={r['batch']}", []).append(
-            (r["prompt"], r["step_scan_over_prefill"])
-        )
-    panels = [
-        {"xlabel": "prompt length P (tokens)", "ylabel": "time to first new token (ms)", "series": series},
-        {
-            "xlabel": "prompt length P (tokens)",
-            "ylabel": "step-scan time / prefill time",
-            "series": ratio_series,
-        },
-    ]
-    files["png"] = report.plot_series(
-        out_dir / "prefill.png",
-        panels,
         title=(
             f"{machine['device']} x{machine['host_cpus']} CPUs, float32, CausalLM "
             f"{opts.num_layers} layers, width {opts.model_dim}, {opts.num_heads} heads "
             f"(untrained); jax {machine['jax']}"
         ),
     )
-    log(
-        "\n"
-        + report.markdown_table(
-            lm_rows,
-            [
-                c
-                for c in (
-                    "kind",
-                    "batch",
-                    "prompt",
-                    "method",
-                    "time_ms",
-                    "compile_s",
-                    "peak_mib",
-                    "max_logit_diff",
-                    "status",
-                )
-                if any(c in r for r in lm_rows)
-            ],
-        )
-    )
-    if lm_ratios:
-        log("\nstep-scan / prefill (same run):\n" + report.markdown_table(lm_ratios, list(lm_ratios[0])))
-    if image_rows:
-        log(
-            "\n"
-            + report.markdown_table(
-                image_rows,
-                [
-                    c
-                    for c in (
-                        "arch",
-                        "kind",
-                        "batch",
-                        "prefix",
-                        "length",
-                        "method",
-                        "images_per_s",
-                        "time_ms",
-                        "compile_s",
-                        "peak_mib",
-                        "same_subpixels",
-                        "prefix_kept",
-                        "status",
-                    )
-                    if any(c in r for r in image_rows)
-                ],
-            )
-        )
-    if image_ratios:
-        log(
-            "\nimage completion, step-scan / prefill (same run):\n"
-            + report.markdown_table(image_ratios, list(image_ratios[0]))
-        )
-    log("wrote " + ", ".join(str(p) for p in files.values()))
-    return {
-        "lm": lm_rows,
-        "lm_ratios": lm_ratios,
-        "images": image_rows,
-        "image_ratios": image_ratios,
-        "files": files,
-    }
+
+
+def run_and_report(opts: PrefillBenchOptions, out_dir, *, log=print) -> dict:
+    """Run both parts, print the tables, write prefill.csv/json/png (and prefill_images.csv)."""
+    return report.run_and_report("prefill", opts, out_dir, run, summarize, log=log)

@@ -9,6 +9,7 @@ step time is the median over its log lines after the first (which holds the comp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from experiments.benchmarking import measure, report
+from experiments.benchmarking import report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -33,13 +34,34 @@ class Setup:
         plural = "es" if self.processes > 1 else ""
         return f"{self.processes} process{plural} x {self.devices_per_process} devices"
 
+    def __str__(self) -> str:
+        return f"{self.processes}x{self.devices_per_process}"
+
+    @classmethod
+    def parse(cls, text: str) -> Setup:
+        """ "PxD" (e.g. "2x2"): P processes of D devices each."""
+        count, _, devices = text.partition("x")
+        if not (count.isdigit() and devices.isdigit() and int(count) >= 1 and int(devices) >= 1):
+            raise ValueError(f"a setup is PROCESSESxDEVICES like 2x2, got {text!r}.")
+        return cls(int(count), int(devices))
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessesBenchOptions:
+    """What `run` measures.
+
+    config: The config file each setup trains.
+    num_steps: Steps per setup.
+    log_every: Steps per log window (one timing each).
+    setups: PROCESSESxDEVICES, first = the reference.
+    """
+
     config: str = "configs/digits.py"
     num_steps: int = 300
     log_every: int = 25
-    setups: tuple[Setup, ...] = (Setup(1, 4), Setup(2, 2), Setup(1, 2))
+    setups: tuple[Setup, ...] = dataclasses.field(
+        default=(Setup(1, 4), Setup(2, 2), Setup(1, 2)), metadata={"parse": Setup.parse}
+    )
 
 
 def _free_port() -> int:
@@ -102,23 +124,23 @@ def run_setup(opts: ProcessesBenchOptions, setup: Setup, workdir: pathlib.Path) 
     }
 
 
-def run_and_report(opts: ProcessesBenchOptions, out_dir) -> list[dict]:
-    """Every setup, one after the other; prints a table, writes CSV and JSON to `out_dir`."""
+def run(opts: ProcessesBenchOptions, *, log=print) -> list[dict]:
+    """Every setup, one after the other."""
     rows = []
     for setup in opts.setups:
         with tempfile.TemporaryDirectory() as workdir:
             rows.append(run_setup(opts, setup, pathlib.Path(workdir)))
-        print(f"{rows[-1]['setup']}: {rows[-1]['step_ms']:.2f} ms/step", flush=True)
-    base = rows[0]["step_ms"]
-    for row in rows:
-        row["vs_first"] = row["step_ms"] / base
-    out = pathlib.Path(out_dir)
-    report.write_csv(out / "processes.csv", rows)
-    report.write_json(
-        out / "processes.json",
-        machine=measure.machine_description(),
-        options=dataclasses.asdict(opts),
-        rows=rows,
-    )
-    print(report.markdown_table(rows, ["setup", "devices", "step_ms", "steps_per_sec", "vs_first"]))
+        log(f"{rows[-1]['setup']}: {rows[-1]['step_ms']:.2f} ms/step")
     return rows
+
+
+def summarize(opts: ProcessesBenchOptions, rows: list[dict], machine: dict) -> report.Report:
+    rows = [{**row, "vs_first": row["step_ms"] / rows[0]["step_ms"]} for row in rows]
+    return report.Report(rows, ("setup", "devices", "step_ms", "steps_per_sec", "vs_first"))
+
+
+def run_and_report(
+    opts: ProcessesBenchOptions, out_dir, *, log=functools.partial(print, flush=True)
+) -> list[dict]:
+    """Every setup; prints a table, writes processes.csv/json to `out_dir`; returns the rows."""
+    return report.run_and_report("processes", opts, out_dir, run, summarize, log=log)["rows"]

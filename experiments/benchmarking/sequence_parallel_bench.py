@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,18 +31,29 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from experiments.benchmarking import measure
-from linear_transformers.lm import CausalLM
-from linear_transformers.transformer import TransformerConfig
+from experiments.benchmarking import measure, prefill_bench, report
 
 AXIS = "sequence"
 KINDS = ("linear", "softmax")
 
 
 @dataclasses.dataclass(frozen=True)
-class SequenceParallelBenchOptions:
+class SequenceParallelBenchOptions(measure.CaseOptions):
     """What `run` measures: every kind at every P, linear at `length`, softmax at
-    `softmax_length` (its [T/P, T] score blocks make long sequences expensive)."""
+    `softmax_length` (its [T/P, T] score blocks make long sequences expensive).
+
+    parallelism: Devices P on the axis.
+    length: Sequence length T (linear).
+    softmax_length: Sequence length T for softmax.
+    batch: Batch B.
+    kinds: Attention kinds: linear, softmax.
+    num_layers: Layers.
+    model_dim: Model width.
+    num_heads: Heads.
+    vocab_size: Vocabulary.
+    learning_rate: Adam's learning rate.
+    memory_fraction: Fraction of free host memory, for all P devices together.
+    """
 
     parallelism: tuple[int, ...] = (1, 2, 4, 8)
     length: int = 32768
@@ -55,15 +65,10 @@ class SequenceParallelBenchOptions:
     num_heads: int = 4
     vocab_size: int = 256
     learning_rate: float = 1e-3
-    min_repeats: int = 3
     min_seconds: float = 1.0
-    memory_fraction: float = 0.6  # of free host memory, for all P devices together
-    seed: int = 0
 
     def __post_init__(self):
-        for kind in self.kinds:
-            if kind not in KINDS:
-                raise ValueError(f"unknown attention kind {kind!r}; expected some of {KINDS}.")
+        measure.check_known("attention kind", self.kinds, KINDS)
         if not self.parallelism or min(self.parallelism) < 1:
             raise ValueError(f"parallelism must be positive device counts, got {self.parallelism}.")
         for kind in self.kinds:
@@ -97,20 +102,6 @@ def sequence_mesh(num_devices: int) -> jax.sharding.Mesh:
     )
 
 
-def lm_model(opts: SequenceParallelBenchOptions, kind: str, num_devices: int) -> CausalLM:
-    """The benchmark's model; sequence-parallel when P > 1. Same seed, same weights for every P."""
-    extra = {"sequence_axis": AXIS} if num_devices > 1 else {}
-    config = TransformerConfig(
-        num_layers=opts.num_layers,
-        num_heads=opts.num_heads,
-        model_dim=opts.model_dim,
-        attention=kind,
-        dropout=0.0,
-        **extra,
-    )
-    return CausalLM(config, opts.vocab_size, rngs=nnx.Rngs(opts.seed))
-
-
 def make_train_step(graphdef, tx):
     """(params, opt_state, rest, tokens_BT, targets_BT) -> (params, opt_state, loss)."""
 
@@ -131,25 +122,13 @@ def make_train_step(graphdef, tx):
 def run_case(opts: SequenceParallelBenchOptions, kind: str, num_devices: int, budget: int) -> dict:
     """Compile the step for (kind, P), read its per-device memory, time it unless over budget."""
     length = opts.length_for(kind)
-    row = {
-        "kind": kind,
-        "P": num_devices,
-        "length": length,
-        "batch": opts.batch,
-        "tokens_per_device": length // num_devices,
-        "argument_mib": math.nan,
-        "output_mib": math.nan,
-        "temp_mib": math.nan,
-        "alias_mib": math.nan,
-        "peak_mib": math.nan,
-        "step_ms": math.nan,
-        "compile_s": math.nan,
-        "loss": math.nan,
-        "repeats": 0,
-        "status": "ok",
-    }
+    figures = "argument_mib output_mib temp_mib alias_mib peak_mib step_ms compile_s loss".split()
+    head = {"kind": kind, "P": num_devices, "length": length, "batch": opts.batch}
+    row = {**head, "tokens_per_device": length // num_devices, **dict.fromkeys(figures, math.nan)}
+    row.update(repeats=0, status="ok")
     mesh = sequence_mesh(num_devices)
-    model = lm_model(opts, kind, num_devices)
+    # Sequence-parallel when P > 1; the same seed, the same weights for every P.
+    model = prefill_bench.lm_model(opts, kind, **({"sequence_axis": AXIS} if num_devices > 1 else {}))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adam(opts.learning_rate)
     tokens = np.asarray(
@@ -163,26 +142,15 @@ def run_case(opts: SequenceParallelBenchOptions, kind: str, num_devices: int, bu
         inputs_BT = jax.device_put(tokens[:, :-1], split_time)
         targets_BT = jax.device_put(tokens[:, 1:], split_time)
         args = (params, opt_state, rest, inputs_BT, targets_BT)
-        start = time.perf_counter()
-        compiled = jax.jit(make_train_step(graphdef, tx)).lower(*args).compile()
-        row["compile_s"] = time.perf_counter() - start
+        compiled, row["compile_s"] = prefill_bench.compile_timed(make_train_step(graphdef, tx), *args)
         analysis = compiled.memory_analysis()
         if analysis is not None:
             for field in ("argument", "output", "temp", "alias"):
                 row[f"{field}_mib"] = getattr(analysis, f"{field}_size_in_bytes") / 2**20
-        peak = measure.peak_bytes(compiled)
-        if peak is not None:
-            row["peak_mib"] = peak / 2**20
-            if peak * num_devices > budget:  # all P devices live in this one process
-                row["status"] = (
-                    f"skipped: needs {peak * num_devices / 2**30:.1f} GiB on "
-                    f"{num_devices} devices, budget {budget / 2**30:.1f} GiB"
-                )
-                return row
-        timing = measure.time_compiled(
-            compiled, *args, min_repeats=opts.min_repeats, min_seconds=opts.min_seconds
-        )
-        row.update(step_ms=timing.median_s * 1e3, repeats=timing.repeats, loss=float(compiled(*args)[2]))
+        # All P devices live in this one process.
+        timing = measure.fit_and_time(row, compiled, lambda: args, budget, opts, devices=num_devices)
+        if timing:
+            row.update(step_ms=timing.median_s * 1e3, loss=float(compiled(*args)[2]))
     return row
 
 
@@ -191,7 +159,7 @@ def run(opts: SequenceParallelBenchOptions, *, log=print) -> list[dict]:
     needed = max(opts.parallelism)
     if needed > jax.device_count():
         sequence_mesh(needed)  # raises the explanatory error
-    budget = measure.memory_budget_bytes(fraction=opts.memory_fraction)
+    budget = opts.budget_bytes()
     rows = []
     for kind in opts.kinds:
         for num_devices in sorted(opts.parallelism):
@@ -227,41 +195,13 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 def memory_slopes(rows: list[dict], field: str = "peak_mib") -> dict[str, float]:
     """Log-log slope of `field` (per device) vs P for each kind; -1 is a perfect 1/P split."""
-    slopes = {}
-    for kind in dict.fromkeys(r["kind"] for r in rows):
-        pts = [
-            (r["P"], r[field]) for r in rows if r["kind"] == kind and math.isfinite(r[field]) and r[field] > 0
-        ]
-        if len({p for p, _ in pts}) >= 2:
-            p, mem = np.log(np.array(pts, dtype=float)).T
-            slopes[kind] = float(np.polyfit(p, mem, 1)[0])
-    return slopes
+    return report.log_log_slopes(rows, "P", field)
 
 
-def run_and_report(opts: SequenceParallelBenchOptions, out_dir, *, log=print) -> dict:
-    """Run every case, print the table, write sequence_parallel.csv/json/png under out_dir."""
-    import pathlib
-
-    from experiments.benchmarking import report
-
-    out_dir = pathlib.Path(out_dir)
-    machine = measure.machine_description()
-    log(f"machine: {machine}")
-    rows = run(opts, log=log)
+def summarize(opts: SequenceParallelBenchOptions, rows: list[dict], machine: dict) -> report.Report:
     slopes = {"peak": memory_slopes(rows, "peak_mib"), "temp": memory_slopes(rows, "temp_mib")}
-    files = {
-        "csv": report.write_csv(out_dir / "sequence_parallel.csv", rows),
-        "json": report.write_json(
-            out_dir / "sequence_parallel.json",
-            machine=machine,
-            options=dataclasses.asdict(opts),
-            rows=rows,
-            memory_slopes=slopes,
-        ),
-    }
-    kinds = list(dict.fromkeys(r["kind"] for r in rows))
     memory_series, time_series = {}, {}
-    for kind in kinds:
+    for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]
         label = f"{kind} T={mine[0]['length']}"
         memory_series[f"{label} peak"] = [(r["P"], r["peak_mib"]) for r in mine]
@@ -270,55 +210,30 @@ def run_and_report(opts: SequenceParallelBenchOptions, out_dir, *, log=print) ->
         if first:
             memory_series[f"{label} ideal 1/P"] = [(r["P"], first["peak_mib"] / r["P"]) for r in mine]
         time_series[label] = [(r["P"], r["step_ms"]) for r in mine]
-    panels = [
-        {
-            "xlabel": "devices P on the sequence axis",
-            "ylabel": "memory per device (MiB, XLA)",
-            "series": memory_series,
-        },
-        {
-            "xlabel": "devices P on the sequence axis",
-            "ylabel": "training step time (ms, median)",
-            "series": time_series,
-        },
-    ]
-    files["png"] = report.plot_series(
-        out_dir / "sequence_parallel.png",
-        panels,
+    slope_text = "; ".join(
+        f"{what}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()) for what, s in slopes.items()
+    )
+    columns = (
+        "kind length P tokens_per_device argument_mib output_mib temp_mib peak_mib peak_vs_p1 ideal_memory "
+        "step_ms step_vs_p1 compile_s loss_diff_vs_p1 status"
+    )
+    return report.Report(
+        rows,
+        columns.split(),
+        extra={"memory_slopes": slopes},
+        panels=report.panels(
+            "devices P on the sequence axis",
+            {"memory per device (MiB, XLA)": memory_series, "training step time (ms, median)": time_series},
+        ),
         title=(
             f"{machine['num_devices']} {machine['device']} devices on {machine['host_cpus']} "
             f"host CPUs; CausalLM {opts.num_layers} layers, width {opts.model_dim}, "
             f"{opts.num_heads} heads, B={opts.batch}; jax {machine['jax']}"
         ),
+        notes=[f"\nlog-log slope of memory per device vs P (-1 = 1/P): {slope_text}"],
     )
-    log(
-        "\n"
-        + report.markdown_table(
-            rows,
-            [
-                "kind",
-                "length",
-                "P",
-                "tokens_per_device",
-                "argument_mib",
-                "output_mib",
-                "temp_mib",
-                "peak_mib",
-                "peak_vs_p1",
-                "ideal_memory",
-                "step_ms",
-                "step_vs_p1",
-                "compile_s",
-                "loss_diff_vs_p1",
-                "status",
-            ],
-        )
-    )
-    log(
-        "\nlog-log slope of memory per device vs P (-1 = 1/P): "
-        + "; ".join(
-            f"{what}: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items()) for what, s in slopes.items()
-        )
-    )
-    log("wrote " + ", ".join(str(p) for p in files.values()))
-    return {"rows": rows, "memory_slopes": slopes, "files": files}
+
+
+def run_and_report(opts: SequenceParallelBenchOptions, out_dir, *, log=print) -> dict:
+    """Run every case, print the table, write sequence_parallel.csv/json/png under out_dir."""
+    return report.run_and_report("sequence_parallel", opts, out_dir, run, summarize, log=log)
