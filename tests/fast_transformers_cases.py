@@ -8,7 +8,7 @@ experiments/benchmarking/peers.py) to regenerate the fixtures the tests read:
 Each case builds one of their models from builder keyword arguments on random weights (LayerNorm
 parameters perturbed off 1 and 0), runs it on random inputs with length and causal masks, and
 returns {"meta": json, "state/<name>": weights, "input/<name>": ..., "output/<name>": ...} as
-numpy arrays. `tests/test_fast_transformers_interop.py` converts the weights and compares; when
+numpy arrays. `tests/models/test_fast_transformers_interop.py` converts the weights and compares; when
 `fast_transformers` is importable it also calls these functions live on random sizes.
 
 The colab's `Generator` / `RecurrentGenerator` (the authors' MNIST demo) are rebuilt here with the

@@ -22,7 +22,7 @@ FLA's pure-PyTorch references are loaded from their files, not through `import f
 Each case draws float32 inputs from a fixed seed (a nonzero initial state wherever the function
 takes one), runs one function and returns {"meta": json, "input/<name>": ..., "output/<name>":
 ...} as numpy arrays, inputs and outputs in the layout FLA takes and returns. "meta" names the
-function, FLA's version, the layout and the scale. `tests/test_fla_parity.py` compares
+function, FLA's version, the layout and the scale. `tests/ops/test_fla_parity.py` compares
 `ops.gated_linear_attention` with them; when torch and fla-core are importable it also calls
 these functions live on random sizes.
 """

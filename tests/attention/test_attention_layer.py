@@ -14,7 +14,7 @@ from flax.nnx import bridge
 from linear_transformers import FeatureProjection, MultiHeadAttention, generation
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 E, H = 16, 2

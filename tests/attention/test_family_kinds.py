@@ -16,7 +16,7 @@ from linear_transformers import MultiHeadAttention, TransformerConfig, attention
 from linear_transformers.attention import check_attention_options
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 B, T, E, H = 2, 11, 16, 2

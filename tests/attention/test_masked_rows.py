@@ -17,7 +17,7 @@ from linear_transformers.attention import make_attention_core
 from linear_transformers.ops import LINEAR_IMPLEMENTATIONS
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 B, T, H, D, E = 2, 8, 2, 4, 8

@@ -15,7 +15,7 @@ import pytest
 
 from experiments.benchmarking import accelerator_bench, gated_bench
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _csv(path):

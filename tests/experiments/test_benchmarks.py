@@ -17,7 +17,7 @@ import pytest
 from experiments.benchmarking import attention_bench, generation_bench, measure, peers, report
 from linear_transformers import ops
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_time_compiled_repeats_and_reports_the_median():
@@ -472,11 +472,11 @@ def test_gated_cases_time_the_decayed_op_and_its_reference():
     q, k, v, g, _ = gated_bench.random_inputs(opts, "gated-feature/chunked", 2, 37)
     assert g.shape == (2, 37, 2, 8) and float(g.max()) < 0 and float(g.min()) > -10
     chunked = jax.jit(gated_bench.attention_fn("gated-feature/chunked", None))(q, k, v, g)
-    dense = jax.jit(gated_bench.attention_fn("gated-feature/quadratic", None))(q, k, v, g)
+    dense = jax.jit(gated_bench.attention_fn("gated-feature/reference", None))(q, k, v, g)
     np.testing.assert_allclose(chunked, dense, atol=1e-5, rtol=1e-4)
     assert gated_bench.chunk_size_used("gated-feature/chunked", None) == ops.DEFAULT_CHUNK_SIZE
-    assert gated_bench.chunk_size_used("gated-step/quadratic", 32) is None
-    row = gated_bench.run_case(opts, "gated-step/quadratic", "forward", 64, budget=0)
+    assert gated_bench.chunk_size_used("gated-step/reference", 32) is None
+    row = gated_bench.run_case(opts, "gated-step/reference", "forward", 64, budget=0)
     assert row["status"].startswith("skipped: needs") and math.isnan(row["time_ms"]) and row["peak_mib"] > 0
 
 
@@ -489,7 +489,7 @@ def test_gated_ratios_and_goal_come_from_the_same_run():
             row("causal-linear/chunked", 64, 10.0),
             row("gated-step/chunked", 64, 12.0),
             row("gated-feature/chunked", 64, 40.0),
-            row("gated-feature/quadratic", 64, math.nan, status="skipped: needs 9.0 GiB"),
+            row("gated-feature/reference", 64, math.nan, status="skipped: needs 9.0 GiB"),
             row("gated-head/chunked", 64, 5.0, pass_="forward"),  # no forward baseline: no ratio
         ]
     )

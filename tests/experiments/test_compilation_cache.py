@@ -8,7 +8,7 @@ import sys
 
 from experiments.training import mesh
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _train(workdir, cache, data_dir):

@@ -14,7 +14,7 @@ from experiments import tasks
 from experiments.config_cli import define_config_flag
 from experiments.training import model_change, trainer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = "configs/digits.py:smoke,num_steps=4,checkpoint_every=2,eval_every=0,sample_every=0"
 
 

@@ -19,7 +19,7 @@ from experiments.training.metrics import read_metrics
 from experiments.training.optimizer import make_schedule
 from experiments.training.trainer import NonFiniteLossError, Trainer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("max_length", [5, 8, 16, 17, 128])

@@ -2,18 +2,16 @@
 ill-typed flags and config fields, training data outside a task's classes; a checkpointer keeps the
 newest checkpoint whatever it is told."""
 
+import re
 import subprocess
 import sys
+
+import numpy as np
 import pytest
 from commands import ROOT, assert_one_line, run_module
+
 from configs import digits
 from experiments import tasks
-import re
-import jax
-import jax.numpy as jnp
-import numpy as np
-from linear_transformers import ops
-
 
 SMOKE = "configs/digits.py:smoke,num_steps=2,eval_every=0,sample_every=0"
 

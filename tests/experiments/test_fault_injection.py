@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEED = 20261123
 CONFIG = (
     "configs/digits.py:smoke,num_steps=500,log_every=1,checkpoint_every=40,eval_every=150,"

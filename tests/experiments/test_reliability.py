@@ -1,7 +1,7 @@
 """The trainers' guarantees, broken the way users break them: real signals delivered while a
 step is in flight, a real second process holding the workdir, real damaged checkpoint bytes.
 
-(tests/test_fault_injection.py adds SIGKILL and signals at random moments, in subprocesses.)
+(tests/experiments/test_fault_injection.py adds SIGKILL and signals at random moments, in subprocesses.)
 """
 
 import os
@@ -26,7 +26,7 @@ from experiments.training.config_checks import ConfigTypeError
 from experiments.training.metrics import read_metrics
 from experiments.training.workdir_lock import WorkdirInUseError
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

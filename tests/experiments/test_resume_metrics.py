@@ -23,7 +23,7 @@ from experiments.training import interrupts
 from experiments.training.checkpoints import MANIFEST, _file_hashes
 from experiments.training.metrics import TRAIN_RECORD_KEYS, read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # A checkpoint at step 6 is mid-window (log lines at 4 and 8) and step 6 evaluates and samples.
 KILLED = "smoke,num_steps=8,log_every=4,checkpoint_every=6,eval_every=3,sample_every=6,dropout=0.1"
 

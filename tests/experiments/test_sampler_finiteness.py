@@ -26,7 +26,7 @@ from linear_transformers import (
     sample_images_full_recompute,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SAMPLERS = [sample_images, sample_images_full_recompute]
 
 

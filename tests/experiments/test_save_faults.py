@@ -20,7 +20,7 @@ from experiments.training.checkpoints import Checkpointer
 from experiments.training.metrics import METRICS_FILE, read_metrics
 from experiments.training.save_faults import CheckpointSaveError
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = "smoke,num_steps=4,log_every=1,checkpoint_every=2,eval_every=0,sample_every=0,progress_bar=False"
 
 

@@ -17,7 +17,7 @@ from experiments.training import mesh as mesh_lib
 from experiments.training.metrics import read_metrics
 from experiments.training.trainer import NonFiniteLossError, Trainer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from linear_transformers.interop import (
 from linear_transformers.transformer import TransformerConfig
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 ATOL = 1e-5

@@ -18,7 +18,7 @@ from linear_transformers.lm import sinusoidal_encoding
 from linear_transformers.mixture import mol_log_prob, mol_probs
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 B, T, C, K, E = 2, 12, 17, 3, 16

@@ -27,11 +27,11 @@ from linear_transformers import Encoder, TransformerConfig, layer_stack
 from linear_transformers.transformer import EncoderLayer
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 B, T, E = 2, 9, 16
-FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "per_layer_checkpoint"
+FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "per_layer_checkpoint"
 
 
 def _config(**overrides):

@@ -3,32 +3,34 @@ and options, integer options given as bools or floats, token ids outside the voc
 model's recurrent state, sub-pixels outside an image model's classes, converter weights that are
 integers or not finite, and a damaged .npz state dict."""
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from commands import run_module
+from fast_transformers_cases import case_config, load_case, split_case
 from flax import nnx
+
 from linear_transformers import (
     CausalLM,
     Decoder,
     Encoder,
+    EncoderDecoder,
+    ImageGenerator,
     MultiHeadAttention,
     TransformerConfig,
     generation,
     interop,
+    ops,
     registered_attention_kinds,
 )
-import os
-import numpy as np
-from commands import run_module
-from fast_transformers_cases import case_config, load_case, split_case
-from linear_transformers import CausalLM, EncoderDecoder, ImageGenerator, TransformerConfig, ops
 from linear_transformers.attention import check_attention_options, make_attention_core
 from linear_transformers.generation import generate
 from linear_transformers.interop import encoder_from_fast_transformers, load_state_dict
 from linear_transformers.seq2seq import greedy_decode
-import re
-from linear_transformers import ops
-
 
 E, H = 16, 2
 

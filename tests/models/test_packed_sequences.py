@@ -22,7 +22,7 @@ from linear_transformers import (
 from linear_transformers.packing import continue_positions, next_positions
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 V, E = 13, 16

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import small_config
 from flax import nnx
 
 from linear_transformers import (
@@ -32,7 +33,7 @@ from linear_transformers.image_generator import ImageGenerator, sample_images
 from linear_transformers.mixture import mol_sample
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 B, T, E, H, V = 2, 7, 16, 2, 11
@@ -56,18 +57,9 @@ def _tokens(shape, seed=3, high=V):
 
 
 def _config(name="linear", **overrides):
-    kind, options = KINDS[name]
-    kwargs = dict(
-        num_layers=1,
-        num_heads=H,
-        model_dim=E,
-        feed_forward_dim=32,
-        dropout=0.0,
-        attention=kind,
-        attention_options=options,
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    attention, options = KINDS[name]
+    attention = overrides.pop("attention", attention)
+    return small_config(attention, overrides.pop("attention_options", options), **overrides)
 
 
 def _args(x):

@@ -10,7 +10,7 @@ from flax import nnx
 from linear_transformers import EncoderDecoder, TransformerConfig, greedy_decode
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 V, E = 7, 16

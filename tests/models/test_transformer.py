@@ -7,39 +7,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import small_config
 from flax import nnx
 
 from linear_transformers import CausalLM, Decoder, Encoder, TransformerConfig, generation, interop
 from linear_transformers.transformer import ACTIVATIONS
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 E, H, B, T, S, V = 16, 2, 2, 7, 5, 11
-FAVOR = {"feature_map": "favor", "num_features": 16}
-KINDS = {
-    "softmax": ("softmax", {}),
-    "linear": ("linear", {}),
-    "causal-linear": ("causal-linear", {}),
-    "favor": ("linear", FAVOR),
-    "relu": ("linear", {"feature_map": "relu"}),
-}
-
-
-def _config(name="linear", **overrides):
-    kind, options = KINDS[name]
-    kwargs = dict(
-        num_layers=1,
-        num_heads=H,
-        model_dim=E,
-        feed_forward_dim=32,
-        dropout=0.0,
-        attention=kind,
-        attention_options=options,
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
 
 
 def _x(shape, seed=1, scale=1.0):
@@ -66,7 +44,7 @@ def _step_loop(model, state, xs_BT):
 
 @pytest.mark.parametrize("name", ["softmax", "linear", "favor", "relu"])
 def test_encoder_shapes_and_key_lengths_honoured_at_valid_positions(name):
-    encoder = Encoder(_config(name, num_layers=2), rngs=nnx.Rngs(0))
+    encoder = Encoder(small_config(name, num_layers=2), rngs=nnx.Rngs(0))
     assert encoder.num_layers == 2
     assert jax.tree.leaves(nnx.state(encoder.layers, nnx.Param))[0].shape[0] == 2  # stacked
     x = _x((B, T, E))
@@ -88,7 +66,7 @@ def test_encoder_shapes_and_key_lengths_honoured_at_valid_positions(name):
 
 
 def test_encoder_without_final_normalization_has_no_final_norm():
-    encoder = Encoder(_config(final_normalization=False), rngs=nnx.Rngs(0))
+    encoder = Encoder(small_config(final_normalization=False), rngs=nnx.Rngs(0))
     assert encoder.final_norm is None
     y = _call(encoder, _x((B, T, E)))
     chex.assert_shape(y, (B, T, E))
@@ -98,7 +76,7 @@ def test_encoder_without_final_normalization_has_no_final_norm():
 
 @pytest.mark.parametrize("name", ["softmax", "linear", "causal-linear", "favor", "relu"])
 def test_causal_encoder_recurrent_matches_parallel(name):
-    encoder = Encoder(_config(name), causal=True, rngs=nnx.Rngs(0))
+    encoder = Encoder(small_config(name), causal=True, rngs=nnx.Rngs(0))
     encoder.eval()
     x = _x((B, T, E))
     y_par = _call(encoder, x)
@@ -110,7 +88,7 @@ def test_causal_encoder_recurrent_matches_parallel(name):
 
 
 def test_causal_encoder_state_stacks_the_layers_states():
-    encoder = Encoder(_config("linear", num_layers=2), causal=True, rngs=nnx.Rngs(0))
+    encoder = Encoder(small_config("linear", num_layers=2), causal=True, rngs=nnx.Rngs(0))
     state = encoder.init_state(B)
     # Linear attention: constant-size (S, z) state, [B, H, F, M] and [B, H, F], per layer.
     chex.assert_shape(state.s_BHFM, (2, B, H, E // H, E // H))
@@ -124,7 +102,7 @@ def test_causal_encoder_state_stacks_the_layers_states():
 
 @pytest.mark.parametrize("name, num_layers", [("softmax", 2), ("linear", 1), ("causal-linear", 1)])
 def test_decoder_recurrent_matches_parallel(name, num_layers):
-    decoder = Decoder(_config(name, num_layers=num_layers), rngs=nnx.Rngs(0))
+    decoder = Decoder(small_config(name, num_layers=num_layers), rngs=nnx.Rngs(0))
     decoder.eval()
     x, memory = _x((B, T, E)), _x((B, S, E), seed=2)
     lengths = jnp.array([S, 2])
@@ -143,7 +121,7 @@ def test_decoder_recurrent_matches_parallel(name, num_layers):
 
 
 def test_decoder_causal_linear_cross_attention_defaults_to_linear():
-    config = _config("causal-linear")
+    config = small_config("causal-linear")
     assert config.cross_kind == "linear"
     decoder = Decoder(config, rngs=nnx.Rngs(0))
     assert decoder.layers.cross_attention.core.kind == "linear"
@@ -156,7 +134,7 @@ def test_decoder_causal_linear_cross_attention_defaults_to_linear():
 
 def _lm(name="linear", seed=0, **overrides):
     overrides.setdefault("num_layers", 2)
-    return CausalLM(_config(name, **overrides), V, rngs=nnx.Rngs(seed))
+    return CausalLM(small_config(name, **overrides), V, rngs=nnx.Rngs(seed))
 
 
 def _tokens(shape, seed=3):
@@ -222,7 +200,7 @@ def test_recurrent_inference_in_train_mode_with_dropout_raises():
 
 
 def test_decoder_recurrent_inference_in_train_mode_with_dropout_raises():
-    decoder = Decoder(_config("softmax", dropout=0.1), rngs=nnx.Rngs(0))
+    decoder = Decoder(small_config("softmax", dropout=0.1), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"eval\(\)"):
         decoder.init_state(B, memory=_x((B, S, E)), max_length=T)
 
@@ -231,7 +209,7 @@ def test_decoder_recurrent_inference_in_train_mode_with_dropout_raises():
 
 
 def test_causal_encoder_bf16_inputs_finite():
-    encoder = Encoder(_config("linear"), causal=True, rngs=nnx.Rngs(0))
+    encoder = Encoder(small_config("linear"), causal=True, rngs=nnx.Rngs(0))
     encoder.eval()
     x32 = _x((B, T, E), scale=4.0)
     y_ref = _call(encoder, x32)
@@ -320,7 +298,7 @@ def test_config_from_builder_kwargs_authors_names():
     chex.assert_shape(attn.query.kernel, (2, 24, 4 * 8))  # [L, in, out]: the layers stacked
     chex.assert_shape(attn.value.kernel, (2, 24, 4 * 6))
     chex.assert_shape(encoder.layers.feed_forward.linear1.kernel, (2, 24, 32))
-    assert attn.core.kind == "causal-linear" and attn.core.feature_map_spec == "elu"
+    assert attn.core.kind == "causal-linear" and attn.core.options.feature_map == "elu"
     y = jax.eval_shape(
         lambda x: Encoder(config, causal=True, rngs=nnx.Rngs(0))(x),
         jax.ShapeDtypeStruct((B, T, config.model_dim), jnp.float32),

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import unoptimised_jit as jit
 from jax.sharding import PartitionSpec as P
 
 from linear_transformers import ops
@@ -29,7 +30,6 @@ TOL = dict(rtol=1e-9, atol=1e-10)
 # Segments that begin inside blocks and exactly at block boundaries (P = 4: blocks of 6), with
 # padding in the middle and at the end.
 SEGMENTS = np.array([[1] * 6 + [2] * 5 + [0] * 2 + [3] * 9 + [0] * 2, [4] * 13 + [5] * 11])
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
 def _mesh(p):

@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import small_config
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from linear_transformers import CausalLM, EncoderDecoder, TransformerConfig
+from linear_transformers import CausalLM, EncoderDecoder
 from linear_transformers.image_generator import ImageGenerator
 
 B, T, S, E, H, V, C = 2, 16, 8, 16, 2, 11, 17  # T and S divide over 2, 4 and 8 devices
@@ -37,17 +38,7 @@ GRAD_TOL = dict(atol=2e-5, rtol=2e-4)
 
 
 def _config(name, sequence_axis):
-    kind, options = KINDS[name]
-    return TransformerConfig(
-        num_layers=1,
-        num_heads=H,
-        model_dim=E,
-        feed_forward_dim=32,
-        dropout=0.0,
-        attention=kind,
-        attention_options=options,
-        sequence_axis=sequence_axis,
-    )
+    return small_config(*KINDS[name], sequence_axis=sequence_axis)
 
 
 def _build(model_name, name, sequence_axis):

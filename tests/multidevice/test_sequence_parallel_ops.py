@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import favor_map
+from cases import unoptimised_jit as jit
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -34,19 +36,10 @@ TIME = P(None, "seq")  # [B, T, ...] with time over "seq"
 TOL = dict(rtol=1e-9, atol=1e-11)
 GRAD_TOL = dict(rtol=1e-8, atol=1e-10)
 F32_TOL = dict(rtol=1e-5, atol=1e-6)
-# These programs are tiny: XLA's backend optimisations double their compile time (most of this
-# file's run time) and save nothing at run time; they change no result beyond rounding.
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-
-
-@functools.lru_cache(maxsize=None)
-def _favor_map():
-    # An explicit Gaussian projection: favor_projection's QR would compile op by op (seconds).
-    return ops.FavorFeatureMap(np.random.default_rng(42).standard_normal((F_FAVOR, D)))
 
 
 def _fm(fm_name):
-    return "elu" if fm_name == "elu" else _favor_map()
+    return "elu" if fm_name == "elu" else favor_map(F_FAVOR, D)
 
 
 def _num_features(fm_name):
@@ -74,7 +67,7 @@ def _numpy_key_features(k, fm_name):
     k = np.asarray(k, np.float64)
     if fm_name == "elu":
         return np.where(k > 0, k + 1.0, np.exp(np.minimum(k, 0)))
-    w_FD = np.asarray(_favor_map().projection_FD, np.float64)
+    w_FD = np.asarray(favor_map(F_FAVOR, D).projection_FD, np.float64)
     x = k * k.shape[-1] ** -0.25
     return np.exp(x @ w_FD.T - 0.5 * np.sum(x * x, axis=-1, keepdims=True)) / np.sqrt(F_FAVOR)
 

@@ -32,7 +32,7 @@ from linear_transformers import ops
 from linear_transformers.attention import retention_log_decay
 
 # float32 agreement, with float32 matrix products on every platform (TF32 on a GPU would
-# part ours from FLA's by ~1e-3: tests/test_default_precision.py covers that precision).
+# part ours from FLA's by ~1e-3: tests/ops/test_default_precision.py covers that precision).
 pytestmark = pytest.mark.usefixtures("float32_products")
 ATOL = 1e-5
 # Outputs reach ~16 in the fixtures and ~30 at live sizes (retention's slowest decay over ~90

@@ -197,7 +197,7 @@ def test_chunked_gradients_match_numerical_derivatives(x64):
 def test_strong_decays_stay_finite_and_exact_at_chunk_64(decay, float32_products):
     """Log decays down to -10 per step at chunk 64: factors like exp(-640) inside a chunk, never
     exp(+640); float32 and bfloat16 inputs against a float64 recurrence of the same inputs, with
-    float32 matrix products (TF32's tolerance: tests/test_default_precision.py)."""
+    float32 matrix products (TF32's tolerance: tests/ops/test_default_precision.py)."""
     rng = np.random.default_rng(4)
     T_long = 150
     q, k, v = (rng.standard_normal((B, T_long, H, D)) for _ in range(3))

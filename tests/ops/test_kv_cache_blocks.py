@@ -15,18 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import unoptimised_jit as jit
 
 from linear_transformers import ops
 from linear_transformers.ops import kv_cache
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 B, H, D, M = 2, 2, 4, 6  # M != D throughout
 BLOCK = 4
-# Tiny programs: XLA's backend optimisations cost compile time and change nothing but rounding.
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
 def _randn(rng, *shape):

@@ -17,7 +17,7 @@ from conftest import enable_x64
 from linear_transformers import ops
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 B, T, S, H, D, M = 2, 5, 9, 2, 4, 6
@@ -252,7 +252,7 @@ def test_softmax_attention_weights_are_a_distribution():
 
 def test_softmax_fully_masked_row_is_zero_in_every_implementation():
     """A row with no allowed key is 0 whichever implementation runs (the library's rule for
-    every kind; tests/test_masked_rows.py checks the others)."""
+    every kind; tests/attention/test_masked_rows.py checks the others)."""
     q, k, v = _qkv(15, m=D, dtype=np.float32)
     kl = jnp.array([0, S], jnp.int32)
     for implementation in SOFTMAX_IMPLEMENTATIONS:

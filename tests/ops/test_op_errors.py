@@ -10,12 +10,13 @@ M value features.
 
 import functools
 import re
+
 import jax
 import jax.numpy as jnp
-import pytest
-from linear_transformers import ops
 import numpy as np
+import pytest
 
+from linear_transformers import ops
 
 B, T, S, H, D, M = 2, 5, 7, 2, 4, 6
 
@@ -91,7 +92,8 @@ def _x(seed, *shape):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
-def _qkv(t=T, s=S):
+def _random_qkv(t=T, s=S):
+    """Random q, k, v (M = D), where a zero would hide a misread value."""
     return _x(0, B, t, H, D), _x(1, B, s, H, D), _x(2, B, s, H, D)
 
 
@@ -368,7 +370,7 @@ def test_init_kv_cache_needs_a_slot(max_length):
 
 @pytest.mark.parametrize("implementation", [None, "reference"])
 def test_a_float_mask_is_refused_not_cast(implementation):
-    q, k, v = _qkv()
+    q, k, v = _random_qkv()
     allowed = _bool_mask()
     additive = jnp.where(allowed, 0.0, -1e9)  # the form many libraries use
     with pytest.raises(
@@ -388,7 +390,7 @@ def test_a_float_mask_is_refused_not_cast(implementation):
 
 
 def test_mask_ranks_two_and_four_agree_and_rank_three_is_refused():
-    q, k, v = _qkv()
+    q, k, v = _random_qkv()
     allowed_TS = _bool_mask()[0, 0]
     two = ops.softmax_attention_reference(q, k, v, mask=allowed_TS)
     four = ops.softmax_attention_reference(q, k, v, mask=allowed_TS[None, None])
@@ -407,7 +409,7 @@ def test_mask_ranks_two_and_four_agree_and_rank_three_is_refused():
 @pytest.mark.parametrize("bad", ["q", "k", "v"])
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
 def test_integer_or_boolean_q_k_v_are_refused(bad, dtype):
-    arrays = dict(zip("qkv", _qkv()))
+    arrays = dict(zip("qkv", _random_qkv()))
     arrays[bad] = (arrays[bad] > 0).astype(dtype)
     checked = 0
     for name, run in _ops_on(arrays["q"], arrays["k"], arrays["v"]):
@@ -434,7 +436,7 @@ def test_integer_steps_are_refused():
 
 @pytest.mark.parametrize("lengths", [[-1, 3], [S + 1, 3], [2, 100]])
 def test_key_lengths_outside_zero_to_s_are_refused_eagerly(lengths):
-    q, k, v = _qkv()
+    q, k, v = _random_qkv()
     bad = [n for n in lengths if not 0 <= n <= S]
     for name, run in _key_length_ops(q, k, v, jnp.asarray(lengths, jnp.int32)):
         message = re.escape(f"key_lengths must be in [0, {S}]") + ".*" + re.escape(f"got {bad}")
@@ -443,7 +445,7 @@ def test_key_lengths_outside_zero_to_s_are_refused_eagerly(lengths):
 
 
 def test_key_lengths_under_jit_act_as_clamped():
-    q, k, v = _qkv()
+    q, k, v = _random_qkv()
 
     @jax.jit
     def outputs(lengths):
@@ -456,7 +458,7 @@ def test_key_lengths_under_jit_act_as_clamped():
 
 
 def test_key_lengths_at_the_bounds_are_accepted():
-    q, k, v = _qkv()
+    q, k, v = _random_qkv()
     for _, run in _key_length_ops(q, k, v, jnp.asarray([0, S], jnp.int32)):
         assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(run()))
 

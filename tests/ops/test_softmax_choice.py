@@ -14,7 +14,7 @@ from linear_transformers import ops
 from linear_transformers.ops import softmax
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
-# tolerances, a GPU's default: tests/test_default_precision.py).
+# tolerances, a GPU's default: tests/ops/test_default_precision.py).
 pytestmark = pytest.mark.usefixtures("float32_products")
 
 # A GPU-sized call: B = H = 8, T = S = 1024, bf16, D = M = 64: the float32 logits are 256 MiB.

@@ -15,26 +15,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import favor_map
+from cases import unoptimised_jit as jit
 
 from linear_transformers import ops
 
 B, H, D, M = 2, 2, 4, 6  # M != D throughout
 F_FAVOR = 10  # != D: a state built for F = D does not fit
 EPS = 1e-6  # the ops' default
-T_HISTORY = 7  # steps before the block that make the initial state
-# These programs are tiny: XLA's backend optimisations double their compile time (most of this
-# file's run time) and save nothing at run time; they change no result beyond rounding.
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-
-
-@functools.lru_cache(maxsize=None)
-def _favor_map():
-    # An explicit Gaussian projection: favor_projection's QR would compile op by op (seconds).
-    return ops.FavorFeatureMap(np.random.default_rng(42).standard_normal((F_FAVOR, D)))
+T_HISTORY = 7
 
 
 def _fm(fm_name):
-    return "elu" if fm_name == "elu" else _favor_map()
+    return "elu" if fm_name == "elu" else favor_map(F_FAVOR, D)
 
 
 def _num_features(fm_name):
@@ -64,7 +57,7 @@ def _numpy_features(fm_name):
     if fm_name == "elu":
         f = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0)))  # noqa: E731
         return f, f
-    w_FD = np.asarray(_favor_map().projection_FD, np.float64)
+    w_FD = np.asarray(favor_map(F_FAVOR, D).projection_FD, np.float64)
 
     def exponent(x):
         x = x * x.shape[-1] ** -0.25
