@@ -5,18 +5,17 @@ decoders (whose outputs depend on later positions) and a causal linear one."""
 import jax
 import numpy as np
 import pytest
+from cases import small_config
 from flax import nnx
 
 from experiments.tasks import greedy_recompute
-from linear_transformers import CausalLM, EncoderDecoder, TransformerConfig
+from linear_transformers import CausalLM, EncoderDecoder
 
 B, T, V = 2, 8, 7
 
 
 def _config(attention, **options):
-    return TransformerConfig(
-        num_layers=1, num_heads=2, model_dim=16, dropout=0.0, attention=attention, attention_options=options
-    )
+    return small_config(attention, options, feed_forward_dim=None)
 
 
 KINDS = [("reformer", {"num_buckets": 4, "num_rounds": 2, "chunk_size": 2}), ("linear", {})]

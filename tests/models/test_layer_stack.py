@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from cases import small_config
 from flax import nnx
 
 from configs import digits
@@ -23,7 +24,7 @@ from experiments.tasks.image_generation import ImageGeneration
 from experiments.training import mesh as mesh_lib
 from experiments.training.checkpoints import Checkpointer, restore_newest_intact
 from experiments.training.trainer import Trainer
-from linear_transformers import Encoder, TransformerConfig, layer_stack
+from linear_transformers import Encoder, layer_stack
 from linear_transformers.transformer import EncoderLayer
 
 # float32 agreement between forms, with float32 matrix products on every platform (TF32's
@@ -35,8 +36,8 @@ FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "per_layer_checkpoint
 
 
 def _config(**overrides):
-    fields = dict(num_layers=3, num_heads=2, model_dim=E, attention="causal-linear", dropout=0.2)
-    return TransformerConfig(**{**fields, **overrides})
+    fields = dict(num_layers=3, model_dim=E, feed_forward_dim=None, dropout=0.2)
+    return small_config(overrides.pop("attention", "causal-linear"), **{**fields, **overrides})
 
 
 def _layers(config, causal=True):

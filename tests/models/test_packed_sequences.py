@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import small_config
 from flax import nnx
 
 from linear_transformers import (
     CausalLM,
     Decoder,
     Encoder,
-    TransformerConfig,
     layer_stack,
     pack_sequences,
     segment_positions,
@@ -43,7 +43,7 @@ _decode = nnx.jit(
 
 
 def _config(attention, **kw):
-    return TransformerConfig(num_layers=2, num_heads=2, model_dim=E, attention=attention, dropout=0.0, **kw)
+    return small_config(attention, num_layers=2, model_dim=E, feed_forward_dim=None, **kw)
 
 
 def _sequences(lengths, seed=0):
