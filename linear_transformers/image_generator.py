@@ -209,8 +209,10 @@ class ImageGenerator(nnx.Module):
 
         Steps past max_length are not checked (the position is traced); softmax caches overflow.
         """
-        check_state_type(state, LMState, "ImageGenerator.step", "ImageGenerator.init_state")
         token_B = check_token_ids(token_B, self.embed.num_embeddings, "ImageGenerator.step", "input tokens")
+        check_state_type(
+            state, LMState, "ImageGenerator.step", "ImageGenerator.init_state", batch=token_B.shape[0]
+        )
         x_BE = self.transformer_inputs(token_B.astype(jnp.int32), state.position)
         layers, y_BE = self.transformer.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
@@ -224,9 +226,11 @@ class ImageGenerator(nnx.Module):
         From `init_state`, `shifted_inputs(x_BT)[:, :k]` reads the first k positions of x.
         Positions past max_length are not checked (as in `step`).
         """
-        check_state_type(state, LMState, "ImageGenerator.prefill", "ImageGenerator.init_state")
         tokens_BT = check_token_ids(
             tokens_BT, self.embed.num_embeddings, "ImageGenerator.prefill", "input tokens"
+        )
+        check_state_type(
+            state, LMState, "ImageGenerator.prefill", "ImageGenerator.init_state", batch=tokens_BT.shape[0]
         )
         tokens_BT = tokens_BT.astype(jnp.int32)
         T = tokens_BT.shape[1]

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from linear_transformers.attention.base import keyword_state_arguments
+from linear_transformers.ops import input_checks
 from linear_transformers.packing import continue_positions, next_positions, segment_positions
 from linear_transformers.transformer import Encoder, TransformerConfig, check_state_type, dense, embedding
 
@@ -50,6 +51,24 @@ def embed_tokens(embed: nnx.Embed, tokens):
     if spec is None or all(axis is None for axis in spec):
         return embed(tokens)
     return embed(tokens, out_sharding=PartitionSpec(*spec, None))
+
+
+def check_sequence_inputs(where: str, shape_BT, segment_ids, positions):
+    """(segment_ids, positions) checked against the tokens' [B, T]: segment ids int [B, T]
+    (`input_checks.check_segment_ids`), positions int [B, T] or [T]; a ValueError names the
+    argument and both shapes."""
+    segment_ids = input_checks.check_segment_ids(segment_ids, shape_BT, name=where)
+    if positions is not None:
+        positions = jnp.asarray(positions)
+        if tuple(positions.shape) not in (tuple(shape_BT), tuple(shape_BT[1:])) or not jnp.issubdtype(
+            positions.dtype, jnp.integer
+        ):
+            raise ValueError(
+                f"{where}: positions must be an integer array of shape {tuple(shape_BT)} or "
+                f"{tuple(shape_BT[1:])} (each token's position in its sequence), as the tokens "
+                f"{tuple(shape_BT)}; got {positions.dtype} array of shape {tuple(positions.shape)}."
+            )
+    return segment_ids, positions
 
 
 def token_inputs(embed: nnx.Embed, tokens, positions):
@@ -117,6 +136,9 @@ class CausalLM(nnx.Module):
         as if alone; positions int [B, T]: each token's position in its sequence (default:
         restarting at every segment, else 0..T-1)."""
         tokens_BT = check_token_ids(tokens_BT, self.embed.num_embeddings, "CausalLM")
+        segment_ids, positions = check_sequence_inputs("CausalLM", tokens_BT.shape, segment_ids, positions)
+        B, T = tokens_BT.shape
+        key_lengths = input_checks.check_key_lengths(key_lengths, B, name="CausalLM", length=T)
         if positions is None:
             positions = (
                 jnp.arange(tokens_BT.shape[1]) if segment_ids is None else segment_positions(segment_ids)
@@ -137,8 +159,8 @@ class CausalLM(nnx.Module):
 
     def step(self, state: LMState, token_B):
         """Consume one token per batch element; return the logits for the next one."""
-        check_state_type(state, LMState, "CausalLM.step", "CausalLM.init_state")
         token_B = check_token_ids(token_B, self.embed.num_embeddings, "CausalLM.step")
+        check_state_type(state, LMState, "CausalLM.step", "CausalLM.init_state", batch=token_B.shape[0])
         x_BE = token_inputs(self.embed, token_B, state.position)
         layers, y_BE = self.transformer.step(state.layers, x_BE)
         return LMState(layers, state.position + 1), self.head(y_BE)
@@ -151,8 +173,11 @@ class CausalLM(nnx.Module):
         segment_ids int [B, T]: a packed prompt (0 = padding), whose first segment continues the
         state and whose later segments start afresh (positions from 0); `step` then continues
         each row's last segment."""
-        check_state_type(state, LMState, "CausalLM.prefill", "CausalLM.init_state")
         tokens_BT = check_token_ids(tokens_BT, self.embed.num_embeddings, "CausalLM.prefill")
+        check_state_type(state, LMState, "CausalLM.prefill", "CausalLM.init_state", batch=tokens_BT.shape[0])
+        segment_ids, positions = check_sequence_inputs(
+            "CausalLM.prefill", tokens_BT.shape, segment_ids, positions
+        )
         if positions is None:
             positions = continue_positions(state.position, segment_ids, tokens_BT.shape[1])
         x_BTE = token_inputs(self.embed, tokens_BT, positions)

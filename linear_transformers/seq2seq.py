@@ -32,6 +32,7 @@ from flax import nnx
 from linear_transformers.attention.base import keyword_state_arguments
 from linear_transformers.finite import check_finite_outputs, check_finite_parameters
 from linear_transformers.lm import check_token_ids, token_inputs
+from linear_transformers.ops import input_checks
 from linear_transformers.transformer import (
     Decoder,
     Encoder,
@@ -45,6 +46,14 @@ from linear_transformers.transformer import (
 class Seq2SeqState(NamedTuple):
     layers: Any  # the decoder layers' (self-attention state, cross-attention memory), stacked [L, ...]
     position: jax.Array  # int32 [B]: the position of each row's next target token
+
+
+def _lengths(lengths_B, shape_BT, name: str, where: str):
+    """Lengths int [B] of tokens [B, T], in [0, T] where concrete; a ValueError names them."""
+    if lengths_B is None:
+        return None
+    B, T = shape_BT
+    return input_checks.check_lengths(lengths_B, B, T, name=name, what="tokens", where=where)
 
 
 class EncoderDecoder(nnx.Module):
@@ -80,6 +89,7 @@ class EncoderDecoder(nnx.Module):
         source_BS = check_token_ids(
             source_BS, self.embed.num_embeddings, "EncoderDecoder.encode", "source tokens"
         )
+        source_lengths = _lengths(source_lengths, source_BS.shape, "source_lengths", "EncoderDecoder.encode")
         x_BSE = token_inputs(self.embed, source_BS, jnp.arange(source_BS.shape[1]))
         return self.encoder(x_BSE, key_lengths=source_lengths)
 
@@ -90,6 +100,9 @@ class EncoderDecoder(nnx.Module):
         target_in_BT = check_token_ids(
             target_in_BT, self.embed.num_embeddings, "EncoderDecoder.decode", "target tokens"
         )
+        where = "EncoderDecoder.decode"
+        target_lengths = _lengths(target_lengths, target_in_BT.shape, "target_lengths", where)
+        memory_lengths = _lengths(memory_lengths, jnp.shape(memory_BSE)[:2], "memory_lengths", where)
         y_BTE = token_inputs(self.embed, target_in_BT, jnp.arange(target_in_BT.shape[1]))
         return self.head(
             self.decoder(y_BTE, memory_BSE, memory_lengths=memory_lengths, target_lengths=target_lengths)
@@ -114,8 +127,10 @@ class EncoderDecoder(nnx.Module):
 
     def step(self, state: Seq2SeqState, token_B):
         """Consume one target token per batch element; return the logits for the next one."""
-        check_state_type(state, Seq2SeqState, "EncoderDecoder.step", "EncoderDecoder.init_state")
         token_B = check_token_ids(token_B, self.embed.num_embeddings, "EncoderDecoder.step")
+        check_state_type(
+            state, Seq2SeqState, "EncoderDecoder.step", "EncoderDecoder.init_state", batch=token_B.shape[0]
+        )
         x_BE = token_inputs(self.embed, token_B, state.position)
         layers, y_BE = self.decoder.step(state.layers, x_BE)
         return Seq2SeqState(layers, state.position + 1), self.head(y_BE)
@@ -124,8 +139,14 @@ class EncoderDecoder(nnx.Module):
         """Consume T target tokens per batch element at once, from `state`: -> (state, logits
         [B, T, V]), where logits at t score the token after tokens_BT[:, t]. Equal to T calls of
         `step`; the position advances by T."""
-        check_state_type(state, Seq2SeqState, "EncoderDecoder.prefill", "EncoderDecoder.init_state")
         tokens_BT = check_token_ids(tokens_BT, self.embed.num_embeddings, "EncoderDecoder.prefill")
+        check_state_type(
+            state,
+            Seq2SeqState,
+            "EncoderDecoder.prefill",
+            "EncoderDecoder.init_state",
+            batch=tokens_BT.shape[0],
+        )
         T = tokens_BT.shape[1]
         x_BTE = token_inputs(self.embed, tokens_BT, state.position[:, None] + jnp.arange(T, dtype=jnp.int32))
         layers, y_BTE = self.decoder.prefill(state.layers, x_BTE)

@@ -235,13 +235,20 @@ def describe_state(state) -> str:
     return type(state).__name__
 
 
-def check_state_type(state, expected: type, where: str, made_by: str):
-    """Refuse a state that is not an `expected` (another model's), naming both."""
+def check_state_type(state, expected: type, where: str, made_by: str, *, batch: int | None = None):
+    """Refuse a state that is not an `expected` (another model's), naming both; with `batch`,
+    also one made for another batch (its `position` [B] says which)."""
     if not isinstance(state, expected):
         raise ValueError(
             f"{where}: the state must be a {expected.__name__} ({made_by}), got "
             f"{describe_state(state)}: pass the state this model's init_state, step or prefill "
             f"returned."
+        )
+    held = tuple(getattr(state.position, "shape", ()))
+    if batch is not None and held != (batch,):
+        raise ValueError(
+            f"{where}: the state holds a batch of {held[0] if held else held} (its position has "
+            f"shape {held}), the tokens a batch of {batch}: make it with {made_by}({batch})."
         )
 
 

@@ -221,6 +221,10 @@ def variable_length(c: ml_collections.ConfigDict) -> None:
     c.examples_per_step = int(0.85 * c.batch_size * (c.max_length - 1) / mean_tokens)
 
 
+# A size named after it would leave examples_per_step at the earlier size's: refused, by name.
+variable_length.reads = ("batch_size", "max_length")
+
+
 VARIANTS = {
     "encoder_decoder": encoder_decoder,
     "linformer": linformer,

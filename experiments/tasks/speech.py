@@ -219,6 +219,13 @@ class Speech(Task):
                 "(mesh.data) only; set mesh.sequence=1."
             )
         options = dict(c.model.attention_options or {})
+        default = schema().model
+        if c.architecture == "lstm" and (c.model.attention, options) != (default.attention, {}):
+            raise ValueError(
+                f"config.model.attention={c.model.attention!r} (options {options}) configures the "
+                "transformer and does nothing with config.architecture='lstm', which reads config.lstm; "
+                "leave config.model.attention as it is, or drop the 'lstm' variant."
+            )
         if c.architecture == "transformer" and "chunk_size" in options:
             if c.bucket_frames % options["chunk_size"]:
                 raise ValueError(
@@ -232,6 +239,8 @@ class Speech(Task):
             )
         model_config(c.model)
         nnx.eval_shape(self.build_model)  # a kind the encoder cannot take (causal-only) fails here
+        # A missing corpus fails here, before the workdir is made.
+        loading.check_available(c.corpus, data_dir=c.data_dir, manual_dir=c.manual_dir, size=c.corpus_size)
 
     def attention_kinds(self) -> dict[str, str]:
         if self.config.architecture == "lstm":

@@ -30,7 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from experiments.training import interrupts, processes, save_faults
+from experiments.training import interrupts, model_change, processes, save_faults
 from experiments.training.config_diff import config_differences
 
 MANIFEST = "checksums.json"
@@ -489,9 +489,13 @@ def _config_mismatch(checkpointer, step, workdir, config) -> str | None:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    differences = config_differences(saved, json.loads(config.to_json_best_effort()))
+    current = json.loads(config.to_json_best_effort())
+    differences = config_differences(saved, current)
     if not differences:
         return None
+    # A checkpoint that does not fit is explained by the model's keys, where some differ; the
+    # others (num_steps, the learning rate) may change on a resume.
+    differences = model_change.model_changes(saved, current) or differences
     return (
         f"cannot restore checkpoint step {step} from {checkpointer.directory}: it was "
         f"written by the run configured in {path}, and this config differs in "

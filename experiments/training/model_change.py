@@ -33,6 +33,14 @@ TRAINING_ONLY_FIELDS = ("dropout", "attention_dropout")
 # Fields that change how the same function is compiled, not the function: how many of the
 # stack's layers one scan iteration runs.
 COMPILATION_FIELDS = ("unroll_layers",)
+# Attention options that choose how a kind computes its function, not which function: the form
+# (every form of a kind gives the same outputs, tests/ops) and the chunked form's chunk length.
+# LSH's chunk_size is not among them: its chunks are what attends to what.
+_FORMS = ("implementation", "impl", "chunk_size")
+FORM_OPTIONS = {
+    **dict.fromkeys(("linear", "causal-linear", "retention", "simple-gla", "gla"), _FORMS),
+    "softmax": ("implementation",),
+}
 
 
 class ModelChangeError(ValueError):
@@ -51,12 +59,28 @@ def model_changes(saved: dict, config: dict) -> list[str]:
         group_old, group_new = saved.get(group), config.get(group)
         if not isinstance(group_old, dict) or not isinstance(group_new, dict):
             continue
+        group_old, group_new = _without_form_options(group_old), _without_form_options(group_new)
         for name in sorted(set(group_old) & set(group_new) - ignored):
             old[f"{group}.{name}"], new[f"{group}.{name}"] = group_old[name], group_new[name]
     for key in MODEL_KEYS:
         if key in saved and key in config:
             old[key], new[key] = saved[key], config[key]
     return [format_difference(*d) for d in differences(old, new)]
+
+
+def _without_form_options(group: dict) -> dict:
+    """A model group with the attention options of `FORM_OPTIONS` left out (of self- and
+    cross-attention, each by its own kind)."""
+    group = dict(group)
+    for kind_key, options_key in (
+        ("attention", "attention_options"),
+        ("cross_attention", "cross_attention_options"),
+    ):
+        options = group.get(options_key)
+        if isinstance(options, dict):
+            form = FORM_OPTIONS.get(group.get(kind_key), ())
+            group[options_key] = {k: v for k, v in options.items() if k not in form}
+    return group
 
 
 def check_resumed_model(workdir, config: ml_collections.ConfigDict, step: int) -> None:

@@ -56,6 +56,13 @@ class GatedOptions(CausalFormOptions):
             raise ValueError(f"{kind}: norm must be one of {NORMS}, got {self.norm!r}.")
         if not self.norm_eps > 0:
             raise ValueError(f"{kind}: norm_eps must be > 0, got {self.norm_eps!r}.")
+        if self.feature_map == "favor":
+            raise ValueError(
+                f"{kind}: feature_map 'favor' draws random features, which only the 'linear' kind "
+                f"draws and stores (its options num_features, and redraw_features); the gated kinds "
+                f"take a deterministic feature map: 'identity' (their default), 'elu', 'relu', ... "
+                f"(ops.registered_feature_maps() but 'favor'), or a callable."
+            )
         ops.make_feature_map(self.feature_map)  # An unknown name fails here, where it is given.
 
 

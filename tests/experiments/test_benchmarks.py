@@ -395,6 +395,7 @@ def test_benchmark_prefill_script_smoke(tmp_path):
         "benchmark_prefill",
         "--prompt_lengths=16",
         "--batches=2",
+        "--kinds=gla,softmax",  # any kind with a recurrent form: a gated one here
         "--softmax_lengths=16",
         "--num_layers=1",
         "--model_dim=16",
@@ -412,8 +413,8 @@ def test_benchmark_prefill_script_smoke(tmp_path):
     with open(out / "prefill.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["kind"], r["prompt"], r["method"]) for r in rows] == [
-        ("linear", "16", "prefill"),
-        ("linear", "16", "step-scan"),
+        ("gla", "16", "prefill"),
+        ("gla", "16", "step-scan"),
         ("softmax", "16", "prefill"),
         ("softmax", "16", "step-scan"),
     ]

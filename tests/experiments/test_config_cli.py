@@ -6,13 +6,15 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
+import ml_collections
 import pytest
 from absl import flags
 
 from experiments import tasks
 from experiments.config_cli import define_config_flag
-from experiments.training import model_change, trainer
+from experiments.training import checkpoints, model_change, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = "configs/digits.py:smoke,num_steps=4,checkpoint_every=2,eval_every=0,sample_every=0"
@@ -157,3 +159,22 @@ def test_what_counts_as_a_model_change():
         "encoder.attention: linear -> lsh",
         "architecture: decoder -> encoder_decoder",
     ]
+    # The form and chunk length of a linear kind compute the same function; LSH's chunks do not.
+    linear = {"attention": "gla", "attention_options": {"chunk_size": 64, "implementation": "chunked"}}
+    other_form = {"attention": "gla", "attention_options": {"chunk_size": 16, "implementation": "scan"}}
+    assert model_change.model_changes({"model": linear}, {"model": other_form}) == []
+    lsh = {"attention": "reformer", "attention_options": {"chunk_size": 32}}
+    assert model_change.model_changes(
+        {"model": lsh}, {"model": {**lsh, "attention_options": {"chunk_size": 8}}}
+    )
+
+
+def test_a_checkpoint_of_another_model_is_explained_by_the_model_keys_alone(tmp_path):
+    """Resuming with another kind and a new num_steps: the refusal names the kind, not num_steps
+    (which may change on a resume)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"attention": "linear"}, "num_steps": 20}))
+    config = ml_collections.ConfigDict({"model": {"attention": "softmax"}, "num_steps": 30})
+    message = checkpoints._config_mismatch(
+        types.SimpleNamespace(directory=tmp_path / "c"), 4, tmp_path, config
+    )
+    assert "model.attention: linear -> softmax" in message and "num_steps" not in message

@@ -17,7 +17,10 @@ import pytest
 tfds = pytest.importorskip("tensorflow_datasets")
 soundfile = pytest.importorskip("soundfile")
 
+from experiments import tasks  # noqa: E402
 from experiments.data.speech import audio_files, corpora, espeak, features, loading, phonemes, wsj_transcripts  # noqa: E402
+from experiments.tasks import speech  # noqa: E402
+from experiments.training import variants  # noqa: E402
 
 RATE = 16_000
 
@@ -463,3 +466,14 @@ def test_wsj_utterances_without_transcripts_are_left_out(tmp_path):
     os.remove(tmp_path / "13-34.1/wsj1/trans/wsj1/si_dt_20/4k0/4k0c0300.dot")
     with pytest.raises(FileNotFoundError, match="no .wav or .wv1 file with a transcript"):
         corpora.LtWsj.find_utterances(tmp_path, "validation")
+
+
+def test_a_missing_corpus_fails_before_anything_is_written(tmp_path, capfd):
+    """The trainer on a LibriSpeech copy that is not there: TFDS announces no download, and
+    neither its data folder nor the workdir is created."""
+    config = variants.apply(speech.schema(), "smoke", speech.VARIANTS)
+    config.corpus, config.data_dir, config.manual_dir = "librispeech", str(tmp_path / "tfds"), "/nonexistent"
+    with pytest.raises(FileNotFoundError, match="manual dir /nonexistent of LibriSpeech does not exist"):
+        tasks.train_and_evaluate(config, tmp_path / "workdir")
+    assert not (tmp_path / "tfds").exists() and not (tmp_path / "workdir").exists()
+    assert "Downloading" not in "".join(capfd.readouterr())

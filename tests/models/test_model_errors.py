@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import small_config
 from commands import run_module
 from fast_transformers_cases import case_config, load_case, split_case
 from flax import nnx
@@ -36,9 +37,7 @@ E, H = 16, 2
 
 
 def _config(**overrides):
-    kwargs = dict(num_layers=1, num_heads=H, model_dim=E, feed_forward_dim=32, dropout=0.0)
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return small_config(**{"num_heads": H, "model_dim": E, **overrides})
 
 
 def _mha(**kwargs):
@@ -71,7 +70,7 @@ V = 11
 
 
 def _config_of(kind="linear"):
-    return TransformerConfig(num_layers=1, num_heads=2, model_dim=8, attention=kind, dropout=0.0)
+    return small_config(kind, model_dim=8, feed_forward_dim=None)
 
 
 def _lm(kind="linear"):
@@ -462,3 +461,68 @@ def test_image_generator_refuses_sub_pixels_outside_its_classes():
             ValueError, match=re.escape(f"sub-pixels must be in [0, 17), got values in [{low}, {high}]")
         ):
             run(x_bad)
+
+
+@pytest.mark.parametrize(
+    "argument, value, expected",
+    [
+        (
+            "segment_ids",
+            jnp.ones((2, 31), jnp.int32),
+            r"segment_ids must be .* shape \(2, 32\).*shape \(2, 31\)",
+        ),
+        ("segment_ids", jnp.ones((32,), jnp.int32), r"segment_ids must be .* shape \(2, 32\).*shape \(32,\)"),
+        (
+            "positions",
+            jnp.zeros((2, 5), jnp.int32),
+            r"positions must be .* \(2, 32\) or \(32,\).*shape \(2, 5\)",
+        ),
+        ("key_lengths", jnp.array([3]), r"key_lengths must be .* shape \(2,\).*shape \(1,\)"),
+    ],
+)
+def test_a_causal_lm_names_a_sequence_argument_that_does_not_fit_the_tokens(argument, value, expected):
+    lm = CausalLM(_config_of(), V, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=f"^CausalLM: {expected}"):
+        lm(jnp.zeros((2, 32), jnp.int32), **{argument: value})
+
+
+def test_a_state_made_for_another_batch_is_named_by_every_model():
+    lm, images = (
+        _lm(),
+        ImageGenerator(_config_of(), num_classes=4, num_mixtures=2, max_length=6, rngs=nnx.Rngs(0)),
+    )
+    seq2seq = EncoderDecoder(_config_of(), _config_of(), V, rngs=nnx.Rngs(0))
+    seq2seq.eval()
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    seq2seq_state = seq2seq.init_state(3, memory=seq2seq.encode(jnp.zeros((3, 4), jnp.int32)))
+    calls = {
+        "CausalLM.step": lambda: lm.step(lm.init_state(3), tokens[:, 0]),
+        "CausalLM.prefill": lambda: lm.prefill(lm.init_state(3), tokens),
+        "ImageGenerator.step": lambda: images.step(images.init_state(3), tokens[:, 0]),
+        "ImageGenerator.prefill": lambda: images.prefill(images.init_state(3), tokens),
+        "EncoderDecoder.step": lambda: seq2seq.step(seq2seq_state, tokens[:, 0]),
+        "EncoderDecoder.prefill": lambda: seq2seq.prefill(seq2seq_state, tokens),
+    }
+    for where, call in calls.items():
+        with pytest.raises(
+            ValueError, match=rf"^{where}: the state holds a batch of 3 .* the tokens a batch of 2"
+        ):
+            call()
+
+
+def test_an_encoder_decoder_names_lengths_that_do_not_fit_the_tokens():
+    model = EncoderDecoder(_config_of(), _config_of(), V, rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((2, 5), jnp.int32)
+    with pytest.raises(ValueError, match=r"^EncoderDecoder.encode: source_lengths must be .* \(2,\).*\(1,\)"):
+        model(tokens, tokens, source_lengths=jnp.array([3]))
+    with pytest.raises(ValueError, match=r"^EncoderDecoder.decode: target_lengths must be .* \(2,\).*\(3,\)"):
+        model(tokens, tokens, target_lengths=jnp.array([1, 2, 3]))
+
+
+@pytest.mark.parametrize("kind", ["retention", "simple-gla", "gla"])
+def test_a_gated_kind_refuses_random_features_in_its_config_with_advice_a_config_can_follow(kind):
+    with pytest.raises(
+        ValueError, match=r"feature_map 'favor' draws random features, which only the 'linear'"
+    ):
+        TransformerConfig(attention=kind, attention_options={"feature_map": "favor"})
+    TransformerConfig(attention="linear", attention_options={"feature_map": "favor"})

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import small_config
 from flax import nnx
 
 from linear_transformers import ops
@@ -36,13 +37,13 @@ KIND_IDS = ["softmax", "linear", "causal-linear-chunked", "favor"]
 
 
 def _config(dtype, attention="linear", options=None, **kwargs):
-    return TransformerConfig(
+    return small_config(
+        attention,
+        options or {},
         num_layers=2,
         num_heads=4,
         model_dim=E,
-        dropout=0.0,
-        attention=attention,
-        attention_options=options or {},
+        feed_forward_dim=None,
         dtype=dtype,
         **kwargs,
     )
@@ -147,8 +148,9 @@ def test_a_bfloat16_causal_lm_matches_float32_and_its_recurrent_form(kind, optio
         assert leaf.dtype in (jnp.float32, jnp.int32) or (kind == "softmax" and leaf.dtype == jnp.bfloat16)
     state, prefix_logits = model.prefill(state, tokens_BT[:, : T // 2])
     steps = []
+    step = nnx.jit(lambda model, state, token_B: model.step(state, token_B))  # one compile, 16 calls
     for t in range(T // 2, T):
-        state, logits_BV = model.step(state, tokens_BT[:, t])
+        state, logits_BV = step(model, state, tokens_BT[:, t])
         steps.append(logits_BV)
     recurrent = jnp.concatenate([prefix_logits, jnp.stack(steps, axis=1)], axis=1)
     assert _max_error(recurrent, logits_BTV) < MODEL_TOLERANCE

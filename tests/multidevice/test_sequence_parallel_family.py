@@ -115,6 +115,29 @@ def test_gated_in_shard_map_equals_one_device(x64, p, impl, decay):
     chex.assert_trees_all_close(got[1], expected[1], **TOL)
 
 
+@pytest.mark.parametrize("impl", ["chunked", "scan"])
+def test_gated_non_finite_decays_over_devices_reach_what_they_reach_on_one(x64, impl):
+    """A NaN in a segment that ends at a block boundary stays on its device; a NaN in the last
+    segment reaches the final state; a -inf is a reset (tests/ops/test_gated_nonfinite.py)."""
+    q, k, v = (_randn(s, B, T, H, n) for s, n in ((21, D), (22, D), (23, M)))
+    g = np.array(_decay("step", 24))
+    g[0, 3, 0], g[1, 8, 1], g[1, 20, 0] = np.nan, -np.inf, np.nan
+    ids = jnp.asarray(SEGMENTS)
+    run = functools.partial(_gated(None, impl), log_decay=jnp.asarray(g), segment_ids=ids)
+    expected = jit(run)(q, k, v)
+    split = jax.shard_map(
+        lambda q, k, v, g, ids: _gated("seq", impl)(q, k, v, log_decay=g, segment_ids=ids),
+        mesh=_mesh(4),
+        in_specs=(TIME, TIME, TIME, TIME, TIME),
+        out_specs=(TIME, P()),
+    )
+    got = jit(split)(q, k, v, jnp.asarray(g), ids)
+    for name, x, want in zip(("out", "s"), (got[0], got[1].s_BHFM), (expected[0], expected[1].s_BHFM)):
+        np.testing.assert_array_equal(np.isfinite(x), np.isfinite(want), err_msg=name)
+        chex.assert_trees_all_close(jnp.nan_to_num(x), jnp.nan_to_num(want), **TOL)
+    assert not np.isfinite(np.asarray(expected[0])[0, 3:6, 0]).any() and np.isfinite(expected[0][0, 6:]).all()
+
+
 def test_gated_outside_shard_map_with_a_mesh_set(x64):
     """Global arrays under `jax.set_mesh`: the op wraps itself, segments and decays included."""
     q, k, v = (_randn(s, B, T, H, n) for s, n in ((11, D), (12, D), (13, M)))

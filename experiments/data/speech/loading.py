@@ -67,6 +67,23 @@ def builder(corpus: str, *, data_dir, size: str = "default"):
     return cls(data_dir=data_dir, file_format="array_record")
 
 
+def _manual_dir(data_dir, manual_dir) -> str:
+    """`manual_dir`, by default `<data_dir>/downloads/manual`, with ~ expanded."""
+    default = os.path.join(os.path.expanduser(os.fspath(data_dir)), "downloads", "manual")
+    return os.path.expanduser(os.fspath(manual_dir or default))
+
+
+def check_available(corpus: str, *, data_dir, manual_dir=None, size: str = "default") -> None:
+    """Raise a FileNotFoundError naming the manual dir and what to put there when `corpus` is
+    neither prepared nor in `manual_dir`; write nothing (TFDS would announce a download and
+    leave an empty folder before its own error)."""
+    if corpus == "synthetic":  # synthesised when first needed
+        return
+    b = builder(corpus, data_dir=data_dir, size=size)
+    if not b.is_prepared():
+        type(b).corpus_root(_manual_dir(data_dir, manual_dir))
+
+
 def prepared_builder(corpus: str, *, data_dir, manual_dir=None, size: str = "default"):
     """`builder(...)`, prepared first if it is not: synthesised (synthetic) or read from
     `manual_dir` (default `<data_dir>/downloads/manual`); nothing is downloaded."""
@@ -74,13 +91,10 @@ def prepared_builder(corpus: str, *, data_dir, manual_dir=None, size: str = "def
 
     b = builder(corpus, data_dir=data_dir, size=size)
     if not b.is_prepared():
-        manual_dir = manual_dir or os.path.join(
-            os.path.expanduser(os.fspath(data_dir)), "downloads", "manual"
-        )
+        check_available(corpus, data_dir=data_dir, manual_dir=manual_dir, size=size)
+        manual_dir = _manual_dir(data_dir, manual_dir)
         b.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(
-                manual_dir=os.path.expanduser(os.fspath(manual_dir)), try_download_gcs=False
-            )
+            download_config=tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
         )
         b = builder(corpus, data_dir=data_dir, size=size)
     return b

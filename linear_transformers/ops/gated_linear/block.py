@@ -22,8 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from linear_transformers.ops import _nonfinite
 from linear_transformers.ops import sequence_parallel as sp
-from linear_transformers.ops.gated_linear import totals
+from linear_transformers.ops.gated_linear import nonfinite, totals
 from linear_transformers.ops.linear_state import LinearState
 
 
@@ -70,13 +71,24 @@ def attend_block(
         out_BTHM, final = form(*args, *initial_state, prepare=prepare, eps=eps, acc=acc)
         return out_BTHM, LinearState(*final)
     phi_q_BTHF, phi_k_BTHF, v_BTHM, g_BTHX = prepare(q_BTHD, k_BTHD, v_BTHM, g_BTHX, valid_BT)
-    block = totals.block_totals(
-        phi_k_BTHF, v_BTHM, g_BTHX, reset_BT, acc, normalize=initial_state.z_BHF is not None
-    )
+    normalize = initial_state.z_BHF is not None
+    block = _block_totals(phi_k_BTHF, v_BTHM, g_BTHX, reset_BT, acc, normalize=normalize)
     start, final = _start_and_final(block, tuple(initial_state), axis)
     prepared = (phi_q_BTHF, phi_k_BTHF, v_BTHM, g_BTHX, valid_BT, reset_BT)
     out_BTHM, _ = form(*prepared, *start, prepare=None, eps=eps, acc=acc)
     return out_BTHM, LinearState(*final)
+
+
+def _block_totals(phi_k_BTHF, v_BTHM, g_BTHX, reset_BT, acc, *, normalize):
+    """`totals.block_totals` from the finite part of the decays, with NaN in the rows of the
+    state a non-finite decay of the block's last segment reached (`nonfinite.py`): a sum of log
+    decays is a matmul, where one NaN would reach every key."""
+    finite_BTHX = None if g_BTHX is None else _nonfinite.finite_part(g_BTHX)
+    block = totals.block_totals(phi_k_BTHF, v_BTHM, finite_BTHX, reset_BT, acc, normalize=normalize)
+    a, dropped, ds, dz = block
+    if g_BTHX is not None:
+        ds, dz = nonfinite.mark_decayed_state(ds, dz, nonfinite.seen_decay_BTHX(g_BTHX, reset_BT)[:, -1])
+    return a, dropped, ds, dz
 
 
 def _start_and_final(block, initial, axis):

@@ -32,8 +32,8 @@ returning the outputs and the state after the last step. The chunked form also t
 - "chunked": chunks, a segment of them at a time (`chunked.py`).
 - "scan": the RNN (`scan.py`).
 
-"reference" and "chunked" multiply by masked weights and carry the non-finite guard
-(`nonfinite.py`), whichever path calls them.
+Every form carries the non-finite guard (`nonfinite.py`), whichever path calls it: one semantics
+for a non-finite value or decay, in the values and in the gradients.
 """
 
 from __future__ import annotations
@@ -41,9 +41,12 @@ from __future__ import annotations
 from linear_transformers.ops.gated_linear import associative_scan, chunked, nonfinite, reference, scan
 
 FORMS = {
-    "reference": nonfinite.finite_products(reference.form),
-    "associative_scan": associative_scan.form,
-    "chunked": nonfinite.finite_products(chunked.form),
-    "scan": scan.form,
+    name: nonfinite.guarded(module.form)
+    for name, module in (
+        ("reference", reference),
+        ("associative_scan", associative_scan),
+        ("chunked", chunked),
+        ("scan", scan),
+    )
 }
 LINEAR_IMPLEMENTATIONS = tuple(FORMS)

@@ -18,7 +18,9 @@ def check_log_decay(log_decay, shape_BTHF, *, name: str):
     """`log_decay` as a float array of shape [B, T, H, X] (X = 1 or F), or None.
 
     Accepted: None, [H] (a constant per head), [B, T, H] (per head and step) and [B, T, H, F]
-    (per key feature and step); values must be <= 0 (checked when concrete).
+    (per key feature and step); values must be <= 0, -inf included (a reset). The values are
+    checked only when concrete (an eager call): under `jit` or `vmap` a positive value cannot
+    raise and is read as NaN instead (`prepare_log_decay`).
     """
     if log_decay is None:
         return None
@@ -69,17 +71,31 @@ def check_linear_state(state, expected_BHFM, *, normalize: bool, name: str) -> L
     return state
 
 
+# Log decays at or below this are a reset: exp gives exactly 0 in float32 and float64 alike, and
+# a sum of T of them stays finite, so the forms built from sums of log decays never meet -inf.
+LOG_DECAY_FLOOR = -1e4
+
+
+def prepare_log_decay(g_BTHX, valid_BT, acc):
+    """The log decays the forms read: in `acc`; -inf (a decay of 0, a reset) and anything below
+    as LOG_DECAY_FLOOR (the same decay, exactly); a positive value, which only an eager call can
+    refuse (`check_log_decay`), as NaN (an error the outputs show); 0 where a key does not count
+    (`valid_BT` False), whatever it held."""
+    g = g_BTHX.astype(acc)
+    g = jnp.where(g > 0, jnp.asarray(jnp.nan, acc), jnp.maximum(g, LOG_DECAY_FLOOR))
+    return g if valid_BT is None else jnp.where(valid_BT[:, :, None, None], g, 0)
+
+
 def prepare(q_BTHD, k_BTHD, v_BTHM, g_BTHX, valid_BT, *, fm, scale, acc):
-    """(phi(q) * scale, phi(k), v, g) for any stretch of steps, phi(k), v and g zeroed where a key
-    does not count (`valid_BT` False; None: every key counts) and g in `acc`. `where`, not a
-    product: padded values may hold inf or NaN."""
+    """(phi(q) * scale, phi(k), v, g) for any stretch of steps, phi(k) and v zeroed where a key
+    does not count (`valid_BT` False; None: every key counts), g as `prepare_log_decay` makes it.
+    `where`, not a product: padded values may hold inf or NaN."""
     phi_q, phi_k = fm.query(q_BTHD), fm.key(k_BTHD)
     if scale != 1.0:
         phi_q = phi_q * jnp.asarray(scale, phi_q.dtype)
-    v, g = v_BTHM, None if g_BTHX is None else g_BTHX.astype(acc)
+    v, g = v_BTHM, None if g_BTHX is None else prepare_log_decay(g_BTHX, valid_BT, acc)
     if valid_BT is not None:
         valid_BT11 = valid_BT[:, :, None, None]
         phi_k = jnp.where(valid_BT11, phi_k, 0)
         v = jnp.where(valid_BT11, v, 0)
-        g = None if g is None else jnp.where(valid_BT11, g, 0)
     return phi_q, phi_k, v, g

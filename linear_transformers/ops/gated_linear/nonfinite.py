@@ -1,14 +1,23 @@
-"""The guard of the forms that multiply by masked weights ("reference" and "chunked"): run on the
-finite part of v, then NaN wherever a step sees a non-finite value, and in the columns of the
-final s it reaches (`ops/_nonfinite.py`: otherwise 0 * inf at a masked pair would turn one bad
-value into NaN at every step).
+"""The guard every form carries: it runs on the finite part of v and of the log decays, then
+writes NaN wherever a step sees a non-finite value, and in the parts of the final s it reaches
+(`ops/_nonfinite.py`).
 
-Legend: B batch, T time, H heads, F feature-map features, M value features.
+Legend: B batch, T time, H heads, F feature-map features, M value features, X decay features
+(1 or F).
 
-The guard wraps the whole chunked form, not just its within-chunk product: a state built from a
-non-finite value would still send NaN into earlier steps' gradients (0 * NaN in the backward pass
-of later steps' normalisation). The recurrent forms ("associative_scan", "scan") only ever add
-what a step can see and need none.
+What a step sees:
+- a non-finite v[s, m]: the outputs t >= s of its segment, in column m, and column m of the
+  final s if s lies in the last segment;
+- a NaN log decay g[s] (a positive one read under `jit`: `inputs.prepare_log_decay`): it
+  multiplies the state, so every output t >= s of its segment, in every column, and the rows of
+  the final s and z it decays. A decay of 0 (g = -inf) is a reset, not an error: it is finite.
+
+Why every form: the forms that multiply by masked weights ("reference", "chunked") would turn
+one bad value into NaN at every step (0 * inf at a masked pair, 0 * NaN in a sum of log decays
+taken as a matmul); the recurrent ones ("scan", "associative_scan") compute the values right but
+their gradients wrong: 0 * NaN in the backward pass of a decay reaches every earlier key even
+when no loss reads a NaN output. With the guard, the outputs that see nothing bad, and the
+gradients through them, are those of the finite inputs in every form.
 """
 
 from __future__ import annotations
@@ -18,30 +27,50 @@ import functools
 import jax.numpy as jnp
 
 from linear_transformers.ops import _nonfinite
+from linear_transformers.ops.gated_linear import inputs
 
 
-def finite_products(form):
-    """`form` (the interface of `forms.py`) with the guard. v is made finite inside `prepare`,
-    so the chunked form does that a segment at a time too."""
+def guarded(form):
+    """`form` (the interface of `forms.py`) with the guard. v and g are made finite inside
+    `prepare`, so the chunked form does that a segment at a time too."""
 
     @functools.wraps(form)
-    def guarded(q, k, v_BTHM, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, **kwargs):
+    def guarded(q, k, v_BTHM, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, acc, **kwargs):
         def prepare_finite(q, k, v, g, valid):
             if prepare is not None:
                 q, k, v, g = prepare(q, k, v, g, valid)
-            return q, k, _nonfinite.finite_part(v), g
+            return q, k, _nonfinite.finite_part(v), None if g is None else _nonfinite.finite_part(g)
 
-        result = form(q, k, v_BTHM, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, prepare=prepare_finite, **kwargs)
-        mark = functools.partial(_mark_seen, v_BTHM, reset_BT, valid_BT)
-        return _nonfinite.mark_unless_all_finite(v_BTHM, result, mark)
+        result = form(
+            q, k, v_BTHM, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, prepare=prepare_finite, acc=acc, **kwargs
+        )
+        # The decays the form read (prepared ones as they are).
+        g_BTHX = None if g is None or prepare is None else inputs.prepare_log_decay(g, valid_BT, acc)
+        g_BTHX = g if g_BTHX is None else g_BTHX
+        mark = functools.partial(_mark_seen, v_BTHM, g_BTHX, reset_BT, valid_BT)
+        return _nonfinite.mark_unless_all_finite((v_BTHM, g_BTHX), result, mark)
 
     return guarded
 
 
-def _mark_seen(v_BTHM, reset_BT, valid_BT, result):
-    """NaN in the outputs (and the columns of the final s) that see a non-finite value of v (of
-    the keys that count: `valid_BT`, None: all). Runs only inside the marking branch, so the
-    masked copy of v is made only when some value is not finite."""
+def seen_decay_BTHX(g_BTHX, reset_BT):
+    """bool [B, T, H, X]: the state at step t was multiplied by a non-finite decay of its segment
+    (not the one at its first step: that decays the state the segment drops)."""
+    if reset_BT is not None:
+        g_BTHX = jnp.where(reset_BT[:, :, None, None], jnp.zeros((), g_BTHX.dtype), g_BTHX)
+    return _nonfinite.seen_nonfinite_BTHM(g_BTHX, num_queries=g_BTHX.shape[1], causal=True, reset_BT=reset_BT)
+
+
+def mark_decayed_state(s_BHFM, z_BHF, seen_BHX):
+    """NaN in the rows of s and z (all of them for a decay per head) a non-finite decay reached."""
+    s_BHFM = _nonfinite.mark_seen(s_BHFM, seen_BHX[..., None])
+    return s_BHFM, None if z_BHF is None else _nonfinite.mark_seen(z_BHF, seen_BHX)
+
+
+def _mark_seen(v_BTHM, g_BTHX, reset_BT, valid_BT, result):
+    """NaN in the outputs (and the parts of the final state) that see a non-finite value of v (of
+    the keys that count: `valid_BT`, None: all) or of the decays. Runs only inside the marking
+    branch, so the masked copy of v is made only when some value is not finite."""
     if valid_BT is not None:
         v_BTHM = jnp.where(valid_BT[:, :, None, None], v_BTHM, jnp.zeros((), v_BTHM.dtype))
     out_BTHM, (s_BHFM, z_BHF) = result
@@ -49,4 +78,8 @@ def _mark_seen(v_BTHM, reset_BT, valid_BT, result):
         v_BTHM, num_queries=v_BTHM.shape[1], causal=True, reset_BT=reset_BT
     )
     s_BHFM = _nonfinite.mark_seen(s_BHFM, seen_BTHM[:, -1][:, :, None, :])
+    if g_BTHX is not None:
+        decayed_BTHX = seen_decay_BTHX(g_BTHX, reset_BT)
+        seen_BTHM = seen_BTHM | jnp.any(decayed_BTHX, axis=-1, keepdims=True)
+        s_BHFM, z_BHF = mark_decayed_state(s_BHFM, z_BHF, decayed_BTHX[:, -1])
     return _nonfinite.mark_seen(out_BTHM, seen_BTHM), (s_BHFM, z_BHF)

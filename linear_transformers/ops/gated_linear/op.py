@@ -69,7 +69,11 @@ def gated_linear_attention(
       q_BTHD, k_BTHD: [B, T, H, D]; v_BTHM: [B, T, H, M].
       log_decay: g <= 0, the log of the decay applied to the state before step t adds its key:
         None (no decay), [H] (a constant per head), [B, T, H] (per head and step) or
-        [B, T, H, F] (per key feature and step). Gradients flow into it.
+        [B, T, H, F] (per key feature and step). Gradients flow into it. g = -inf is a decay of
+        0, a reset of the state (of its features), exact and finite in every form. A NaN makes
+        NaN every output it decays: the steps >= t of its segment (and the rows of the final
+        state it reaches), in every form; a positive value is refused by an eager call and read
+        as NaN under `jit` or `vmap`, where the check cannot run.
       scale: multiplies phi(q); None: D**-0.5 (FLA's convention).
       feature_map: None (the identity, as the gated models use it), or a registered name,
         FeatureMap or callable (see `feature_maps`).
@@ -248,7 +252,7 @@ def gated_linear_attention_step(
             (B, 1, H, F),
             name=name,
         )[:, 0]
-        a = jnp.exp(g.astype(acc))  # [B, H, X]
+        a = jnp.exp(inputs.prepare_log_decay(g, None, acc))  # [B, H, X]
         s = a[..., None] * s
         z = None if z is None else a * z
     phi_k = fm.key(k_BHD).astype(acc)
