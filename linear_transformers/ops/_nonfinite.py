@@ -16,19 +16,16 @@ Legend: B batch, T query time, S key time, H heads, M value features.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 
 def mark_unless_all_finite(v, result, mark):
-    """`result` as it is when every entry of v (an array, or a tuple of arrays and Nones) is
-    finite, else `mark(result)`; `lax.cond` runs the marking only when needed (under `vmap`,
-    always: still correct). Only the marking sits in the cond: a whole attention form inside it
-    would keep both branches' residuals for the backward pass (far more memory)."""
-    finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(v)])
-    return jax.lax.cond(finite, lambda r: r, mark, result)
+    """`result` as it is when every entry of v is finite, else `mark(result)`; `lax.cond` runs
+    the marking only when needed (under `vmap`, always: still correct). Only the marking sits
+    in the cond: a whole attention form inside it would keep both branches' residuals for the
+    backward pass (far more memory)."""
+    return jax.lax.cond(jnp.all(jnp.isfinite(v)), lambda r: r, mark, result)
 
 
 def finite_part(v):

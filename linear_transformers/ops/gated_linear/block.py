@@ -84,8 +84,9 @@ def _block_totals(phi_k_BTHF, v_BTHM, g_BTHX, reset_BT, acc, *, normalize):
     state a non-finite decay of the block's last segment reached (`nonfinite.py`): a sum of log
     decays is a matmul, where one NaN would reach every key."""
     finite_BTHX = None if g_BTHX is None else _nonfinite.finite_part(g_BTHX)
-    block = totals.block_totals(phi_k_BTHF, v_BTHM, finite_BTHX, reset_BT, acc, normalize=normalize)
-    a, dropped, ds, dz = block
+    a, dropped, ds, dz = totals.block_totals(
+        phi_k_BTHF, v_BTHM, finite_BTHX, reset_BT, acc, normalize=normalize
+    )
     if g_BTHX is not None:
         ds, dz = nonfinite.mark_decayed_state(ds, dz, nonfinite.seen_decay_BTHX(g_BTHX, reset_BT)[:, -1])
     return a, dropped, ds, dz

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from linear_transformers.ops import _nonfinite
@@ -44,11 +45,12 @@ def guarded(form):
         result = form(
             q, k, v_BTHM, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, prepare=prepare_finite, acc=acc, **kwargs
         )
-        # The decays the form read (prepared ones as they are).
-        g_BTHX = None if g is None or prepare is None else inputs.prepare_log_decay(g, valid_BT, acc)
-        g_BTHX = g if g_BTHX is None else g_BTHX
-        mark = functools.partial(_mark_seen, v_BTHM, g_BTHX, reset_BT, valid_BT)
-        return _nonfinite.mark_unless_all_finite((v_BTHM, g_BTHX), result, mark)
+        clean = jnp.all(jnp.isfinite(v_BTHM))
+        if g is not None:  # NaN, and a positive value (read as NaN), fail `<= 0`; -inf passes
+            clean &= jnp.all(g <= 0)
+        mark = functools.partial(_mark_seen, v_BTHM, g, reset_BT, valid_BT, prepare, acc)
+        # `lax.cond`: the decays are prepared again and the marks found only when needed.
+        return jax.lax.cond(clean, lambda r: r, mark, result)
 
     return guarded
 
@@ -67,10 +69,13 @@ def mark_decayed_state(s_BHFM, z_BHF, seen_BHX):
     return s_BHFM, None if z_BHF is None else _nonfinite.mark_seen(z_BHF, seen_BHX)
 
 
-def _mark_seen(v_BTHM, g_BTHX, reset_BT, valid_BT, result):
+def _mark_seen(v_BTHM, g_BTHX, reset_BT, valid_BT, prepare, acc, result):
     """NaN in the outputs (and the parts of the final state) that see a non-finite value of v (of
-    the keys that count: `valid_BT`, None: all) or of the decays. Runs only inside the marking
-    branch, so the masked copy of v is made only when some value is not finite."""
+    the keys that count: `valid_BT`, None: all) or of the decays the form read (raw ones
+    prepared as `prepare` did). Runs only inside the marking branch, so the masked copies are
+    made only when some value is not finite."""
+    if g_BTHX is not None and prepare is not None:
+        g_BTHX = inputs.prepare_log_decay(g_BTHX, valid_BT, acc)
     if valid_BT is not None:
         v_BTHM = jnp.where(valid_BT[:, :, None, None], v_BTHM, jnp.zeros((), v_BTHM.dtype))
     out_BTHM, (s_BHFM, z_BHF) = result
