@@ -633,3 +633,31 @@ def test_a_refused_flag_ends_the_command_in_one_line_naming_it(tmp_path):
         "benchmark_gated: error: --decays=scalar: unknown decay 'scalar'; expected some of "
         "('none', 'head', 'step', 'feature')."
     )
+
+
+# --- precision benchmark ------------------------------------------------------------------------
+
+from experiments.benchmarking import precision_bench  # noqa: E402
+
+
+def test_precision_options_reject_bad_values():
+    with pytest.raises(ValueError, match="unknown attention kind 'reformer'"):
+        precision_bench.PrecisionBenchOptions(kinds=("reformer",))
+    with pytest.raises(ValueError, match="lengths: give at least one value"):
+        precision_bench.PrecisionBenchOptions(lengths=())
+
+
+def test_precision_run_writes_a_row_per_seed_and_the_worst_per_case(tmp_path):
+    opts = precision_bench.PrecisionBenchOptions(kinds=("retention",), lengths=(8,), seeds=(0, 1), batch=1)
+    out = precision_bench.run_and_report(opts, tmp_path, log=lambda *_: None)
+    assert [(r["kind"], r["length"], r["seed"]) for r in out["rows"]] == [
+        ("retention", 8, 0),
+        ("retention", 8, 1),
+    ]
+    for r in out["rows"]:
+        assert r["over_sensitivity"] == pytest.approx(
+            max(r["bf16_error"], r["recurrent_error"]) / r["sensitivity"]
+        )
+    (worst,) = precision_bench.worst_per_case(out["rows"])
+    assert worst["bf16_error"] == max(r["bf16_error"] for r in out["rows"])
+    assert {"csv", "worst_csv", "json", "png"} <= set(out["files"])
