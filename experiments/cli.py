@@ -42,6 +42,10 @@ def one_line_errors(main):
         if not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)  # Orbax logs every save and restore at INFO
         try:
+            if len(argv) > 1:  # absl leaves what is not a --flag in argv; no command reads it.
+                raise ValueError(
+                    f"unexpected arguments {argv[1:]}: every option is a --flag (--helpshort lists them)."
+                )
             return main(argv)
         except interrupts.Interrupted as e:
             print(f"{_program()}: {e}", file=sys.stderr, flush=True)

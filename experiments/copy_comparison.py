@@ -16,6 +16,7 @@ retrained.
 from absl import app, flags, logging
 
 from experiments.benchmarking.copy_bench import PAPER_RUNS, RUNS, CopyComparisonOptions, run_and_report
+from experiments.cli import one_line_errors
 
 _RUNS = flags.DEFINE_list("runs", list(PAPER_RUNS), f"Runs, from: {', '.join(RUNS)}; default: the paper's.")
 _SIZE = flags.DEFINE_string("size", "cpu", "Copy-task variants setting the scale (as in configs/copy.py:).")
@@ -23,6 +24,7 @@ _OVERRIDES = flags.DEFINE_string("overrides", "", "key=value,... applied to ever
 _OUT = flags.DEFINE_string("out_dir", "benchmark_results/copy", "Where runs and reports go.")
 
 
+@one_line_errors
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)

@@ -15,6 +15,7 @@ config's data_dir first if it is not there (minutes).
 from absl import app, flags, logging
 
 from experiments.benchmarking.speech_bench import RUNS, SpeechComparisonOptions, run_and_report
+from experiments.cli import one_line_errors
 
 _RUNS = flags.DEFINE_list("runs", list(RUNS), f"Runs, from: {', '.join(RUNS)}.")
 _SIZE = flags.DEFINE_string(
@@ -26,6 +27,7 @@ _MEMORY = flags.DEFINE_float("memory_gib", 16.0, "Budget for the longest utteran
 _TRAIN = flags.DEFINE_bool("train", True, "False: time and size the models only (no training, no PER).")
 
 
+@one_line_errors
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)

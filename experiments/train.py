@@ -33,8 +33,7 @@ def define_flags(config: str, workdir: str) -> None:
 
 @one_line_errors
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    del argv  # `one_line_errors` refused any positional argument.
     check_config_file()
     result = tasks.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))

@@ -18,7 +18,6 @@ import sys
 import types
 import typing
 
-from absl import app
 from absl import flags as absl_flags
 
 _SCALARS = {
@@ -135,8 +134,7 @@ def main(cls, run, *, out_dir: str, device: bool = True, announce: bool = True):
 
     @cli.one_line_errors
     def absl_main(argv):
-        if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        del argv  # `one_line_errors` refused any positional argument.
         if device and platform.value:
             import jax
 

@@ -18,6 +18,19 @@ from experiments.training import variants
 SMOKE = "configs/digits.py:smoke,num_steps=2,eval_every=0,sample_every=0"
 
 
+@pytest.mark.parametrize(
+    "module, args, message",
+    [
+        ("experiments.sample", ["--workdir=w", "extra"], "sample: error: unexpected arguments ['extra']"),
+        ("experiments.copy_comparison", ["--runs=decoder/nope"], "copy_comparison: error: "),
+    ],
+)
+def test_every_command_refuses_a_stray_argument_or_a_bad_flag_in_one_line(module, args, message):
+    """A positional argument was ignored by the commands that do not read one; the comparisons
+    printed a traceback for a bad run name."""
+    assert_one_line(*run_module(module, *args), message)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A workdir with checkpoints 2 and 4 (the digits ship with scikit-learn: no download)."""

@@ -311,6 +311,16 @@ def test_bad_arguments_are_named(kwargs, message):
         ops.gated_linear_attention(q, k, v, **kwargs)
 
 
+def test_a_steps_decay_is_named_in_the_steps_shapes():
+    state = ops.init_linear_state(B, H, D, M, normalizer=False)
+    q, k, v = (jnp.ones((B, H, n)) for n in (D, D, M))
+    step = ops.gated_linear_attention_step
+    for shape in ((H,), (B, H), (B, H, D)):
+        step(state, q, k, v, log_decay=-jnp.ones(shape))
+    with pytest.raises(ValueError, match=r"\[B, H\]=\[2, 2\] \(per head\) .* got shape \(2, 1, 2\)"):
+        step(state, q, k, v, log_decay=jnp.zeros((B, 1, H)))
+
+
 @pytest.mark.parametrize("strength,factored", [(1.0, True), (12.0, False)])
 def test_per_feature_decays_take_either_form_exactly(x64, strength, factored):
     """Per-feature decays within a chunk: one matmul of rescaled q and k while the decays stay

@@ -14,11 +14,12 @@ from linear_transformers.ops import input_checks
 from linear_transformers.ops.linear_state import LinearState
 
 
-def check_log_decay(log_decay, shape_BTHF, *, name: str):
+def check_log_decay(log_decay, shape_BTHF, *, name: str, step: bool = False):
     """`log_decay` as a float array of shape [B, T, H, X] (X = 1 or F), or None.
 
     Accepted: None, [H] (a constant per head), [B, T, H] (per head and step) and [B, T, H, F]
-    (per key feature and step); values must be <= 0, -inf included (a reset). The values are
+    (per key feature and step); with `step` (one step, T = 1) [H], [B, H] and [B, H, F]. Values
+    must be <= 0, -inf included (a reset). The values are
     checked only when concrete (an eager call): under `jit` or `vmap` a positive value cannot
     raise and is read as NaN instead (`prepare_log_decay`).
     """
@@ -27,13 +28,22 @@ def check_log_decay(log_decay, shape_BTHF, *, name: str):
     B, T, H, F = shape_BTHF
     log_decay = jnp.asarray(log_decay)
     input_checks.check_floating((("log_decay", log_decay),), name=name)
-    shapes = {1: (H,), 3: (B, T, H), 4: (B, T, H, F)}
+    if step:
+        shapes = {1: (H,), 2: (B, H), 3: (B, H, F)}
+        allowed = f"[B, H]={[B, H]} (per head) or [B, H, F]={[B, H, F]} (per key feature"
+    else:
+        shapes = {1: (H,), 3: (B, T, H), 4: (B, T, H, F)}
+        allowed = (
+            f"[B, T, H]={[B, T, H]} (per head and step) or [B, T, H, F]={[B, T, H, F]} (per key "
+            f"feature and step"
+        )
     if shapes.get(log_decay.ndim) != tuple(log_decay.shape):
         raise ValueError(
-            f"{name}: log_decay must be [H]={[H]} (a constant per head), [B, T, H]={[B, T, H]} "
-            f"(per head and step) or [B, T, H, F]={[B, T, H, F]} (per key feature and step; F is "
-            f"the feature map's width), got shape {tuple(log_decay.shape)}."
+            f"{name}: log_decay must be [H]={[H]} (a constant per head), {allowed}; F is the "
+            f"feature map's width), got shape {tuple(log_decay.shape)}."
         )
+    if step and log_decay.ndim > 1:
+        log_decay = log_decay[:, None]
     if input_checks.is_concrete(log_decay) and log_decay.size:
         largest = float(np.max(np.asarray(log_decay, np.float64)))
         if largest > 0:

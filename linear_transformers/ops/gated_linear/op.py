@@ -247,11 +247,7 @@ def gated_linear_attention_step(
     acc = state.s_BHFM.dtype
     s, z = state
     if log_decay is not None:
-        g = check_log_decay(
-            log_decay if jnp.ndim(log_decay) == 1 else jnp.asarray(log_decay)[:, None],
-            (B, 1, H, F),
-            name=name,
-        )[:, 0]
+        g = check_log_decay(log_decay, (B, 1, H, F), name=name, step=True)[:, 0]
         a = jnp.exp(inputs.prepare_log_decay(g, None, acc))  # [B, H, X]
         s = a[..., None] * s
         z = None if z is None else a * z
