@@ -3,7 +3,8 @@
 Run with torch, einops and fla-core installed (CPU; `pip install --no-deps fla-core` is enough:
 nothing here needs Triton) to regenerate the fixtures the tests read:
 
-    python tests/fla_cases.py      # writes tests/fixtures/fla/*.npz
+    python tests/fla_cases.py              # writes tests/fixtures/fla/*.npz
+    python tests/fla_cases.py kda          # only the named cases
 
 FLA's pure-PyTorch references are loaded from their files, not through `import fla` (whose
 `__init__` needs Triton):
@@ -18,6 +19,16 @@ FLA's pure-PyTorch references are loaded from their files, not through `import f
 - fla/ops/retention/naive.py `naive_retention(q, k, v)`: q, k, v [B, H, T, D] (heads before
   time), o_t = sum_{s <= t} gamma_h^(t - s) (D**-0.5 q_t . k_s) v_s with gamma_h = 1 - 2^(-5-h);
   no state in or out.
+- fla/ops/delta_rule/naive.py `delta_rule_recurrence(q, k, v, beta, initial_state,
+  output_final_state)`: q, k [B, H, T, K] (heads before time), v [B, H, T, V], beta [B, H, T];
+  S <- S + k (beta (v - S^T k))^T, o_t = (K**-0.5 q_t)^T S_t.
+- fla/ops/gated_delta_rule/naive.py `naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale,
+  initial_state, output_final_state)`: [B, T, H, *], g [B, T, H]; S decayed by exp(g_t) first.
+- fla/ops/kda/naive.py `naive_recurrent_kda(q, k, v, g, beta, scale, initial_state,
+  output_final_state)`: the same with g [B, T, H, K], a decay per key feature.
+
+The delta-rule functions do not normalise q and k (FLA's kernels do, `use_qk_l2norm_in_kernel`):
+their cases draw unit-norm q and k, the inputs the op gives them after its own norm.
 
 Each case draws float32 inputs from a fixed seed (a nonzero initial state wherever the function
 takes one), runs one function and returns {"meta": json, "input/<name>": ..., "output/<name>":
@@ -43,6 +54,9 @@ FUNCTIONS = {
     "simple_gla": ("ops/simple_gla/naive.py", "naive_recurrent_simple_gla"),
     "gla": ("ops/gla/naive.py", "naive_recurrent_gla"),
     "retention": ("ops/retention/naive.py", "naive_retention"),
+    "delta_rule": ("ops/delta_rule/naive.py", "delta_rule_recurrence"),
+    "gated_delta_rule": ("ops/gated_delta_rule/naive.py", "naive_recurrent_gated_delta_rule"),
+    "kda": ("ops/kda/naive.py", "naive_recurrent_kda"),
 }
 
 
@@ -186,6 +200,58 @@ def retention_case(*, batch=2, length=37, heads=3, key_dim=8, value_dim=8, seed=
     }
 
 
+def _unit(x):
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def delta_rule_case(*, kind, batch=2, length=37, heads=3, key_dim=8, value_dim=6, scale=None, seed=0) -> dict:
+    """One of FLA's delta-rule references from a nonzero initial state, with its final state:
+    unit-norm q and k, beta = sigmoid(z) [B, T, H], and for the gated kinds g [B, T, H]
+    (gated_delta_rule) or [B, T, H, K] (kda). Inputs and outputs are stored [B, T, H, *]."""
+    torch = _torch()
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v, h0 = _draw(generator, batch, length, heads, key_dim, value_dim)
+    q, k = _unit(q), _unit(k)
+    beta = torch.sigmoid(torch.randn(batch, length, heads, generator=generator))
+    g = None
+    with torch.no_grad():
+        if kind == "delta_rule":
+            to_bhtd = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
+            o, ht = naive_function(kind)(
+                to_bhtd(q),
+                to_bhtd(k),
+                to_bhtd(v),
+                to_bhtd(beta),
+                initial_state=h0.clone(),
+                output_final_state=True,
+            )
+            o = o.transpose(1, 2)
+        else:
+            g = _log_gate(
+                generator,
+                (batch, length, heads) if kind == "gated_delta_rule" else (batch, length, heads, key_dim),
+            )
+            arguments = (q, k, v, beta, g) if kind == "gated_delta_rule" else (q, k, v, g, beta)
+            o, ht = naive_function(kind)(
+                *arguments, scale=scale, initial_state=h0.clone(), output_final_state=True
+            )
+    gate = {} if g is None else {"input/g": _numpy(g)}
+    return {
+        **_meta(kind, layout="BTHD", scale=scale, seed=seed),
+        "input/q": _numpy(q),
+        "input/k": _numpy(k),
+        "input/v": _numpy(v),
+        "input/beta": _numpy(beta),
+        **gate,
+        "input/initial_state": _numpy(h0),
+        "output/o": _numpy(o),
+        "output/final_state": _numpy(ht),
+    }
+
+
+# The delta-rule cases (`delta_rule_case`); the others are the gated family's.
+DELTA_CASES = ("delta_rule", "gated_delta_rule", "kda")
+
 CASES = {
     "simple_gla": lambda: simple_gla_case(seed=0),
     # V != K, an explicit scale.
@@ -195,12 +261,18 @@ CASES = {
     "retention": lambda: retention_case(seed=4),
     # Retention from an initial state: simple GLA with g = log(gamma_h) at every step.
     "retention_simple_gla": lambda: simple_gla_case(retention=True, seed=5),
+    "delta_rule": lambda: delta_rule_case(kind="delta_rule", seed=6),
+    "gated_delta_rule": lambda: delta_rule_case(kind="gated_delta_rule", scale=0.3, seed=7),
+    "kda": lambda: delta_rule_case(kind="kda", seed=8),
 }
 
 
-def main():
+def main(names=()):
+    """Write the cases `names` (all of them when empty) to tests/fixtures/fla/<name>.npz."""
     FIXTURES.mkdir(parents=True, exist_ok=True)
     for name, make in CASES.items():
+        if names and name not in names:
+            continue
         case = make()
         path = FIXTURES / f"{name}.npz"
         np.savez_compressed(path, **case)
@@ -208,4 +280,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

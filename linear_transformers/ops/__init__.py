@@ -1,5 +1,6 @@
 """Pure-JAX attention ops (no Flax): softmax, linear, causal linear, gated linear (decayed: RetNet,
-Mamba-2, GLA), and their recurrent steps; the baselines LSH (Reformer) and Linformer.
+Mamba-2, GLA), the delta rule (DeltaNet, Gated DeltaNet, KDA), and their recurrent steps; the
+baselines LSH (Reformer) and Linformer.
 
 Layout follows `jax.nn.dot_product_attention`: queries [B, T, H, D], keys [B, S, H, D],
 values [B, S, H, M].
@@ -8,6 +9,11 @@ values [B, S, H, M].
 from linear_transformers import _deprecation
 from linear_transformers.ops import sequence_parallel
 from linear_transformers.ops.causal_linear import causal_linear_attention, causal_linear_attention_prefill
+from linear_transformers.ops.delta_rule import (
+    delta_rule_attention,
+    delta_rule_attention_prefill,
+    delta_rule_attention_step,
+)
 from linear_transformers.ops.feature_maps import (
     CallableFeatureMap,
     FavorFeatureMap,
@@ -67,6 +73,9 @@ __all__ = [
     "gated_linear_attention",
     "gated_linear_attention_prefill",
     "gated_linear_attention_step",
+    "delta_rule_attention",
+    "delta_rule_attention_prefill",
+    "delta_rule_attention_step",
     "CallableFeatureMap",
     "FavorFeatureMap",
     "FeatureMap",

@@ -49,6 +49,24 @@ def check_qkv(q_BTHD, k_BSHD, v_BSHM, *, name: str) -> None:
         )
 
 
+def check_causal_qkv(q_BTHD, k_BTHD, v_BTHM, *, name: str) -> tuple[int, int, int, int]:
+    """`check_qkv` for causal self-attention (keys as long as queries): -> (B, T, H, D)."""
+    check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
+    B, T, H, D = q_BTHD.shape
+    if T != k_BTHD.shape[1]:
+        raise ValueError(
+            f"{name}: queries and keys must have the same length, got T={T} and S={k_BTHD.shape[1]}."
+        )
+    return B, T, H, D
+
+
+def check_bools(*, name: str, **flags) -> None:
+    """A ValueError naming the first of `flags` (keyword: value) that is not a bool."""
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: {flag} must be a bool, got {value!r}.")
+
+
 def check_step_qkv(q_BHD, k_BHD, v_BHM, *, name: str) -> None:
     """Like `check_qkv` for one time step: q, k are [B, H, D] and v is [B, H, M]."""
     for arr_name, arr in (("q_t", q_BHD), ("k_t", k_BHD), ("v_t", v_BHM)):

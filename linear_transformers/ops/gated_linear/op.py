@@ -152,15 +152,8 @@ def attend(
     """`gated_linear_attention` with its errors named after `name`, the op the caller called."""
     implementation = _check_implementation(implementation, name)
     chunk_size = input_checks.check_int(chunk_size, f"{name}: chunk_size", allow_none=True)
-    for flag, value in (("return_state", return_state), ("normalize", normalize)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name}: {flag} must be a bool, got {value!r}.")
-    input_checks.check_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
-    B, T, H, D = q_BTHD.shape
-    if T != k_BTHD.shape[1]:
-        raise ValueError(
-            f"{name}: queries and keys must have the same length, got T={T} and S={k_BTHD.shape[1]}."
-        )
+    input_checks.check_bools(name=name, return_state=return_state, normalize=normalize)
+    B, T, H, D = input_checks.check_causal_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
     fm = make_feature_map("identity" if feature_map is None else feature_map)
     F, M = fm.num_features(D), v_BTHM.shape[-1]
     g_BTHX = check_log_decay(log_decay, (B, T, H, F), name=name)

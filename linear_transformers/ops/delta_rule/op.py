@@ -1,0 +1,175 @@
+"""`delta_rule_attention`: DeltaNet (Schlag et al. 2021; Yang et al. 2024), Gated DeltaNet (Yang
+et al. 2025, the linear layer of Qwen3-Next) and Kimi Delta Attention (a per-feature decay, the
+linear layer of Kimi Linear) in one op.
+
+Legend: B batch, T time, H heads, D key/query features, M value features, X decay features (1 or D).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linear_transformers.ops import input_checks
+from linear_transformers.ops.delta_rule import chunked, reference, scan
+from linear_transformers.ops.gated_linear.block import flags
+from linear_transformers.ops.gated_linear.inputs import check_linear_state, check_log_decay, prepare_log_decay
+from linear_transformers.ops.linear_state import LinearState, init_linear_state
+
+FORMS = {"reference": reference.form, "scan": scan.form, "chunked": chunked.form}
+L2_NORM_EPS = 1e-6  # FLA's: x / sqrt(sum x^2 + eps).
+
+
+def l2_normalize(x_xD, eps: float = L2_NORM_EPS):
+    """x / sqrt(sum x^2 + eps) over the last axis, in float32 at least."""
+    x = x_xD.astype(jnp.promote_types(x_xD.dtype, jnp.float32))
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _check_beta(beta, shape_BTH, name: str):
+    beta = jnp.asarray(beta)
+    input_checks.check_floating((("beta", beta),), name=name)
+    if tuple(beta.shape) != tuple(shape_BTH):
+        raise ValueError(
+            f"{name}: beta must be [B, T, H]={list(shape_BTH)} (the writing strength of each step), "
+            f"got shape {tuple(beta.shape)}."
+        )
+    if input_checks.is_concrete(beta) and beta.size:
+        values = np.asarray(beta, np.float64)
+        if not (np.all(values >= 0) and np.all(values <= 2)):
+            raise ValueError(
+                f"{name}: beta must be in [0, 2] (1 replaces a key's value, 2 reflects it; "
+                f"jax.nn.sigmoid of a logit, times 2 for negative eigenvalues), got values in "
+                f"[{np.nanmin(values)}, {np.nanmax(values)}]."
+            )
+    return beta
+
+
+def delta_rule_attention(
+    q_BTHD,
+    k_BTHD,
+    v_BTHM,
+    beta_BTH,
+    *,
+    log_decay=None,
+    scale=None,
+    qk_l2norm: bool = True,
+    implementation: str = "chunked",
+    chunk_size: int | None = None,
+    initial_state: LinearState | None = None,
+    return_state: bool = False,
+    key_lengths=None,
+    segment_ids=None,
+):
+    """Causal attention whose state is corrected, not only added to (the delta rule):
+
+      S_t = diag(exp(g_t)) S_{t-1};   S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T;   o_t = S_t^T q_t
+
+    i.e. S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T, a [D, M] state per
+    head (no normaliser).
+
+    Args:
+      q_BTHD, k_BTHD: [B, T, H, D]; v_BTHM: [B, T, H, M].
+      beta_BTH: [B, T, H], in [0, 2]: how much of step t's value replaces what the state
+        predicts for its key (checked when concrete).
+      log_decay: g <= 0: None (DeltaNet), [H] or [B, T, H] (Gated DeltaNet: per head and step),
+        [B, T, H, D] (KDA: per key feature and step). -inf is a reset (a decay of 0).
+      scale: multiplies q (after the norm); default D**-0.5.
+      qk_l2norm: L2-normalise q and k over D first (FLA's `use_qk_l2norm_in_kernel`; the delta
+        rule is stable for ||k|| = 1 and beta in [0, 2]).
+      implementation: "chunked" (default; the WY representation per chunk, one scan over
+        chunks), "scan" (one step at a time) or "reference" (the recurrence unrolled in Python).
+      chunk_size: steps per chunk of "chunked" (default 64).
+      initial_state: an `ops.LinearState` with s [B, H, D, M] and no z; default zeros.
+      return_state: also return the final state.
+      key_lengths: int [B]: steps past it do not count (their outputs are 0, the state skips
+        them).
+      segment_ids: int [B, T] of packed sequences (0 = padding): the state is dropped where a
+        segment begins, so no state crosses a boundary; the first step continues
+        `initial_state`.
+
+    Returns:
+      out [B, T, H, M] in v's dtype, or (out, LinearState(s, None)) with `return_state`. The
+      state is carried in float32 at least.
+    """
+    name = "delta_rule_attention"
+    if implementation not in FORMS:
+        raise ValueError(
+            f"{name}: unknown implementation {implementation!r}; expected one of {tuple(FORMS)}."
+        )
+    chunk_size = input_checks.check_int(chunk_size, f"{name}: chunk_size", allow_none=True)
+    input_checks.check_bools(name=name, return_state=return_state, qk_l2norm=qk_l2norm)
+    B, T, H, D = input_checks.check_causal_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
+    M = v_BTHM.shape[-1]
+    beta_BTH = _check_beta(beta_BTH, (B, T, H), name)
+    g_BTHX = check_log_decay(log_decay, (B, T, H, D), name=name)
+    key_lengths = input_checks.check_key_lengths(key_lengths, B, name=name, length=T)
+    segment_ids = input_checks.check_segment_ids(segment_ids, (B, T), name=name)
+    acc = input_checks.accumulation_dtype(v_BTHM.dtype)
+    if initial_state is None:
+        initial_state = init_linear_state(B, H, D, M, acc, normalizer=False)
+    else:
+        check_linear_state(initial_state, (B, H, D, M), normalize=False, name=name)
+        acc = jnp.promote_types(acc, initial_state.s_BHFM.dtype)
+    s0_BHDM = initial_state.s_BHFM.astype(acc)
+    if T == 0:
+        out = jnp.zeros((B, 0, H, M), v_BTHM.dtype)
+        return (out, LinearState(s0_BHDM, None)) if return_state else out
+
+    valid_BT, reset_BT = flags(T, key_lengths, segment_ids, axis=None)
+    q, k = (x.astype(acc) for x in (q_BTHD, k_BTHD))
+    if qk_l2norm:
+        q, k = l2_normalize(q).astype(acc), l2_normalize(k).astype(acc)
+    q = q * jnp.asarray(D**-0.5 if scale is None else scale, acc)
+    v, beta = v_BTHM.astype(acc), beta_BTH.astype(acc)
+    g = None if g_BTHX is None else prepare_log_decay(g_BTHX, valid_BT, acc)
+    if valid_BT is not None:  # A step that does not count writes nothing and keeps the state.
+        beta = jnp.where(valid_BT[:, :, None], beta, 0)
+        k = jnp.where(valid_BT[:, :, None, None], k, 0)
+        v = jnp.where(valid_BT[:, :, None, None], v, 0)
+    form = FORMS[implementation]
+    if implementation == "chunked":
+        form = functools.partial(
+            form, chunk_size=chunked.DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+        )
+    out, s_BHDM = form(q, k, v, beta, g, reset_BT, s0_BHDM)
+    if valid_BT is not None:  # A query that does not count sees nothing: 0, as in every kind.
+        out = jnp.where(valid_BT[:, :, None, None], out, 0)
+    out = out.astype(v_BTHM.dtype)
+    return (out, LinearState(s_BHDM, None)) if return_state else out
+
+
+def delta_rule_attention_step(
+    state: LinearState, q_BHD, k_BHD, v_BHM, beta_BH, *, log_decay=None, scale=None, qk_l2norm: bool = True
+):
+    """One step of `delta_rule_attention`: -> (state, out [B, H, M]). Inputs are [B, H, D] (values
+    [B, H, M]), beta [B, H]; `log_decay` is None, [H], [B, H] or [B, H, D]. The state keeps its
+    dtype, so it stays a valid `lax.scan` carry."""
+    name = "delta_rule_attention_step"
+    input_checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name=name)
+    B, H, D = q_BHD.shape
+    M = v_BHM.shape[-1]
+    check_linear_state(state, (B, H, D, M), normalize=False, name=name)
+    beta_BH = _check_beta(jnp.asarray(beta_BH)[:, None], (B, 1, H), name)[:, 0]
+    g = check_log_decay(log_decay, (B, 1, H, D), name=name, step=True)
+    acc = state.s_BHFM.dtype
+    q, k = (x.astype(acc) for x in (q_BHD, k_BHD))
+    if qk_l2norm:
+        q, k = l2_normalize(q).astype(acc), l2_normalize(k).astype(acc)
+    q = q * jnp.asarray(D**-0.5 if scale is None else scale, acc)
+    g_BHX = None if g is None else prepare_log_decay(g, None, acc)[:, 0]
+    s_BHDM, out_BHM = reference.step(state.s_BHFM, q, k, v_BHM.astype(acc), beta_BH.astype(acc), g_BHX)
+    return LinearState(s_BHDM, None), out_BHM.astype(v_BHM.dtype)
+
+
+def delta_rule_attention_prefill(state: LinearState, q_BTHD, k_BTHD, v_BTHM, beta_BTH, **kwargs):
+    """A block of T steps from `state` in parallel form: -> (state, out [B, T, H, M]), equal to T
+    calls of `delta_rule_attention_step`. `kwargs` are those of `delta_rule_attention` but
+    initial_state and return_state."""
+    out_BTHM, new_state = delta_rule_attention(
+        q_BTHD, k_BTHD, v_BTHM, beta_BTH, initial_state=state, return_state=True, **kwargs
+    )
+    return LinearState(new_state.s_BHFM.astype(state.s_BHFM.dtype), None), out_BTHM

@@ -1,0 +1,155 @@
+"""`ops.delta_rule_attention`: every form against an independent NumPy recurrence (FLA's
+`delta_rule_recurrence` written per step), values, final states and gradients, in float64, for
+each decay shape (DeltaNet, Gated DeltaNet, KDA), with packed segments, padding and an initial
+state; bad arguments named."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linear_transformers import ops
+
+B, T, H, D, M = 2, 13, 2, 4, 3
+FORMS = ["reference", "scan", "chunked"]
+DECAYS = ["none", "head", "step", "feature"]
+
+
+def _numpy_delta_rule(q, k, v, beta, g, ids, s0, scale):
+    """The recurrence as FLA's naive function writes it: S += k (beta (v - S^T k))^T, after the
+    decay; S dropped where the segment id changes; id 0 writes nothing and reads 0."""
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) * scale
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    out, s = np.zeros(v.shape), s0.copy()
+    for b in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            if ids[b, t] == 0:
+                continue
+            if t > 0 and ids[b, t] != ids[b, t - 1]:
+                s[b] = 0
+            if g is not None:
+                s[b] = np.exp(g[b, t])[..., None] * s[b]  # g [H, X]
+            for h in range(q.shape[2]):
+                correction = beta[b, t, h] * (v[b, t, h] - s[b, h].T @ k[b, t, h])
+                s[b, h] = s[b, h] + np.outer(k[b, t, h], correction)
+                out[b, t, h] = s[b, h].T @ q[b, t, h]
+    return out, s
+
+
+def _case(decay, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k = (rng.standard_normal((B, T, H, D)) for _ in range(2))
+    v = rng.standard_normal((B, T, H, M))
+    beta = rng.uniform(0, 2, (B, T, H))
+    shape = {"none": None, "head": (H,), "step": (B, T, H), "feature": (B, T, H, D)}[decay]
+    g = None if shape is None else -rng.uniform(0.01, 1.0, shape)
+    ids = np.array([[1] * 5 + [2] * 6 + [0] * 2, [3] * 2 + [4] * 11])
+    s0 = rng.standard_normal((B, H, D, M))
+    return q, k, v, beta, g, ids, s0
+
+
+def _per_step(g):
+    if g is None:
+        return None
+    g = np.broadcast_to(g, (B, T, H)) if g.ndim == 1 else g
+    return g if g.ndim == 4 else g[..., None]
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_is_the_recurrence(x64, form, decay):
+    q, k, v, beta, g, ids, s0 = _case(decay)
+    want, want_s = _numpy_delta_rule(q, k, v, beta, _per_step(g), ids, s0, D**-0.5)
+    got, state = ops.delta_rule_attention(
+        *(jnp.asarray(x) for x in (q, k, v, beta)),
+        log_decay=None if g is None else jnp.asarray(g),
+        implementation=form,
+        chunk_size=4,
+        initial_state=ops.LinearState(jnp.asarray(s0), None),
+        return_state=True,
+        segment_ids=jnp.asarray(ids),
+    )
+    chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-10)
+    # Row 0 ends in padding: its state is that of its last segment.
+    chex.assert_trees_all_close(state.s_BHFM, want_s, rtol=1e-10, atol=1e-10)
+    assert state.z_BHF is None
+
+
+@pytest.mark.parametrize("decay", ["none", "feature"])
+@pytest.mark.parametrize("form", ["scan", "chunked"])
+def test_gradients_equal_the_references(x64, form, decay):
+    q, k, v, beta, g, ids, s0 = (None if x is None else jnp.asarray(x) for x in _case(decay, seed=1))
+    lengths = jnp.array([11, 9])
+
+    def loss(q, k, v, beta, g, s0, implementation):
+        out, state = ops.delta_rule_attention(
+            q, k, v, beta, log_decay=g, implementation=implementation, chunk_size=4,
+            initial_state=ops.LinearState(s0, None), return_state=True, key_lengths=lengths,
+            segment_ids=ids,
+        )  # fmt: skip
+        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(state.s_BHFM))
+
+    argnums = (0, 1, 2, 3, 5) if g is None else (0, 1, 2, 3, 4, 5)
+    want = jax.grad(loss, argnums)(q, k, v, beta, g, s0, "reference")
+    got = jax.grad(loss, argnums)(q, k, v, beta, g, s0, form)
+    chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_the_chunked_form_holds_in_float32_over_many_chunks():
+    rng = np.random.default_rng(2)
+    q, k = (jnp.asarray(rng.standard_normal((1, 300, 2, 16)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, 300, 2, 16)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (1, 300, 2)), jnp.float32)
+    g = jnp.asarray(-rng.uniform(0, 0.2, (1, 300, 2)), jnp.float32)
+    ids = jnp.asarray(np.repeat(np.arange(1, 7), 50)[None])
+    with jax.default_matmul_precision("highest"):
+        want = ops.delta_rule_attention(q, k, v, beta, log_decay=g, implementation="scan", segment_ids=ids)
+        got = ops.delta_rule_attention(q, k, v, beta, log_decay=g, segment_ids=ids)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(beta=np.full((B, T, H), 2.5)), r"beta must be in \[0, 2\] .* got values in \[2.5, 2.5\]"),
+        (dict(beta=np.ones((B, T))), r"beta must be \[B, T, H\]=\[2, 13, 2\]"),
+        (dict(implementation="fast"), r"unknown implementation 'fast'"),
+        (dict(log_decay=np.full((H,), 0.5)), r"log_decay must be <= 0"),
+        (dict(initial_state=ops.init_linear_state(B, H, D, M)), r"initial_state shapes .* need .* z None"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    q, k, v = (jnp.ones((B, T, H, n)) for n in (D, D, M))
+    beta = jnp.asarray(kwargs.pop("beta", np.ones((B, T, H))))
+    kwargs = {key: jnp.asarray(x) if isinstance(x, np.ndarray) else x for key, x in kwargs.items()}
+    with pytest.raises(ValueError, match="delta_rule_attention: " + message):
+        ops.delta_rule_attention(q, k, v, beta, **kwargs)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_steps_and_a_prefill_continue_the_parallel_form(x64, decay):
+    q, k, v, beta, g, _, s0 = (None if x is None else jnp.asarray(x) for x in _case(decay, seed=3))
+    state0 = ops.LinearState(s0, None)
+    want, want_state = ops.delta_rule_attention(
+        q, k, v, beta, log_decay=g, initial_state=state0, return_state=True, chunk_size=4
+    )
+    split = 6
+    g_prefix = None if g is None or g.ndim == 1 else g[:, :split]
+    state, prefix = ops.delta_rule_attention_prefill(
+        state0,
+        q[:, :split],
+        k[:, :split],
+        v[:, :split],
+        beta[:, :split],
+        log_decay=g if g_prefix is None else g_prefix,
+    )
+    outs = [prefix]
+    for t in range(split, T):
+        g_t = None if g is None else (g if g.ndim == 1 else g[:, t])
+        state, out = ops.delta_rule_attention_step(
+            state, q[:, t], k[:, t], v[:, t], beta[:, t], log_decay=g_t
+        )
+        outs.append(out[:, None])
+    chex.assert_trees_all_close(jnp.concatenate(outs, 1), want, rtol=1e-10, atol=1e-10)
+    chex.assert_trees_all_close(state.s_BHFM, want_state.s_BHFM, rtol=1e-10, atol=1e-10)
