@@ -191,3 +191,18 @@ def call_over_sequence(
             jax.tree.map(lambda x, s=s: jax.sharding.reshard(x, s), a) for a, s in zip(present_args, in_specs)
         ]
     return jax.shard_map(inner, in_specs=in_specs, out_specs=out_specs)(*present_args)
+
+
+def vary_like(tree, *like):
+    """`tree` marked as varying over every manual mesh axis (inside `shard_map`) an array of
+    `like` varies over: a loop's carry keeps one type, and what the loop writes into it varies
+    wherever its inputs do. Outside `shard_map` it is `tree` unchanged."""
+    axes = frozenset()
+    for x in jax.tree.leaves(like):
+        axes |= jax.typeof(x).manual_axis_type.varying
+
+    def mark(x):
+        missing = axes - jax.typeof(x).manual_axis_type.varying
+        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+    return jax.tree.map(mark, tree)

@@ -183,3 +183,45 @@ def test_non_causal_linear_segments_over_devices_equal_one_device(x64, p):
             q, k, v
         )
     chex.assert_trees_all_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize(
+    "p,impl,decay", [(4, "chunked", "step"), (4, "chunked", "feature"), (8, "scan", None)]
+)
+def test_the_delta_rule_in_shard_map_equals_one_device(x64, p, impl, decay):
+    """Each device's block as an affine map of the state entering it, composed over devices:
+    segments across block boundaries, padding; gradients w.r.t. q, k, v, beta, the decays and
+    the initial state."""
+    q, k, v = (_randn(s, B, T, H, n) for s, n in ((31, D), (32, D), (33, M)))
+    beta = jnp.asarray(np.random.default_rng(34).uniform(0, 2, (B, T, H)))
+    g = None if decay is None else _decay(decay, 35)
+    s0 = _randn(36, B, H, D, M)
+    ids, lengths = jnp.asarray(SEGMENTS), jnp.asarray([T, 20], jnp.int32)
+    w, w_s = _randn(37, B, T, H, M), _randn(38, B, H, D, M)
+
+    def run(sequence_axis, q, k, v, beta, g, s0, ids, lengths):
+        out, final = ops.delta_rule_attention(
+            q, k, v, beta, log_decay=g, implementation=impl, chunk_size=4, return_state=True,
+            initial_state=ops.LinearState(s0, None), segment_ids=ids, key_lengths=lengths,
+            sequence_axis=sequence_axis,
+        )  # fmt: skip
+        return out, final.s_BHFM
+
+    split = jax.shard_map(
+        functools.partial(run, "seq"),
+        mesh=_mesh(p),
+        in_specs=(TIME, TIME, TIME, TIME, None if g is None else TIME, P(), TIME, P()),
+        out_specs=(TIME, P()),
+    )
+
+    def loss(fn):
+        def value(q, k, v, beta, g, s0):
+            out, final = fn(q, k, v, beta, g, s0, ids, lengths)
+            return jnp.sum(out * w) + jnp.sum(final * w_s), (out, final)
+
+        argnums = (0, 1, 2, 3, 5) if g is None else (0, 1, 2, 3, 4, 5)
+        return jit(jax.value_and_grad(value, argnums=argnums, has_aux=True))(q, k, v, beta, g, s0)
+
+    expected = loss(functools.partial(run, None))
+    got = loss(split)
+    chex.assert_trees_all_close(got, expected, **TOL)

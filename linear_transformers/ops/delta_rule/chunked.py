@@ -31,6 +31,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from linear_transformers.ops import sequence_parallel as sp
+
 DEFAULT_CHUNK_SIZE = 64
 
 
@@ -107,6 +109,6 @@ def form(
         return s_BHDM, out_BHCM
 
     xs = (U, W, P, q_decayed, k_to_end, chunk_decay, keeps)
-    s_BHDM, out_NBHCM = jax.lax.scan(body, s0_BHDM, xs)
+    s_BHDM, out_NBHCM = jax.lax.scan(body, sp.vary_like(s0_BHDM, xs), xs)
     out_BTHM = jnp.moveaxis(out_NBHCM, (0, 2), (1, 3)).reshape(B, N * C, H, -1)
     return out_BTHM[:, :T], s_BHDM

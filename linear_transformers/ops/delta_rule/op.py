@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linear_transformers.ops import input_checks
+from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.delta_rule import chunked, reference, scan
 from linear_transformers.ops.gated_linear.block import flags
 from linear_transformers.ops.gated_linear.inputs import check_linear_state, check_log_decay, prepare_log_decay
@@ -48,6 +49,56 @@ def _check_beta(beta, shape_BTH, name: str):
     return beta
 
 
+def _prepare(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, valid_BT, *, acc, qk_l2norm, scale):
+    """q, k normalised (if asked) and q scaled, all in `acc`; beta = 0, k = v = 0 and g = 0 where a
+    step does not count (`valid_BT` False), so it writes nothing and keeps the state."""
+    q, k = (x.astype(acc) for x in (q_BTHD, k_BTHD))
+    if qk_l2norm:
+        q, k = l2_normalize(q).astype(acc), l2_normalize(k).astype(acc)
+    q = q * jnp.asarray(scale, acc)
+    v, beta = v_BTHM.astype(acc), beta_BTH.astype(acc)
+    g = None if g_BTHX is None else prepare_log_decay(g_BTHX, valid_BT, acc)
+    if valid_BT is not None:
+        beta = jnp.where(valid_BT[:, :, None], beta, 0)
+        k = jnp.where(valid_BT[:, :, None, None], k, 0)
+        v = jnp.where(valid_BT[:, :, None, None], v, 0)
+    return q, k, v, beta, g
+
+
+def _attend_block(
+    q, k, v, beta, g, key_lengths_B, segment_ids_BT, s0_BHDM, *, axis, form, acc, qk_l2norm, scale
+):
+    """-> (out [B, T, H, M], the final state): the whole sequence (axis None), or this device's
+    block of a sequence split over `axis`."""
+    valid_BT, reset_BT = flags(q.shape[1], key_lengths_B, segment_ids_BT, axis=axis)
+    q, k, v, beta, g = _prepare(q, k, v, beta, g, valid_BT, acc=acc, qk_l2norm=qk_l2norm, scale=scale)
+    if axis is None:
+        out, final = form(q, k, v, beta, g, reset_BT, s0_BHDM)
+    else:
+        start, final = _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis)
+        out, _ = form(q, k, v, beta, g, reset_BT, start)
+    if valid_BT is not None:  # A query that does not count sees nothing: 0, as in every kind.
+        out = jnp.where(valid_BT[:, :, None, None], out, 0)
+    return out, final
+
+
+def _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis):
+    """The state this device's block starts from, and the global final state. The block maps the
+    state entering it to P S + Q: P from the steps with no values, entered with the identity;
+    Q from its values, entered with 0. The P devices' maps compose in order."""
+    B, _, H, D = k.shape
+    identity_BHDD = jnp.broadcast_to(jnp.eye(D, dtype=s0_BHDM.dtype), (B, H, D, D))
+    _, P_BHDD = form(q, k, jnp.zeros_like(k), beta, g, reset_BT, identity_BHDD)
+    _, Q_BHDM = form(q, k, v, beta, g, reset_BT, jnp.zeros_like(s0_BHDM))
+    maps = sp.gather_replicated((P_BHDD, Q_BHDM), axis)
+    index = jax.lax.axis_index(axis)
+    start = final = s0_BHDM
+    for p in range(sp.axis_size(axis)):
+        final = jnp.einsum("bhde,bhem->bhdm", maps[0][p], final) + maps[1][p]
+        start = jnp.where(p < index, final, start)
+    return start, final
+
+
 def delta_rule_attention(
     q_BTHD,
     k_BTHD,
@@ -63,6 +114,7 @@ def delta_rule_attention(
     return_state: bool = False,
     key_lengths=None,
     segment_ids=None,
+    sequence_axis: str | None = None,
 ):
     """Causal attention whose state is corrected, not only added to (the delta rule):
 
@@ -90,6 +142,11 @@ def delta_rule_attention(
       segment_ids: int [B, T] of packed sequences (0 = padding): the state is dropped where a
         segment begins, so no state crosses a boundary; the first step continues
         `initial_state`.
+      sequence_axis: a mesh axis to split time over (sequence parallelism, LASP-2 style): each
+        device summarises its block as the affine map S -> P S + Q its steps apply to the
+        state entering it (P [D, D], Q [D, M]), the devices gather the maps and compose those
+        before them, then run their block from that state. Equal to one device; every device
+        returns the global final state.
 
     Returns:
       out [B, T, H, M] in v's dtype, or (out, LinearState(s, None)) with `return_state`. The
@@ -119,25 +176,29 @@ def delta_rule_attention(
         out = jnp.zeros((B, 0, H, M), v_BTHM.dtype)
         return (out, LinearState(s0_BHDM, None)) if return_state else out
 
-    valid_BT, reset_BT = flags(T, key_lengths, segment_ids, axis=None)
-    q, k = (x.astype(acc) for x in (q_BTHD, k_BTHD))
-    if qk_l2norm:
-        q, k = l2_normalize(q).astype(acc), l2_normalize(k).astype(acc)
-    q = q * jnp.asarray(D**-0.5 if scale is None else scale, acc)
-    v, beta = v_BTHM.astype(acc), beta_BTH.astype(acc)
-    g = None if g_BTHX is None else prepare_log_decay(g_BTHX, valid_BT, acc)
-    if valid_BT is not None:  # A step that does not count writes nothing and keeps the state.
-        beta = jnp.where(valid_BT[:, :, None], beta, 0)
-        k = jnp.where(valid_BT[:, :, None, None], k, 0)
-        v = jnp.where(valid_BT[:, :, None, None], v, 0)
     form = FORMS[implementation]
     if implementation == "chunked":
         form = functools.partial(
             form, chunk_size=chunked.DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
         )
-    out, s_BHDM = form(q, k, v, beta, g, reset_BT, s0_BHDM)
-    if valid_BT is not None:  # A query that does not count sees nothing: 0, as in every kind.
-        out = jnp.where(valid_BT[:, :, None, None], out, 0)
+    scale = D**-0.5 if scale is None else scale
+    block = functools.partial(_attend_block, form=form, acc=acc, qk_l2norm=qk_l2norm, scale=scale)
+    args = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, key_lengths, segment_ids, s0_BHDM)
+    if sequence_axis is None:
+        sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BTHD, v_BTHM, name=name)
+    if sequence_axis is None:
+        out, s_BHDM = block(*args, axis=None)
+    else:
+        if not sp.is_manual(sequence_axis):
+            sp.check_sequence_axis(sequence_axis, T, name=name)
+        out, s_BHDM = sp.call_over_sequence(
+            functools.partial(block, axis=sequence_axis),
+            sequence_axis,
+            args,
+            (sp.TIME, sp.TIME, sp.TIME, sp.TIME, sp.TIME, sp.BATCH, sp.TIME, sp.BATCH),
+            (sp.TIME, sp.BATCH),
+            batch=B,
+        )
     out = out.astype(v_BTHM.dtype)
     return (out, LinearState(s_BHDM, None)) if return_state else out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.delta_rule import reference
 
 
@@ -17,5 +18,5 @@ def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM):
 
     inputs = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT)
     xs = tuple(None if x is None else jnp.swapaxes(x, 0, 1) for x in inputs)
-    s_BHDM, out_TBHM = jax.lax.scan(body, s0_BHDM, xs)
+    s_BHDM, out_TBHM = jax.lax.scan(body, sp.vary_like(s0_BHDM, xs), xs)
     return jnp.swapaxes(out_TBHM, 0, 1), s_BHDM
