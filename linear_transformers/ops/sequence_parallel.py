@@ -193,16 +193,25 @@ def call_over_sequence(
     return jax.shard_map(inner, in_specs=in_specs, out_specs=out_specs)(*present_args)
 
 
-def vary_like(tree, *like):
-    """`tree` marked as varying over every manual mesh axis (inside `shard_map`) an array of
-    `like` varies over: a loop's carry keeps one type, and what the loop writes into it varies
-    wherever its inputs do. Outside `shard_map` it is `tree` unchanged."""
+def varying_axes(*trees) -> frozenset:
+    """The manual mesh axes (inside `shard_map`) any array of `trees` varies over."""
     axes = frozenset()
-    for x in jax.tree.leaves(like):
+    for x in jax.tree.leaves(trees):
         axes |= jax.typeof(x).manual_axis_type.varying
+    return axes
+
+
+def vary(tree, axes: frozenset):
+    """`tree` marked as varying over `axes`: a loop's carry must keep one type, and what the
+    loop writes into it varies wherever its inputs do."""
 
     def mark(x):
         missing = axes - jax.typeof(x).manual_axis_type.varying
         return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
     return jax.tree.map(mark, tree)
+
+
+def vary_like(tree, *like):
+    """`vary(tree, varying_axes(*like))`; outside `shard_map`, `tree` unchanged."""
+    return vary(tree, varying_axes(*like))

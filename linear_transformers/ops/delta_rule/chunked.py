@@ -42,22 +42,31 @@ def _chunks(x_BTHX, N: int, C: int):
     return jnp.moveaxis(x_BTHX.reshape(B, N, C, H, *x_BTHX.shape[3:]), (1, 3), (0, 2))
 
 
-def _pair_products(a_xCD, k_xCD, G_xCX, runs_xC, *, inclusive: bool):
-    """[..., i, j] = a_i . (exp(G_i - G_j) k_j) for j < i (j <= i if `inclusive`) in the same run,
-    else 0."""
-    C = a_xCD.shape[-2]
-    mask = jnp.tril(jnp.ones((C, C), bool), k=0 if inclusive else -1)
+def _pair_decays(G_xCX, runs_xC, C: int):
+    """(mask [.., C, C], decays): the pairs (i, j <= i) of one run of a chunk, and exp(G_i - G_j)
+    for them ([..., C, C], or [..., C, C, D] per key feature; None without decays)."""
+    mask = jnp.tril(jnp.ones((C, C), bool))
     if runs_xC is not None:
         mask = mask & (runs_xC[..., :, None] == runs_xC[..., None, :])
     if G_xCX is None:
-        return jnp.where(mask, jnp.einsum("...id,...jd->...ij", a_xCD, k_xCD), 0)
+        return mask, None
     if G_xCX.shape[-1] == 1:
-        exponent = G_xCX[..., :, None, 0] - G_xCX[..., None, :, 0]
-        decay = jnp.exp(jnp.where(mask, exponent, 0))
-        return jnp.where(mask, decay * jnp.einsum("...id,...jd->...ij", a_xCD, k_xCD), 0)
-    exponent = G_xCX[..., :, None, :] - G_xCX[..., None, :, :]  # [..., C, C, D]
-    decay = jnp.exp(jnp.where(mask[..., None], exponent, 0))
-    return jnp.where(mask, jnp.einsum("...id,...ijd,...jd->...ij", a_xCD, decay, k_xCD), 0)
+        return mask, jnp.exp(jnp.where(mask, G_xCX[..., :, None, 0] - G_xCX[..., None, :, 0], 0))
+    exponent = G_xCX[..., :, None, :] - G_xCX[..., None, :, :]
+    return mask, jnp.exp(jnp.where(mask[..., None], exponent, 0))
+
+
+def _pair_products(a_xCD, k_xCD, mask, decays, *, strict: bool):
+    """[..., i, j] = a_i . (exp(G_i - G_j) k_j) for the pairs of `mask` (j < i if `strict`), else 0."""
+    if strict:
+        mask = mask & ~jnp.eye(mask.shape[-1], dtype=bool)
+    if decays is None:
+        products = jnp.einsum("...id,...jd->...ij", a_xCD, k_xCD)
+    elif decays.ndim == a_xCD.ndim:  # [..., C, C]: one decay per pair
+        products = decays * jnp.einsum("...id,...jd->...ij", a_xCD, k_xCD)
+    else:
+        products = jnp.einsum("...id,...ijd,...jd->...ij", a_xCD, decays, k_xCD)
+    return jnp.where(mask, products, 0)
 
 
 def form(
@@ -81,7 +90,8 @@ def form(
         runs = jnp.cumsum(_chunks(reset_BT[:, :, None, None], N, C)[..., 0].astype(jnp.int32), axis=-1)
 
     eye = jnp.eye(C, dtype=q.dtype)
-    A = beta * _pair_products(k, k, G, runs, inclusive=False)
+    mask, decays = _pair_decays(G, runs, C)  # Shared by A and P.
+    A = beta * _pair_products(k, k, mask, decays, strict=True)
     k_decayed = k if G is None else jnp.exp(G) * k
     q_decayed = q if G is None else jnp.exp(G) * q
     k_to_end = k if G is None else jnp.exp(G[..., -1:, :] - G) * k
@@ -94,7 +104,7 @@ def form(
     rhs = beta * jnp.concatenate([v, k_decayed], axis=-1)
     UW = jax.lax.linalg.triangular_solve(eye + A, rhs, left_side=True, lower=True, unit_diagonal=True)
     U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
-    P = _pair_products(q, k, G, runs, inclusive=True)  # [N, B, H, C, C]
+    P = _pair_products(q, k, mask, decays, strict=False)  # [N, B, H, C, C]
     chunk_decay = None if G is None else jnp.exp(G[..., -1, :])[..., None]  # [N, B, H, X, 1]
 
     def body(s_BHDM, x):

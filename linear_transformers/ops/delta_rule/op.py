@@ -84,13 +84,13 @@ def _attend_block(
 
 def _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis):
     """The state this device's block starts from, and the global final state. The block maps the
-    state entering it to P S + Q: P from the steps with no values, entered with the identity;
-    Q from its values, entered with 0. The P devices' maps compose in order."""
+    state entering it to P S + Q, column by column alike: one run of the form on the columns
+    [I, 0] with values [0, v] leaves [P, Q]. The P devices' maps compose in order."""
     B, _, H, D = k.shape
     identity_BHDD = jnp.broadcast_to(jnp.eye(D, dtype=s0_BHDM.dtype), (B, H, D, D))
-    _, P_BHDD = form(q, k, jnp.zeros_like(k), beta, g, reset_BT, identity_BHDD)
-    _, Q_BHDM = form(q, k, v, beta, g, reset_BT, jnp.zeros_like(s0_BHDM))
-    maps = sp.gather_replicated((P_BHDD, Q_BHDM), axis)
+    entering = jnp.concatenate([identity_BHDD, jnp.zeros_like(s0_BHDM)], axis=-1)
+    _, PQ = form(q, k, jnp.concatenate([jnp.zeros_like(k), v], axis=-1), beta, g, reset_BT, entering)
+    maps = sp.gather_replicated((PQ[..., :D], PQ[..., D:]), axis)
     index = jax.lax.axis_index(axis)
     start = final = s0_BHDM
     for p in range(sp.axis_size(axis)):

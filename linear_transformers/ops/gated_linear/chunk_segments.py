@@ -33,28 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _varying_axes(*trees) -> frozenset:
-    """The manual mesh axes (inside `shard_map`) any array of `trees` varies over."""
-    axes = frozenset()
-    for x in jax.tree.leaves(trees):
-        axes |= jax.typeof(x).manual_axis_type.varying
-    return axes
-
-
-def _vary(tree, axes: frozenset):
-    """`tree` marked as varying over `axes`: a loop's carry must keep one type, and what the
-    loop writes into it varies wherever its inputs do."""
-
-    def mark(x):
-        missing = axes - jax.typeof(x).manual_axis_type.varying
-        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
-
-    return jax.tree.map(mark, tree)
+from linear_transformers.ops import sequence_parallel as sp
 
 
 def _sum_over_added_axes(cotangent, primal):
-    """The cotangent of a value that `_vary` marked varying: summed over the axes it gained
+    """The cotangent of a value that `sp.vary` marked varying: summed over the axes it gained
     (the transpose of marking an invariant value varying is a sum over devices)."""
 
     def reduce(d, x):
@@ -82,8 +65,8 @@ def _forward_loop(segment_fn, consts, inputs, flags, carry, G: int, L: int, out_
         new_carry, out_segment = segment_fn(consts, carry, _segment(inputs, i, L), _segment(flags, i, L))
         return (new_carry, _write(out, i, out_segment, L)), carry
 
-    axes = _varying_axes(consts, inputs, flags, carry)
-    (carry, out), carries_in = jax.lax.scan(body, _vary((carry, jnp.zeros(*out_spec)), axes), jnp.arange(G))
+    axes = sp.varying_axes(consts, inputs, flags, carry)
+    (carry, out), carries_in = jax.lax.scan(body, sp.vary((carry, jnp.zeros(*out_spec)), axes), jnp.arange(G))
     return out, carry, carries_in
 
 
@@ -128,7 +111,7 @@ def _run_segments_bwd(segment_fn, G, L, out_spec, residuals, cotangents):
         return (d_carry_in, d_consts, d_inputs), None
 
     start = (d_final, jax.tree.map(jnp.zeros_like, consts), tuple(_zeros_like(x) for x in inputs))
-    start = _vary(start, _varying_axes(residuals, cotangents))
+    start = sp.vary(start, sp.varying_axes(residuals, cotangents))
     (d_carry, d_consts, d_inputs), _ = jax.lax.scan(body, start, jnp.arange(G), reverse=True)
     d_consts, d_inputs = _sum_over_added_axes((d_consts, d_inputs), (consts, inputs))
     d_carry = _sum_over_added_axes(d_carry, carry)
