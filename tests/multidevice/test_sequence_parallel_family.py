@@ -225,3 +225,36 @@ def test_the_delta_rule_in_shard_map_equals_one_device(x64, p, impl, decay):
     expected = loss(functools.partial(run, None))
     got = loss(split)
     chex.assert_trees_all_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "scan"])
+def test_delta_rule_non_finite_inputs_over_devices_reach_what_they_reach_on_one(x64, impl):
+    """A NaN decay in a segment that ends at a block boundary stays on its device, one in the
+    last segment reaches the final state; a NaN value reaches its column on the next device
+    through the state entering it (tests/ops/test_delta_nonfinite.py)."""
+    q, k, v = (np.array(_randn(s, B, T, H, n)) for s, n in ((41, D), (42, D), (43, M)))
+    beta = np.random.default_rng(44).uniform(0, 2, (B, T, H))
+    g = np.array(_decay("step", 45))
+    g[0, 3, 0], g[1, 8, 1], g[1, 20, 0] = np.nan, -np.inf, np.nan
+    v[0, 15, 1, 2] = np.nan  # Segment 3 runs over devices 2 and 3 (blocks of 6).
+    ids = jnp.asarray(SEGMENTS)
+
+    def run(sequence_axis, q, k, v, beta, g, ids):
+        out, final = ops.delta_rule_attention(
+            q, k, v, beta, log_decay=g, implementation=impl, chunk_size=4, return_state=True,
+            segment_ids=ids, sequence_axis=sequence_axis,
+        )  # fmt: skip
+        return out, final.s_BHFM
+
+    args = tuple(jnp.asarray(x) for x in (q, k, v, beta, g)) + (ids,)
+    expected = jit(functools.partial(run, None))(*args)
+    split = jax.shard_map(
+        functools.partial(run, "seq"), mesh=_mesh(4), in_specs=(TIME,) * 6, out_specs=(TIME, P())
+    )
+    got = jit(split)(*args)
+    for name, x, want in zip(("out", "s"), got, expected):
+        np.testing.assert_array_equal(np.isfinite(x), np.isfinite(want), err_msg=name)
+        chex.assert_trees_all_close(jnp.nan_to_num(x), jnp.nan_to_num(want), **TOL)
+    out = np.asarray(expected[0])
+    assert not np.isfinite(out[0, 3:6, 0]).any() and np.isfinite(out[0, 6:, 0]).all()
+    assert not np.isfinite(out[0, 15:22, 1, 2]).any() and np.isfinite(out[0, 15:22, 1, :2]).all()

@@ -153,3 +153,16 @@ def test_steps_and_a_prefill_continue_the_parallel_form(x64, decay):
         outs.append(out[:, None])
     chex.assert_trees_all_close(jnp.concatenate(outs, 1), want, rtol=1e-10, atol=1e-10)
     chex.assert_trees_all_close(state.s_BHFM, want_state.s_BHFM, rtol=1e-10, atol=1e-10)
+
+
+def test_the_unit_lower_inverse_is_the_inverse_with_its_gradient(x64):
+    """The chunk's (I + A)^-1 by substitution (not LAPACK's trsm, which can deadlock XLA's CPU
+    pool): the inverse of NumPy's, and a gradient equal to finite differences."""
+    from jax.test_util import check_grads
+
+    from linear_transformers.ops.delta_rule.triangular import unit_lower_inverse
+
+    a = np.random.default_rng(0).standard_normal((3, 2, 6, 6))
+    want = np.linalg.inv(np.eye(6) + np.tril(a, -1))
+    chex.assert_trees_all_close(unit_lower_inverse(jnp.asarray(a)), want, rtol=1e-12, atol=1e-12)
+    check_grads(unit_lower_inverse, (jnp.asarray(a),), order=1, modes=["rev"], eps=1e-6)

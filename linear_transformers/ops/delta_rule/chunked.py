@@ -12,18 +12,20 @@ decayed). Unrolling the recurrence of `reference.py`:
   u_i + beta_i sum_{j<i} k_i . (exp(G_i - G_j) k_j) u_j = beta_i (v_i - (exp(G_i) k_i)^T S)
 
 so (I + A) u = beta (V - (exp(G) K) S) with A strictly lower triangular. One unit-triangular
-solve per chunk, independent of S, gives U = (I + A)^-1 beta V and W = (I + A)^-1 beta exp(G) K
-for every chunk at once; the scan then needs only products:
+inverse per chunk (`triangular.py`), independent of S, gives U = (I + A)^-1 beta V and
+W = (I + A)^-1 beta exp(G) K for every chunk at once; the scan then needs only products:
 
   u = U - W S,   o_i = (exp(G_i) q_i)^T S + sum_{j<=i} q_i . (exp(G_i - G_j) k_j) u_j,
   S' = exp(G_C) S + sum_j (exp(G_C - G_j) k_j) u_j^T.
 
-Every exponent is a sum of log decays <= 0 over steps in order, so nothing overflows. A segment
-that begins inside a chunk (`reset`) is a mask, not a decay: steps interact only within one run
-of the chunk (the steps between two resets), only the first run reads S, and only the last run
-writes the next chunk's state (S itself only when no segment began), so no sum of log decays
-spans a reset. Per-feature decays (X = D) form the [C, C, D] pairwise decays of each chunk:
-exact, not yet the fast form.
+Every exponent is one sum of log decays <= 0 over consecutive steps (`totals.py`), never the
+difference of two running sums, so nothing overflows and a reset's floor (-1e4) loses nothing;
+the pairs' decayed products are the gated family's (`chunk_scores.py`: one matmul of rescaled
+q and k where a chunk's decays allow, every pair on its own where they are strong), so per-
+feature decays (X = D) never form a [C, C, D] tensor in the common case. A segment that begins
+inside a chunk (`reset`) is a mask, not a decay: steps interact only within one run of the
+chunk (the steps between two resets), only the first run reads S, and only the last run writes
+the next chunk's state (S itself only when no segment began).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from linear_transformers.ops import precision
 from linear_transformers.ops import sequence_parallel as sp
+from linear_transformers.ops.delta_rule import triangular
+from linear_transformers.ops.gated_linear import chunk_scores, totals
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -42,31 +47,15 @@ def _chunks(x_BTHX, N: int, C: int):
     return jnp.moveaxis(x_BTHX.reshape(B, N, C, H, *x_BTHX.shape[3:]), (1, 3), (0, 2))
 
 
-def _pair_decays(G_xCX, runs_xC, C: int):
-    """(mask [.., C, C], decays): the pairs (i, j <= i) of one run of a chunk, and exp(G_i - G_j)
-    for them ([..., C, C], or [..., C, C, D] per key feature; None without decays)."""
-    mask = jnp.tril(jnp.ones((C, C), bool))
-    if runs_xC is not None:
-        mask = mask & (runs_xC[..., :, None] == runs_xC[..., None, :])
-    if G_xCX is None:
-        return mask, None
-    if G_xCX.shape[-1] == 1:
-        return mask, jnp.exp(jnp.where(mask, G_xCX[..., :, None, 0] - G_xCX[..., None, :, 0], 0))
-    exponent = G_xCX[..., :, None, :] - G_xCX[..., None, :, :]
-    return mask, jnp.exp(jnp.where(mask[..., None], exponent, 0))
-
-
-def _pair_products(a_xCD, k_xCD, mask, decays, *, strict: bool):
-    """[..., i, j] = a_i . (exp(G_i - G_j) k_j) for the pairs of `mask` (j < i if `strict`), else 0."""
-    if strict:
-        mask = mask & ~jnp.eye(mask.shape[-1], dtype=bool)
-    if decays is None:
-        products = jnp.einsum("...id,...jd->...ij", a_xCD, k_xCD)
-    elif decays.ndim == a_xCD.ndim:  # [..., C, C]: one decay per pair
-        products = decays * jnp.einsum("...id,...jd->...ij", a_xCD, k_xCD)
-    else:
-        products = jnp.einsum("...id,...ijd,...jd->...ij", a_xCD, decays, k_xCD)
-    return jnp.where(mask, products, 0)
+def _scores(a_xCD, k_xCD, g_xCX, pair_decay_xCC, acc):
+    """[..., i, j] = a_i . (exp(G_i - G_j) k_j) for every pair (i, j) of a chunk, j > i included
+    (the caller masks them). Each exponent is one sum of same-sign log decays, never the
+    difference of two running sums: per head from `pair_decay_xCC`, per feature the gated
+    family's decayed scores (`chunk_scores.py`)."""
+    if g_xCX is not None and pair_decay_xCC is None:
+        return chunk_scores.decayed_scores(a_xCD, k_xCD, g_xCX, acc)
+    products = precision.einsum_in(acc, "...id,...jd->...ij", a_xCD, k_xCD)
+    return products if pair_decay_xCC is None else pair_decay_xCC * products
 
 
 def form(
@@ -84,17 +73,24 @@ def form(
         )
     q, k, v = (_chunks(x, N, C) for x in (q_BTHD, k_BTHD, v_BTHM))  # [N, B, H, C, D|M]
     beta = _chunks(beta_BTH[..., None], N, C)  # [N, B, H, C, 1]
-    G = None if g_BTHX is None else jnp.cumsum(_chunks(g_BTHX, N, C), axis=-2)  # [N, B, H, C, X]
+    g = None if g_BTHX is None else _chunks(g_BTHX, N, C)  # [N, B, H, C, X]
+    mask = jnp.tril(jnp.ones((C, C), bool))  # [C, C]: the pairs (i, j <= i) of one run.
     runs = None  # [N, B, 1, C]: the run of each step (0 before the chunk's first reset).
     if reset_BT is not None:
-        runs = jnp.cumsum(_chunks(reset_BT[:, :, None, None], N, C)[..., 0].astype(jnp.int32), axis=-1)
+        runs = totals.runs(_chunks(reset_BT[:, :, None, None], N, C)[..., 0])
+        mask = mask & (runs[..., :, None] == runs[..., None, :])
 
-    eye = jnp.eye(C, dtype=q.dtype)
-    mask, decays = _pair_decays(G, runs, C)  # Shared by A and P.
-    A = beta * _pair_products(k, k, mask, decays, strict=True)
-    k_decayed = k if G is None else jnp.exp(G) * k
-    q_decayed = q if G is None else jnp.exp(G) * q
-    k_to_end = k if G is None else jnp.exp(G[..., -1:, :] - G) * k
+    acc = q.dtype
+    pair_decay = None  # [N, B, H, C, C] per head: exp(G_i - G_j), shared by A and P.
+    if g is not None and g.shape[-1] == 1:
+        pair_decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=3)[..., 0], -jnp.inf))
+    A = beta * jnp.where(mask & ~jnp.eye(C, dtype=bool), _scores(k, k, g, pair_decay, acc), 0)
+    P = jnp.where(mask, _scores(q, k, g, pair_decay, acc), 0)  # [N, B, H, C, C]
+    k_decayed, q_decayed, k_to_end = k, q, k
+    if g is not None:  # exp(G_i) and exp(G_C - G_j), each from one sum of same-sign terms.
+        from_start = jnp.exp(totals.prefix_sum(g, axis=3))
+        k_decayed, q_decayed = from_start * k, from_start * q
+        k_to_end = jnp.exp(totals.suffix_sum(g, axis=3)) * k
     keeps = None  # [N, B, 1, 1, 1]: whether the chunk carries the state it entered with.
     if runs is not None:
         reads_state = (runs == 0)[..., None]
@@ -102,10 +98,9 @@ def form(
         k_to_end = jnp.where((runs == runs[..., -1:])[..., None], k_to_end, 0)
         keeps = (runs[..., -1] == 0)[..., None, None]
     rhs = beta * jnp.concatenate([v, k_decayed], axis=-1)
-    UW = jax.lax.linalg.triangular_solve(eye + A, rhs, left_side=True, lower=True, unit_diagonal=True)
+    UW = jnp.einsum("...ij,...jd->...id", triangular.unit_lower_inverse(A), rhs)
     U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
-    P = _pair_products(q, k, mask, decays, strict=False)  # [N, B, H, C, C]
-    chunk_decay = None if G is None else jnp.exp(G[..., -1, :])[..., None]  # [N, B, H, X, 1]
+    chunk_decay = None if g is None else jnp.exp(jnp.sum(g, axis=3))[..., None]  # [N, B, H, X, 1]
 
     def body(s_BHDM, x):
         U, W, P, q_decayed, k_to_end, chunk_decay, keeps = x

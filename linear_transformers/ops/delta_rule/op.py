@@ -15,12 +15,16 @@ import numpy as np
 
 from linear_transformers.ops import input_checks
 from linear_transformers.ops import sequence_parallel as sp
-from linear_transformers.ops.delta_rule import chunked, reference, scan
+from linear_transformers.ops.delta_rule import chunked, nonfinite, reference, scan
 from linear_transformers.ops.gated_linear.block import flags
 from linear_transformers.ops.gated_linear.inputs import check_linear_state, check_log_decay, prepare_log_decay
 from linear_transformers.ops.linear_state import LinearState, init_linear_state
 
-FORMS = {"reference": reference.form, "scan": scan.form, "chunked": chunked.form}
+# Every form carries the non-finite guard (`nonfinite.py`): one semantics whichever runs.
+FORMS = {
+    name: nonfinite.guarded(m.form)
+    for name, m in (("reference", reference), ("scan", scan), ("chunked", chunked))
+}
 L2_NORM_EPS = 1e-6  # FLA's: x / sqrt(sum x^2 + eps).
 
 
@@ -84,17 +88,21 @@ def _attend_block(
 
 def _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis):
     """The state this device's block starts from, and the global final state. The block maps the
-    state entering it to P S + Q, column by column alike: one run of the form on the columns
-    [I, 0] with values [0, v] leaves [P, Q]. The P devices' maps compose in order."""
+    state entering it to P S + Q (or to Q alone where a segment begins in it), column by column
+    alike: one run of the form on the columns [I, 0] with values [0, v] leaves [P, Q]. The P
+    devices' maps compose in order; a dropped state is dropped with `where`, so a NaN that an
+    earlier device's segment holds reaches no later segment."""
     B, _, H, D = k.shape
     identity_BHDD = jnp.broadcast_to(jnp.eye(D, dtype=s0_BHDM.dtype), (B, H, D, D))
     entering = jnp.concatenate([identity_BHDD, jnp.zeros_like(s0_BHDM)], axis=-1)
     _, PQ = form(q, k, jnp.concatenate([jnp.zeros_like(k), v], axis=-1), beta, g, reset_BT, entering)
-    maps = sp.gather_replicated((PQ[..., :D], PQ[..., D:]), axis)
+    dropped_B = jnp.zeros((B,), bool) if reset_BT is None else jnp.any(reset_BT, axis=1)
+    maps = sp.gather_replicated((PQ[..., :D], PQ[..., D:], dropped_B), axis)
     index = jax.lax.axis_index(axis)
     start = final = s0_BHDM
     for p in range(sp.axis_size(axis)):
-        final = jnp.einsum("bhde,bhem->bhdm", maps[0][p], final) + maps[1][p]
+        kept = jnp.where(maps[2][p][:, None, None, None], 0, jnp.einsum("bhde,bhem->bhdm", maps[0][p], final))
+        final = kept + maps[1][p]
         start = jnp.where(p < index, final, start)
     return start, final
 
@@ -128,7 +136,10 @@ def delta_rule_attention(
       beta_BTH: [B, T, H], in [0, 2]: how much of step t's value replaces what the state
         predicts for its key (checked when concrete).
       log_decay: g <= 0: None (DeltaNet), [H] or [B, T, H] (Gated DeltaNet: per head and step),
-        [B, T, H, D] (KDA: per key feature and step). -inf is a reset (a decay of 0).
+        [B, T, H, D] (KDA: per key feature and step). -inf is a reset (a decay of 0; per
+        feature, of its row). Non-finite inputs follow `nonfinite.py`: a NaN decay makes NaN
+        its head from its step to its segment's end, a non-finite value (or initial-state
+        entry) its column; nothing else, in values and gradients.
       scale: multiplies q (after the norm); default D**-0.5.
       qk_l2norm: L2-normalise q and k over D first (FLA's `use_qk_l2norm_in_kernel`; the delta
         rule is stable for ||k|| = 1 and beta in [0, 2]).

@@ -7,7 +7,7 @@ Legend: B batch, T time, H heads, D key features, M value features, X decay feat
   S_t = S_t + beta_t k_t (v_t - k_t^T S_t)^T           (the delta rule: S_t (I - beta k k^T) + beta k v^T)
   o_t = S_t^T q_t
 
-S is [D, M] per head; at a step where a segment begins (`reset`) S_{t-1} is dropped first.
+S is [D, M] per head; at a step where a segment begins (`reset`) the decayed S_{t-1} is dropped.
 Inputs are prepared (`op.py`): q scaled, q and k normalised if asked, beta = 0 and g = 0 at
 steps that do not count.
 """
@@ -19,10 +19,10 @@ import jax.numpy as jnp
 
 def step(s_BHDM, q_BHD, k_BHD, v_BHM, beta_BH, g_BHX, reset_B=None):
     """One step of the recurrence: -> (S_t, o_t)."""
-    if reset_B is not None:
-        s_BHDM = jnp.where(reset_B[:, None, None, None], 0, s_BHDM)
     if g_BHX is not None:
         s_BHDM = jnp.exp(g_BHX)[..., None] * s_BHDM
+    if reset_B is not None:  # After the decay, which decays only the state dropped here.
+        s_BHDM = jnp.where(reset_B[:, None, None, None], 0, s_BHDM)
     predicted_BHM = jnp.einsum("bhd,bhdm->bhm", k_BHD, s_BHDM)
     correction_BHM = beta_BH[..., None] * (v_BHM - predicted_BHM)
     s_BHDM = s_BHDM + jnp.einsum("bhd,bhm->bhdm", k_BHD, correction_BHM)
