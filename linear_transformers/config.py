@@ -50,10 +50,14 @@ def float_dtype(value, name: str, *, allow_none: bool = False):
 _DEFAULT_CROSS_KIND = {
     "causal-linear": ("linear", True),
     "reformer": ("softmax", False),
-    # The gated kinds decay along time, so they have no non-causal form: linear cross-attention.
+    # The gated and delta-rule kinds run along time, so they have no non-causal form: linear
+    # cross-attention.
     "retention": ("linear", False),
     "simple-gla": ("linear", False),
     "gla": ("linear", False),
+    "deltanet": ("linear", False),
+    "gated-deltanet": ("linear", False),
+    "kda": ("linear", False),
 }
 
 

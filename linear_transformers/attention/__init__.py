@@ -9,6 +9,7 @@ return-order rule and how a kind is added).
   gated.py      what the gated kinds share     (ops/gated_linear/)
   retention.py  "retention" (RetNet)
   gla.py        "simple-gla", "gla"
+  delta.py      "deltanet", "gated-deltanet", "kda"   (ops/delta_rule/)
 
 Importing the package registers every kind above.
 """
@@ -28,6 +29,15 @@ from linear_transformers.attention.base import (
     registered_attention_kinds,
     sequence_parallel_kinds,
     unregister_attention,
+)
+from linear_transformers.attention.delta import (
+    DeltaNet,
+    DeltaNetOptions,
+    DeltaRuleCore,
+    DeltaState,
+    GatedDeltaNet,
+    GatedDeltaNetOptions,
+    KimiDeltaAttention,
 )
 from linear_transformers.attention.gated import GatedLinearCore, GatedOptions, GatedState, HeadNorm
 from linear_transformers.attention.gla import GLA, GLAOptions, SimpleGLA, SimpleGLAOptions
@@ -57,6 +67,13 @@ __all__ = [
     "registered_attention_kinds",
     "sequence_parallel_kinds",
     "unregister_attention",
+    "DeltaNet",
+    "DeltaNetOptions",
+    "DeltaRuleCore",
+    "DeltaState",
+    "GatedDeltaNet",
+    "GatedDeltaNetOptions",
+    "KimiDeltaAttention",
     "GatedLinearCore",
     "GatedOptions",
     "GatedState",

@@ -57,6 +57,11 @@ from linear_transformers.ops.lsh import (
     lsh_rotations,
 )
 from linear_transformers.ops.rotary import rotary_embedding
+from linear_transformers.ops.short_convolution import (
+    init_short_convolution_state,
+    short_convolution,
+    short_convolution_step,
+)
 from linear_transformers.ops.softmax import (
     softmax_attention,
     softmax_attention_reference,
@@ -108,6 +113,9 @@ __all__ = [
     "lsh_hashes",
     "lsh_rotations",
     "rotary_embedding",
+    "init_short_convolution_state",
+    "short_convolution",
+    "short_convolution_step",
 ]
 
 # The old name of LINEAR_IMPLEMENTATIONS, until the next release.
