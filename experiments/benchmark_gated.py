@@ -10,7 +10,9 @@ a decay per head [H], per head and step [B, N, H], or per key feature and step [
 "reference" is the dense form, run where it fits in memory). Forward and forward+backward
 (gradients of q, k, v and the log decay), median of repeats, compile excluded; every time is also
 given over the baseline's in the same run, against the goal that a decay costs at most 1.3x plain
-causal linear forward+backward.
+causal linear forward+backward. And the delta rule (`ops.delta_rule_attention`) in its
+chunked form and its scan for decays none, step and feature (--delta_decays, --delta_impls),
+against the goals chunked >= 5x faster than the scan and <= 2.5x the gated chunked form.
 """
 
 from absl import app

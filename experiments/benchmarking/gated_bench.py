@@ -13,7 +13,11 @@ baseline every ratio is taken against) and "gated-{decay}/{impl}" with decay
   feature  [B, N, H, D], per key feature and step (GLA)
 
 and impl "chunked" (the op's default) or "reference" (the dense [N, N] form; [N, N, D]
-with per-feature decays), which runs only where XLA's peak memory for it fits the budget.
+with per-feature decays), which runs only where XLA's peak memory for it fits the budget; and
+"delta-{decay}/{impl}", the delta rule (`ops.delta_rule_attention`: DeltaNet, Gated DeltaNet,
+KDA for decays none, step, feature) in its chunked form and its scan (one step at a time), with
+beta = sigmoid of standard normal logits; its goals: chunked >= DELTA_GOAL_OVER_SCAN x faster
+than the scan, and <= DELTA_GOAL_OVER_GATED x the gated chunked form of the same decay.
 Forward+backward is the VJP with respect to q, k, v and the log decay. Log decays are
 `log_sigmoid(logits + decay_logit_bias)` of standard normal logits, in float32 (the op
 accumulates decays in float32 whatever the input dtype): with the default bias of 3 a step
@@ -44,6 +48,9 @@ DTYPES = ("float32", "bfloat16")
 GOAL_RATIO = 1.3
 GOAL_PASS = "forward+backward"
 GOAL_DECAYS = ("head", "step", "feature")
+DELTA_IMPLS = ("chunked", "scan")
+DELTA_GOAL_OVER_SCAN = 5.0
+DELTA_GOAL_OVER_GATED = 2.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +64,8 @@ class GatedBenchOptions(attention_bench.SweepOptions):
     impls: Forms of the gated op: chunked, reference (dense; "quadratic" is its old name).
     chunk_size: Chunk length of the chunked forms (default: the op's, 64).
     decay_logit_bias: Log decays = log_sigmoid(normal logits + this); 3: ~0.95 kept per step.
+    delta_decays: Log decay shapes of the delta-rule cases (none: no delta-rule case).
+    delta_impls: Forms of the delta rule: chunked, scan.
     """
 
     lengths: tuple[int, ...] = (4096, 16384)
@@ -66,6 +75,8 @@ class GatedBenchOptions(attention_bench.SweepOptions):
     impls: tuple[str, ...] = IMPLS
     chunk_size: int | None = None
     decay_logit_bias: float = 3.0
+    delta_decays: tuple[str, ...] = ("none", "step", "feature")
+    delta_impls: tuple[str, ...] = DELTA_IMPLS
 
     def __post_init__(self):
         super().__post_init__()
@@ -75,6 +86,8 @@ class GatedBenchOptions(attention_bench.SweepOptions):
             object.__setattr__(self, "impls", impls)
         measure.check_known("decay", self.decays, DECAYS)
         measure.check_known("impl", self.impls, IMPLS)
+        measure.check_known("delta decay", self.delta_decays, DECAYS)
+        measure.check_known("delta impl", self.delta_impls, DELTA_IMPLS)
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {DTYPES}.")
         if self.batch is not None and self.batch < 1:
@@ -86,8 +99,12 @@ class GatedBenchOptions(attention_bench.SweepOptions):
         return self.batch or max(1, self.tokens // n)
 
     def kinds(self) -> tuple[str, ...]:
-        """The baseline first, then every decay in the chunked form, then the references."""
-        return (BASELINE,) + tuple(f"gated-{d}/{i}" for i in self.impls for d in self.decays)
+        """The baseline first, then every decay in the chunked form, then the references, then
+        the delta rule's cases."""
+        gated = tuple(f"gated-{d}/{i}" for i in self.impls for d in self.decays)
+        return (
+            (BASELINE,) + gated + tuple(f"delta-{d}/{i}" for i in self.delta_impls for d in self.delta_decays)
+        )
 
 
 def parse_kind(kind: str) -> tuple[str | None, str]:
@@ -95,27 +112,40 @@ def parse_kind(kind: str) -> tuple[str | None, str]:
     if kind == BASELINE:
         return None, "chunked"
     head, _, impl = kind.partition("/")
-    decay = head.removeprefix("gated-")
-    if not head.startswith("gated-") or decay not in DECAYS or impl not in IMPLS:
+    family, _, decay = head.partition("-")
+    impls = {"gated": IMPLS, "delta": DELTA_IMPLS}.get(family, ())
+    if decay not in DECAYS or impl not in impls:
         raise ValueError(f"unknown gated benchmark kind {kind!r}.")
     return decay, impl
 
 
+def is_delta(kind: str) -> bool:
+    return kind.startswith("delta-")
+
+
 def chunk_size_used(kind: str, chunk_size: int | None) -> int | None:
-    """The chunk length a kind runs with (None for the dense reference)."""
+    """The chunk length a kind runs with (None for the dense reference and the scan)."""
     if parse_kind(kind)[1] != "chunked":
         return None
     return chunk_size or ops.DEFAULT_CHUNK_SIZE
 
 
 def attention_fn(kind: str, chunk_size: int | None):
-    """(q, k, v[, log_decay]) -> out for one kind (chunk_size None: the op's default)."""
+    """(q, k, v[, beta][, log_decay]) -> out for one kind (chunk_size None: the op's default)."""
     decay, impl = parse_kind(kind)
+    chunk = chunk_size if impl == "chunked" else None
+    if is_delta(kind):
+        if decay == "none":
+            return lambda q, k, v, beta: ops.delta_rule_attention(
+                q, k, v, beta, implementation=impl, chunk_size=chunk
+            )
+        return lambda q, k, v, beta, g: ops.delta_rule_attention(
+            q, k, v, beta, log_decay=g, implementation=impl, chunk_size=chunk
+        )
     if decay is None:
         return lambda q, k, v: ops.causal_linear_attention(
             q, k, v, implementation="chunked", chunk_size=chunk_size
         )
-    chunk = chunk_size if impl == "chunked" else None
     if decay == "none":
         return lambda q, k, v: ops.gated_linear_attention(q, k, v, implementation=impl, chunk_size=chunk)
     return lambda q, k, v, g: ops.gated_linear_attention(
@@ -124,22 +154,28 @@ def attention_fn(kind: str, chunk_size: int | None):
 
 
 def input_specs(opts: GatedBenchOptions, kind: str, batch: int, n: int) -> list[jax.ShapeDtypeStruct]:
-    """Shapes of (q, k, v[, log_decay], output cotangent) for one case."""
+    """Shapes of (q, k, v[, beta][, log_decay], output cotangent) for one case."""
     shape = {
         "head": (opts.heads,),
         "step": (batch, n, opts.heads),
         "feature": (batch, n, opts.heads, opts.head_dim),
     }.get(parse_kind(kind)[0])
+    beta = [jax.ShapeDtypeStruct((batch, n, opts.heads), jnp.float32)] if is_delta(kind) else []
     decay = [jax.ShapeDtypeStruct(shape, jnp.float32)] if shape else []
-    return attention_bench.input_specs(opts, batch, n, *decay)
+    return attention_bench.input_specs(opts, batch, n, *beta, *decay)
 
 
 def random_inputs(opts: GatedBenchOptions, kind: str, batch: int, n: int):
     """Random inputs of `input_specs`, from opts.seed; the log decay is log_sigmoid of
-    standard normal logits shifted by opts.decay_logit_bias (every value < 0)."""
+    standard normal logits shifted by opts.decay_logit_bias (every value < 0), beta the
+    sigmoid of standard normal logits."""
     out = list(attention_bench.normal_inputs(input_specs(opts, kind, batch, n), opts.seed))
-    if len(out) == 5:
-        out[3] = jax.nn.log_sigmoid(out[3] + opts.decay_logit_bias)
+    first = 3
+    if is_delta(kind):
+        out[3] = jax.nn.sigmoid(out[3])
+        first = 4
+    if len(out) == first + 2:
+        out[first] = jax.nn.log_sigmoid(out[first] + opts.decay_logit_bias)
     return tuple(out)
 
 
@@ -149,7 +185,11 @@ def run_case(
     """One (kind, pass, N) case (`attention_bench.time_case`)."""
     batch = opts.batch_for(n)
     decay, impl = parse_kind(kind)
-    labels = {"decay": decay or "none (normalised, elu)", "impl": impl}
+    labels = {
+        "decay": decay or "none (normalised, elu)",
+        "impl": impl,
+        "op": "delta" if is_delta(kind) else "gated",
+    }
     chunk = chunk_size_used(kind, opts.chunk_size)
     row = attention_bench.case_row(opts, kind, pass_, n, batch, chunk, labels, per_sample_peak=False)
     fn = attention_bench.pass_fn(attention_fn(kind, opts.chunk_size), pass_)
@@ -180,7 +220,7 @@ def goal_checks(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
         decay, impl = parse_kind(r["kind"])
-        if decay in GOAL_DECAYS and impl == "chunked" and r["pass"] == GOAL_PASS:
+        if not is_delta(r["kind"]) and decay in GOAL_DECAYS and impl == "chunked" and r["pass"] == GOAL_PASS:
             ratio = r["vs_causal_linear"]
             verdict = "not run" if math.isnan(ratio) else ("met" if ratio <= GOAL_RATIO else "missed")
             out.append({"n": r["n"], "decay": decay, "vs_causal_linear": ratio, "goal": verdict})
@@ -200,9 +240,31 @@ def ratio_table(rows: list[dict]) -> list[dict]:
     return out
 
 
+def delta_checks(rows: list[dict]) -> list[dict]:
+    """The delta rule's goals per decay and N (forward+backward, same run): its chunked form
+    over its scan, and over the gated chunked form of the same decay."""
+    times = {(r["kind"], r["n"]): r["time_ms"] for r in rows if r["pass"] == GOAL_PASS}
+    out = []
+    for r in rows:
+        decay, impl = parse_kind(r["kind"])
+        if is_delta(r["kind"]) and impl == "chunked" and r["pass"] == GOAL_PASS:
+            scan = times.get((f"delta-{decay}/scan", r["n"]), math.nan) / r["time_ms"]
+            gated = r["time_ms"] / times.get((f"gated-{decay}/chunked", r["n"]), math.nan)
+            verdicts = [
+                "not run" if math.isnan(x) else ("met" if ok else "missed")
+                for x, ok in ((scan, scan >= DELTA_GOAL_OVER_SCAN), (gated, gated <= DELTA_GOAL_OVER_GATED))
+            ]
+            out.append(
+                {"n": r["n"], "decay": decay, "delta chunked ms": r["time_ms"], "scan / chunked": scan,
+                 "scan goal": verdicts[0], "chunked / gated": gated, "gated goal": verdicts[1]}
+            )  # fmt: skip
+    return out
+
+
 def summarize(opts: GatedBenchOptions, rows: list[dict], machine: dict) -> report.Report:
     goals = goal_checks(rows)
     ratios = ratio_table(rows)
+    deltas = delta_checks(rows)
     batch = f"B={opts.batch}" if opts.batch else f"B=max(1, {opts.tokens}/N)"
     goal = f"goal: a decay costs at most {GOAL_RATIO}x plain causal linear {GOAL_PASS} (chunked, same run)"
     return report.Report(
@@ -211,9 +273,15 @@ def summarize(opts: GatedBenchOptions, rows: list[dict], machine: dict) -> repor
         tables=[
             report.Table(ratios, f"time / time({BASELINE}), same run ({BASELINE} in ms)"),
             report.Table(goals, goal),
+            report.Table(
+                deltas,
+                f"delta rule, {GOAL_PASS}: chunked >= {DELTA_GOAL_OVER_SCAN}x faster than its scan, "
+                f"<= {DELTA_GOAL_OVER_GATED}x the gated chunked form (same decay, same run)",
+            ),
         ],
         extra={
             "ratios": ratios,
+            "delta": deltas,
             "goal": {"ratio": GOAL_RATIO, "pass": GOAL_PASS, "baseline": BASELINE, "checks": goals},
         },
         panels=attention_bench.per_sample_panels(rows, opts.passes, memory=False),

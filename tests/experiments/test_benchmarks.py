@@ -506,6 +506,30 @@ def test_gated_ratios_and_goal_come_from_the_same_run():
         gated_bench.GatedBenchOptions(dtype="float16")
 
 
+def test_delta_cases_time_the_delta_rule_against_its_scan_and_the_gated_form():
+    opts = gated_bench.GatedBenchOptions(heads=2, head_dim=8, value_dim=8)
+    q, k, v, beta, g, _ = gated_bench.random_inputs(opts, "delta-feature/chunked", 2, 37)
+    assert beta.shape == (2, 37, 2) and float(beta.min()) > 0 and float(beta.max()) < 1
+    assert g.shape == (2, 37, 2, 8) and float(g.max()) < 0
+    chunked = jax.jit(gated_bench.attention_fn("delta-feature/chunked", None))(q, k, v, beta, g)
+    scan = jax.jit(gated_bench.attention_fn("delta-feature/scan", None))(q, k, v, beta, g)
+    np.testing.assert_allclose(chunked, scan, atol=1e-5, rtol=1e-4)
+    assert gated_bench.chunk_size_used("delta-step/scan", 32) is None
+
+    def row(kind, time_ms):
+        return {"kind": kind, "pass": "forward+backward", "n": 64, "time_ms": time_ms, "status": "ok"}
+
+    rows = [row("gated-step/chunked", 10.0), row("delta-step/chunked", 20.0), row("delta-step/scan", 80.0)]
+    rows.append(row("delta-none/chunked", 30.0))  # no scan, no gated case: not run
+    checks = gated_bench.delta_checks(rows)
+    assert [
+        (c["scan / chunked"], c["scan goal"], c["chunked / gated"], c["gated goal"]) for c in checks[:1]
+    ] == [(4.0, "missed", 2.0, "met")]
+    assert (checks[1]["scan goal"], checks[1]["gated goal"]) == ("not run", "not run")
+    with pytest.raises(ValueError, match="unknown delta impl 'reference'"):
+        gated_bench.GatedBenchOptions(delta_impls=("reference",))
+
+
 def test_benchmark_gated_script_smoke(tmp_path):
     out, stdout = _run_script(
         "benchmark_gated",
@@ -516,23 +540,28 @@ def test_benchmark_gated_script_smoke(tmp_path):
         "--value_dim=8",
         "--decays=step",
         "--impls=chunked",
+        "--delta_decays=step",
+        "--delta_impls=chunked",
         "--passes=forward+backward",
         "--min_seconds=0",
         tmp_path=tmp_path,
     )
-    assert "goal: a decay costs at most 1.3x" in stdout
+    assert "goal: a decay costs at most 1.3x" in stdout and "delta rule, forward+backward" in stdout
     assert {p.name for p in out.iterdir()} == {"gated.csv", "gated.json", "gated.png"}
     with open(out / "gated.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["n"], r["kind"]) for r in rows] == [
-        (n, kind) for n in ("64", "128") for kind in ("causal-linear/chunked", "gated-step/chunked")
+        (n, kind)
+        for n in ("64", "128")
+        for kind in ("causal-linear/chunked", "gated-step/chunked", "delta-step/chunked")
     ]
     assert all(
         r["status"] == "ok" and float(r["time_ms"]) > 0 and float(r["vs_causal_linear"]) > 0 for r in rows
     )
     saved = json.loads((out / "gated.json").read_text())
-    assert saved["machine"]["jax"] == jax.__version__ and len(saved["rows"]) == 4
+    assert saved["machine"]["jax"] == jax.__version__ and len(saved["rows"]) == 6
     assert [c["decay"] for c in saved["goal"]["checks"]] == ["step", "step"]
+    assert [(c["n"], c["scan goal"]) for c in saved["delta"]] == [(64, "not run"), (128, "not run")]
 
 
 # --- flags generated from an options dataclass --------------------------------------------------
