@@ -5,6 +5,7 @@
   copy              copy.py              the copy task, decoder-only or encoder-decoder
   progressions      progressions.py      the demo: arithmetic progressions, continued as an RNN
   speech            speech.py            speech recognition with CTC: phoneme error rate
+  mqar              mqar.py              multi-query associative recall (Zoology)
 
 Beside them, what only tasks use: `images.py` (PNG sample grids, for image generation and
 image_sampling.py) and `greedy_recompute.py` (greedy decoding of models without a recurrent
@@ -17,11 +18,12 @@ import ml_collections
 
 from experiments.tasks.copy import Copy
 from experiments.tasks.image_generation import ImageGeneration
+from experiments.tasks.mqar import Mqar
 from experiments.tasks.progressions import Progressions
 from experiments.tasks.speech import Speech
 from experiments.training import trainer
 
-TASKS = {task.name: task for task in (ImageGeneration, Copy, Progressions, Speech)}
+TASKS = {task.name: task for task in (ImageGeneration, Copy, Progressions, Speech, Mqar)}
 
 
 def task_class(config: ml_collections.ConfigDict) -> type[trainer.Task]:
