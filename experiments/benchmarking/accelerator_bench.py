@@ -15,7 +15,8 @@ part by the benchmark module that already measures it on the CPU:
               layer (linear_transformers/layer_stack.py) keeps it flat in the depth.
   chunk_size  attention_bench's chunked form at one length, float32 and bf16, C = 32 .. 256.
   prefill     prefill_bench: a prompt read in one parallel pass vs token by token.
-  gated       gated_bench: the decayed kinds against plain causal linear, bf16.
+  gated       gated_bench: the decayed kinds against plain causal linear, and the delta rule
+              per step (chunked and as a scan), bf16.
 
 Every part has a time budget and the whole run a limit (`max_minutes`): a part stops starting
 cases once its budget is spent (a case in flight finishes: a running XLA call cannot be
@@ -129,7 +130,10 @@ def _sizes(name: str) -> Sizes:
         # Image completion compiles two 8-layer samplers per case (~a minute in all): the
         # MNIST model's speed is the generation part's.
         prefill=prefill_bench.PrefillBenchOptions(batches=(1,), image_arch="", min_seconds=0.5),
-        gated=gated_bench.GatedBenchOptions(batch=8, dtype="bfloat16", impls=("chunked",)),
+        # The delta rule with a decay per step (Gated DeltaNet), chunked and as a scan.
+        gated=gated_bench.GatedBenchOptions(
+            batch=8, dtype="bfloat16", impls=("chunked",), delta_decays=("step",)
+        ),
         # 510 s in all (max_minutes 8.5): with JAX's start and a last case running over, the
         # run fits a 10-minute device command.
         budgets_s=tuple(zip(PARTS, (100.0, 140.0, 80.0, 80.0, 60.0, 70.0, 60.0))),
@@ -174,7 +178,7 @@ def _tiny_sizes() -> Sizes:
             **quick,
         ),
         gated=gated_bench.GatedBenchOptions(
-            lengths=(64,), batch=2, decays=("step",), impls=("chunked",), **small, **quick
+            lengths=(64,), batch=2, decays=("step",), impls=("chunked",), delta_decays=(), **small, **quick
         ),
         budgets_s=tuple((part, 120.0) for part in PARTS),
     )
