@@ -260,8 +260,14 @@ def test_a_sigint_during_a_save_outside_training_lets_it_finish_then_raises(tmp_
         wait()
 
     monkeypatch.setattr(manager, "wait_until_finished", signal_then_wait)
-    with pytest.raises(KeyboardInterrupt):
-        checkpointer.save(1, state)
+    # Python's usual Ctrl-C whatever this process inherited: a background job of a shell
+    # without job control starts with SIGINT ignored, and Python then keeps it ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpointer.save(1, state)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert sent == [True], "the SIGINT was not sent during the save"
     assert checkpointer.all_steps() == [1]
     checkpointer.verify(1)
