@@ -109,6 +109,28 @@ def test_the_chunked_form_holds_in_float32_over_many_chunks():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("decay", ["none", "step", "feature"])
+def test_the_chunked_backward_keeps_its_inputs_and_the_chunk_states_alone(decay):
+    """What `jax.vjp` keeps for the backward pass of the chunked form (float32, T = 256 in chunks
+    of 32, D = M = 4): the inputs and one [D, M] state per chunk and head. The scores, inverses,
+    U and W it recomputes are each a sequence-sized tensor or larger (kept, they were 19-34x the
+    inputs here)."""
+    rng = np.random.default_rng(3)
+    shape = (1, 256, 2, 4)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(3))
+    beta = jnp.asarray(rng.uniform(0, 1, shape[:3]), jnp.float32)
+    g = {"none": None, "step": -rng.uniform(0, 0.2, shape[:3]), "feature": -rng.uniform(0, 0.2, shape)}[decay]
+    inputs = (q, k, v, beta) + (() if g is None else (jnp.asarray(g, jnp.float32),))
+
+    def attention(q, k, v, beta, g=None):
+        return ops.delta_rule_attention(q, k, v, beta, log_decay=g, chunk_size=32)
+
+    _, backward = jax.vjp(attention, *inputs)
+    kept = sum(x.nbytes for x in jax.tree_util.tree_leaves(backward) if hasattr(x, "nbytes"))
+    chunk_states = (256 // 32) * 2 * 4 * 4 * 4  # N chunks x H x D x M floats.
+    assert kept <= sum(x.nbytes for x in inputs) + chunk_states + 1024, kept
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -155,14 +177,16 @@ def test_steps_and_a_prefill_continue_the_parallel_form(x64, decay):
     chex.assert_trees_all_close(state.s_BHFM, want_state.s_BHFM, rtol=1e-10, atol=1e-10)
 
 
-def test_the_unit_lower_inverse_is_the_inverse_with_its_gradient(x64):
-    """The chunk's (I + A)^-1 by substitution (not LAPACK's trsm, which can deadlock XLA's CPU
-    pool): the inverse of NumPy's, and a gradient equal to finite differences."""
+@pytest.mark.parametrize("size", [6, 37])
+def test_the_unit_lower_inverse_is_the_inverse_with_its_gradient(x64, size):
+    """The chunk's (I + A)^-1 by substitution in blocks (not LAPACK's trsm, which can deadlock
+    XLA's CPU pool): the inverse of NumPy's, and a gradient equal to finite differences. 37
+    steps: three blocks of 16 merged, the last one padded."""
     from jax.test_util import check_grads
 
     from linear_transformers.ops.delta_rule.triangular import unit_lower_inverse
 
-    a = np.random.default_rng(0).standard_normal((3, 2, 6, 6))
-    want = np.linalg.inv(np.eye(6) + np.tril(a, -1))
+    a = 0.3 * np.random.default_rng(size).standard_normal((2, size, size))
+    want = np.linalg.inv(np.eye(size) + np.tril(a, -1))
     chex.assert_trees_all_close(unit_lower_inverse(jnp.asarray(a)), want, rtol=1e-12, atol=1e-12)
     check_grads(unit_lower_inverse, (jnp.asarray(a),), order=1, modes=["rev"], eps=1e-6)

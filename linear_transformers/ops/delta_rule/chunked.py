@@ -1,8 +1,9 @@
 """The delta rule in chunks of C steps: the WY (UT) representation inside each chunk, one
 `lax.scan` over the chunks carrying the state.
 
-Legend: B batch, T time, H heads, D key features, M value features, X decay features (1 or D),
-N chunks, C steps per chunk (i, j: two steps of one chunk).
+Legend: B batch, T time, H heads, G = B * H (heads merged into the batch), D key features, M
+value features, X decay features (1 or D), N chunks, C steps per chunk (i, j: two steps of one
+chunk).
 
 Inside a chunk entered with state S, G_i = g_1 + ... + g_i (the log decays up to step i) and
 u_j = beta_j (v_j - k_j^T S~_j), the correction step j writes (S~_j: the state step j reads,
@@ -26,12 +27,19 @@ feature decays (X = D) never form a [C, C, D] tensor in the common case. A segme
 inside a chunk (`reset`) is a mask, not a decay: steps interact only within one run of the
 chunk (the steps between two resets), only the first run reads S, and only the last run writes
 the next chunk's state (S itself only when no segment began).
+
+Only the states run one chunk at a time: the scan gives each chunk the state it enters with and
+its corrections u, and the outputs are then one batched product over every chunk. Batch and
+heads are one axis G: XLA:CPU (jaxlib 0.10.2) runs a fused multiply-reduce, as the backward
+pass of a broadcast is, some 20x slower when its operand has a dimension of size 1, and B = 1
+is the common case.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from linear_transformers.ops import precision
 from linear_transformers.ops import sequence_parallel as sp
@@ -42,9 +50,10 @@ DEFAULT_CHUNK_SIZE = 64
 
 
 def _chunks(x_BTHX, N: int, C: int):
-    """[B, N*C, H, X] -> [N, B, H, C, X]."""
+    """[B, N*C, H, X] -> [N, G, C, X]."""
     B, _, H = x_BTHX.shape[:3]
-    return jnp.moveaxis(x_BTHX.reshape(B, N, C, H, *x_BTHX.shape[3:]), (1, 3), (0, 2))
+    x_BNCHX = x_BTHX.reshape(B, N, C, H, -1)
+    return jnp.moveaxis(x_BNCHX, (1, 3), (0, 2)).reshape(N, B * H, C, x_BNCHX.shape[-1])
 
 
 def _scores(a_xCD, k_xCD, g_xCX, pair_decay_xCC, acc):
@@ -56,6 +65,16 @@ def _scores(a_xCD, k_xCD, g_xCX, pair_decay_xCC, acc):
         return chunk_scores.decayed_scores(a_xCD, k_xCD, g_xCX, acc)
     products = precision.einsum_in(acc, "...id,...jd->...ij", a_xCD, k_xCD)
     return products if pair_decay_xCC is None else pair_decay_xCC * products
+
+
+CHUNK_STATES = "delta_rule_chunk_states"
+
+
+def keeping_chunk_states(f):
+    """`f` (which runs `form`) differentiated keeping only its inputs and the state each chunk
+    enters with ([N, G, D, M]: T / C states); the backward pass recomputes the rest, chunks in
+    parallel: the scores, inverses, U and W are C times larger than q, k and v together."""
+    return jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES))
 
 
 def form(
@@ -71,27 +90,28 @@ def form(
             None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
             for x in (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT)
         )
-    q, k, v = (_chunks(x, N, C) for x in (q_BTHD, k_BTHD, v_BTHM))  # [N, B, H, C, D|M]
-    beta = _chunks(beta_BTH[..., None], N, C)  # [N, B, H, C, 1]
-    g = None if g_BTHX is None else _chunks(g_BTHX, N, C)  # [N, B, H, C, X]
+    q, k, v = (_chunks(x, N, C) for x in (q_BTHD, k_BTHD, v_BTHM))  # [N, G, C, D|M]
+    beta = _chunks(beta_BTH[..., None], N, C)  # [N, G, C, 1]
+    g = None if g_BTHX is None else _chunks(g_BTHX, N, C)  # [N, G, C, X]
     mask = jnp.tril(jnp.ones((C, C), bool))  # [C, C]: the pairs (i, j <= i) of one run.
-    runs = None  # [N, B, 1, C]: the run of each step (0 before the chunk's first reset).
+    runs = None  # [N, G, C]: the run of each step (0 before the chunk's first reset).
     if reset_BT is not None:
-        runs = totals.runs(_chunks(reset_BT[:, :, None, None], N, C)[..., 0])
+        reset_BTH1 = jnp.broadcast_to(reset_BT[:, :, None, None], (B, N * C, H, 1))
+        runs = totals.runs(_chunks(reset_BTH1, N, C)[..., 0])
         mask = mask & (runs[..., :, None] == runs[..., None, :])
 
     acc = q.dtype
-    pair_decay = None  # [N, B, H, C, C] per head: exp(G_i - G_j), shared by A and P.
+    pair_decay = None  # [N, G, C, C] per head: exp(G_i - G_j), shared by A and P.
     if g is not None and g.shape[-1] == 1:
-        pair_decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=3)[..., 0], -jnp.inf))
+        pair_decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=2)[..., 0], -jnp.inf))
     A = beta * jnp.where(mask & ~jnp.eye(C, dtype=bool), _scores(k, k, g, pair_decay, acc), 0)
-    P = jnp.where(mask, _scores(q, k, g, pair_decay, acc), 0)  # [N, B, H, C, C]
+    P = jnp.where(mask, _scores(q, k, g, pair_decay, acc), 0)  # [N, G, C, C]
     k_decayed, q_decayed, k_to_end = k, q, k
     if g is not None:  # exp(G_i) and exp(G_C - G_j), each from one sum of same-sign terms.
-        from_start = jnp.exp(totals.prefix_sum(g, axis=3))
+        from_start = jnp.exp(totals.prefix_sum(g, axis=2))
         k_decayed, q_decayed = from_start * k, from_start * q
-        k_to_end = jnp.exp(totals.suffix_sum(g, axis=3)) * k
-    keeps = None  # [N, B, 1, 1, 1]: whether the chunk carries the state it entered with.
+        k_to_end = jnp.exp(totals.suffix_sum(g, axis=2)) * k
+    keeps = None  # [N, G, 1, 1]: whether the chunk carries the state it entered with.
     if runs is not None:
         reads_state = (runs == 0)[..., None]
         k_decayed, q_decayed = (jnp.where(reads_state, x, 0) for x in (k_decayed, q_decayed))
@@ -100,20 +120,24 @@ def form(
     rhs = beta * jnp.concatenate([v, k_decayed], axis=-1)
     UW = jnp.einsum("...ij,...jd->...id", triangular.unit_lower_inverse(A), rhs)
     U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
-    chunk_decay = None if g is None else jnp.exp(jnp.sum(g, axis=3))[..., None]  # [N, B, H, X, 1]
+    chunk_decay = None if g is None else jnp.exp(jnp.sum(g, axis=2))[..., None]  # [N, G, X, 1]
 
-    def body(s_BHDM, x):
-        U, W, P, q_decayed, k_to_end, chunk_decay, keeps = x
-        u_BHCM = U - jnp.einsum("bhcd,bhdm->bhcm", W, s_BHDM)
-        out_BHCM = jnp.einsum("bhcd,bhdm->bhcm", q_decayed, s_BHDM) + jnp.einsum("bhij,bhjm->bhim", P, u_BHCM)
+    def body(s_GDM, x):  # Only what the next chunk's state needs runs one chunk at a time.
+        U, W, k_to_end, chunk_decay, keeps = x
+        u_GCM = U - jnp.einsum("gcd,gdm->gcm", W, s_GDM)
+        entering_GDM = s_GDM
         if chunk_decay is not None:
-            s_BHDM = chunk_decay * s_BHDM
+            s_GDM = chunk_decay * s_GDM
         if keeps is not None:
-            s_BHDM = jnp.where(keeps, s_BHDM, 0)
-        s_BHDM = s_BHDM + jnp.einsum("bhcd,bhcm->bhdm", k_to_end, u_BHCM)
-        return s_BHDM, out_BHCM
+            s_GDM = jnp.where(keeps, s_GDM, 0)
+        return s_GDM + jnp.einsum("gcd,gcm->gdm", k_to_end, u_GCM), (entering_GDM, u_GCM)
 
-    xs = (U, W, P, q_decayed, k_to_end, chunk_decay, keeps)
-    s_BHDM, out_NBHCM = jax.lax.scan(body, sp.vary_like(s0_BHDM, xs), xs)
-    out_BTHM = jnp.moveaxis(out_NBHCM, (0, 2), (1, 3)).reshape(B, N * C, H, -1)
-    return out_BTHM[:, :T], s_BHDM
+    xs = (U, W, k_to_end, chunk_decay, keeps)
+    s0_GDM = s0_BHDM.reshape(B * H, *s0_BHDM.shape[2:])
+    s_GDM, (entering_NGDM, u_NGCM) = jax.lax.scan(body, sp.vary_like(s0_GDM, xs), xs)
+    entering_NGDM = checkpoint_name(entering_NGDM, CHUNK_STATES)
+    out_NGCM = jnp.einsum("ngcd,ngdm->ngcm", q_decayed, entering_NGDM) + jnp.einsum(
+        "ngij,ngjm->ngim", P, u_NGCM
+    )
+    out_BTHM = jnp.moveaxis(out_NGCM.reshape(N, B, H, C, -1), (0, 2), (1, 3)).reshape(B, N * C, H, -1)
+    return out_BTHM[:, :T], s_GDM.reshape(s0_BHDM.shape)

@@ -107,6 +107,16 @@ def _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis):
     return start, final
 
 
+def _keeping_chunk_states(block):
+    """`block` differentiated keeping its inputs and the chunks' entering states alone: the
+    prepared inputs and every chunk intermediate are recomputed in the backward pass."""
+
+    def keeping(*args, axis):
+        return chunked.keeping_chunk_states(functools.partial(block, axis=axis))(*args)
+
+    return keeping
+
+
 def delta_rule_attention(
     q_BTHD,
     k_BTHD,
@@ -194,6 +204,8 @@ def delta_rule_attention(
         )
     scale = D**-0.5 if scale is None else scale
     block = functools.partial(_attend_block, form=form, acc=acc, qk_l2norm=qk_l2norm, scale=scale)
+    if implementation == "chunked":
+        block = _keeping_chunk_states(block)
     args = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, key_lengths, segment_ids, s0_BHDM)
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BTHD, v_BTHM, name=name)

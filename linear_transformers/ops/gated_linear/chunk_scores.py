@@ -43,7 +43,7 @@ def fits_factored(u):
 
 
 def _factored_scores(q, k, u, acc):
-    return precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q * jnp.exp(u), k * jnp.exp(-u))
+    return precision.einsum_in(acc, "...tf,...sf->...ts", q * jnp.exp(u), k * jnp.exp(-u))
 
 
 def _blocked_scores(q, k, g, acc):
@@ -52,33 +52,33 @@ def _blocked_scores(q, k, g, acc):
     exp(decay since its block began) * exp(decays of the blocks in between) * k * exp(decay to
     its block's end): sums of same-sign terms, every factor <= 1."""
     if g.shape[-1] == 1:
-        C = q.shape[3]
+        C = q.shape[-2]
         mask = jnp.tril(jnp.ones((C, C), bool))
-        decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=3)[..., 0], -jnp.inf))
-        return precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q, k) * decay
-    B, H, N, C, F = q.shape
+        decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=g.ndim - 2)[..., 0], -jnp.inf))
+        return precision.einsum_in(acc, "...tf,...sf->...ts", q, k) * decay
+    *lead, C, F = q.shape
     c = EXACT_BLOCK if C % EXACT_BLOCK == 0 else C
     n = C // c
     q, k = q.astype(acc), k.astype(acc)
-    qb, kb, gb = (x.reshape(B, H, N, n, c, F) for x in (q, k, g))
+    qb, kb, gb = (x.reshape(*lead, n, c, F) for x in (q, k, g))
     inner = jnp.tril(jnp.ones((c, c), bool))
-    decay = jnp.exp(jnp.where(inner[..., None], totals.pair_log_decay(gb, time_axis=4), -jnp.inf))
-    within = jnp.einsum("bhnitf,bhnisf,bhnitsf->bhnits", qb, kb, decay)
+    decay = jnp.exp(jnp.where(inner[..., None], totals.pair_log_decay(gb, time_axis=gb.ndim - 2), -jnp.inf))
+    within = jnp.einsum("...itf,...isf,...itsf->...its", qb, kb, decay)
     block = jnp.arange(n)
     between_ijl = (block[None, None, :] > block[None, :, None]) & (
         block[None, None, :] < block[:, None, None]
     )
     gap = jnp.exp(
-        jnp.sum(jnp.where(between_ijl[..., None], jnp.sum(gb, axis=4)[..., None, None, :, :], 0), axis=-2)
+        jnp.sum(jnp.where(between_ijl[..., None], jnp.sum(gb, axis=-2)[..., None, None, :, :], 0), axis=-2)
     )
-    q_out = qb * jnp.exp(totals.prefix_sum(gb, axis=4))
-    k_in = kb * jnp.exp(totals.suffix_sum(gb, axis=4))
-    across = jnp.einsum("bhnitf,bhniof,bhnosf->bhniots", q_out, gap, k_in)
+    q_out = qb * jnp.exp(totals.prefix_sum(gb, axis=-2))
+    k_in = kb * jnp.exp(totals.suffix_sum(gb, axis=-2))
+    across = jnp.einsum("...itf,...iof,...osf->...iots", q_out, gap, k_in)
     earlier = block[:, None] > block[None, :]
     scores = jnp.where(earlier[:, :, None, None], across, 0) + jnp.where(
-        jnp.eye(n, dtype=bool)[:, :, None, None], within[:, :, :, :, None], 0
+        jnp.eye(n, dtype=bool)[:, :, None, None], within[..., None, :, :], 0
     )
-    return jnp.swapaxes(scores, 4, 5).reshape(B, H, N, C, C)
+    return jnp.swapaxes(scores, -3, -2).reshape(*lead, C, C)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -115,7 +115,7 @@ def _scores_backward(acc, inputs, cotangent):
 _scores.defvjp(_scores_forward, _scores_backward)
 
 
-def decayed_scores(q_BHNCF, k_BHNCF, g_xHNCX, acc):
-    """[B, H, N, C, C] scores q_t . diag(decay from s to t) k_s of every pair, s > t included:
-    the caller masks them."""
-    return _scores(q_BHNCF, k_BHNCF, g_xHNCX, from_midpoint(g_xHNCX, axis=3), acc)
+def decayed_scores(q_xCF, k_xCF, g_xCX, acc):
+    """[..., C, C] scores q_t . diag(decay from s to t) k_s of every pair of a chunk, s > t
+    included (the caller masks them); any leading shape, chunk steps on axis -2."""
+    return _scores(q_xCF, k_xCF, g_xCX, from_midpoint(g_xCX, axis=g_xCX.ndim - 2), acc)
