@@ -441,6 +441,40 @@ class AttentionCore(nnx.Module):
         self.in_features = in_features
         self.dtype = dtype
 
+    def _check_causal_with_inputs(self, *, along_time: str, from_input: str):
+        """For a causal self-attention kind that reads the layer input: refuse a non-causal
+        build and one without in_features. `along_time`: what runs along time ("its decay");
+        `from_input`: what it computes from the input ("gates")."""
+        if not self.causal:
+            raise ValueError(
+                f"attention kind {self.kind!r} is causal by definition ({along_time} runs along "
+                f"time) but was built for non-causal attention (an encoder or cross-attention); "
+                f"use 'linear' or 'softmax' there."
+            )
+        if self.in_features is None:
+            raise ValueError(
+                f"attention kind {self.kind!r} computes {from_input} from the layer input and "
+                f"needs in_features, its width (MultiHeadAttention passes it)."
+            )
+
+    def _require_inputs(self, x, what: str):
+        """x, or a ValueError naming `what` (a form of a `takes_inputs` kind) needed it."""
+        if x is None:
+            raise ValueError(
+                f"{self.kind!r} attention computes its gates from the layer input: {what} needs "
+                f"x= (MultiHeadAttention passes it)."
+            )
+        return x
+
+    def _refuse_pair_masks(self, mask, key_segment_ids):
+        """Causal self-attention kinds take padding and packing as key_lengths and segment_ids."""
+        if mask is not None or key_segment_ids is not None:
+            raise ValueError(
+                f"{self.kind!r} attention takes no [T, S] mask and no key_segment_ids (causal "
+                f"self-attention only); use key_lengths for padding and segment_ids for packed "
+                f"sequences."
+            )
+
     def __call__(self, q_BTHD, k_BSHD, v_BSHM, *, key_lengths=None, mask=None):
         """Parallel form: [B, T, H, D] queries over [B, S, H, *] keys/values -> [B, T, H, M]."""
         raise NotImplementedError(f"attention kind {self.kind!r} defines no parallel form.")

@@ -19,8 +19,9 @@ per head and dt_bias at softplus^-1 of dt ~ logU(0.001, 0.1), as FLA initialises
 
 They are causal self-attention with a recurrent form (`init_state`, `step`, `prefill`; the
 state holds the delta rule's [D, M] matrix and the convolution's last W - 1 inputs) and packed
-segments (the convolution's window stops at a segment's start). Time is not split over devices
-(no `sequence_axis`): the convolution would need the previous device's last inputs.
+segments (the convolution's window stops at a segment's start). Built with `sequence_axis`, the
+parallel form splits time over that mesh axis: the convolution reads the previous device's last
+inputs, the delta rule composes the devices' affine maps of the state (`ops.delta_rule_attention`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linear_transformers import ops
-from linear_transformers.attention.base import AttentionCore, integer_option, register_attention
+from linear_transformers.attention.base import AttentionCore, integer_option, prefill_axis, register_attention
 from linear_transformers.attention.gated import HeadNorm
 from linear_transformers.ops.delta_rule.op import FORMS
 
@@ -108,22 +109,13 @@ class DeltaRuleCore(AttentionCore):
 
     options_class = DeltaNetOptions
     has_recurrent_form = True
+    has_sequence_parallel_form = True
     supports_segments = True
     takes_inputs = True
 
     def __init__(self, *, rngs: nnx.Rngs, param_dtype=jnp.float32, **kwargs):
         super().__init__(rngs=rngs, param_dtype=param_dtype, **kwargs)
-        if not self.causal:
-            raise ValueError(
-                f"attention kind {self.kind!r} is causal by definition (the delta rule runs along "
-                f"time) but was built for non-causal attention (an encoder or cross-attention); "
-                f"use 'linear' or 'softmax' there."
-            )
-        if self.in_features is None:
-            raise ValueError(
-                f"attention kind {self.kind!r} computes beta and its gates from the layer input "
-                f"and needs in_features, its width (MultiHeadAttention passes it)."
-            )
+        self._check_causal_with_inputs(along_time="the delta rule", from_input="beta and its gates")
         options, E, H = self.options, self.in_features, self.num_heads
         self.beta_projection = _linear(rngs, param_dtype, self.dtype, E, H, use_bias=False)
         conv = None
@@ -173,34 +165,27 @@ class DeltaRuleCore(AttentionCore):
             return {}
         return dict(implementation=self.options.implementation, chunk_size=self.options.chunk_size)
 
-    def _require_inputs(self, x, what: str):
-        if x is None:
-            raise ValueError(
-                f"{self.kind!r} attention computes beta and its gates from the layer input: "
-                f"{what} needs x= (MultiHeadAttention passes it)."
-            )
-        return x
-
-    def _convolve(self, qkv, states, **kwargs):
-        """silu(short_convolution) of q, k and v over their flattened heads: -> (q, k, v) and,
-        with `states`, the convolutions' new states."""
+    def _convolve(self, qkv, states, *, step: bool = False, **kwargs):
+        """silu(short convolution) of q, k and v over their flattened heads, a block ([B, T, H,
+        *]) or one `step` ([B, H, *]): -> (q, k, v) and, with `states`, the convolutions' new
+        states (`kwargs`: short_convolution's masks and sequence_axis)."""
         if self.conv is None:
             return qkv, ()
         outs, new_states = [], []
-        for i, x_BTHX in enumerate(qkv):
-            x_BTN = x_BTHX.reshape(x_BTHX.shape[:2] + (-1,))
-            y = ops.short_convolution(
-                x_BTN,
-                self.conv[i][...].astype(x_BTN.dtype),
-                initial_state=None if states is None else states[i],
-                return_state=states is not None,
-                **kwargs,
-            )
-            if states is not None:
-                y, state = y
-                new_states.append(state)
-            outs.append(y.reshape(x_BTHX.shape))
-        return tuple(outs), tuple(new_states)
+        for i, x in enumerate(qkv):
+            x_flat = x.reshape(x.shape[: 1 if step else 2] + (-1,))
+            weight = self.conv[i][...].astype(x.dtype)
+            if step:
+                state, y = ops.short_convolution_step(states[i], x_flat, weight)
+            else:
+                initial = None if states is None else states[i]
+                y = ops.short_convolution(
+                    x_flat, weight, initial_state=initial, return_state=states is not None, **kwargs
+                )
+                y, state = y if states is not None else (y, None)
+            new_states.append(state)
+            outs.append(y.reshape(x.shape))
+        return tuple(outs), tuple(new_states) if states is not None else ()
 
     def __call__(
         self,
@@ -216,14 +201,9 @@ class DeltaRuleCore(AttentionCore):
         positions=None,
     ):
         del positions  # No rotation: the convolution gives the layer its sense of order.
-        if mask is not None or key_segment_ids is not None:
-            raise ValueError(
-                f"{self.kind!r} attention takes no [T, S] mask and no key_segment_ids (causal "
-                f"self-attention only); use key_lengths for padding and segment_ids for packed "
-                f"sequences."
-            )
+        self._refuse_pair_masks(mask, key_segment_ids)
         x = self._require_inputs(x, "the parallel form")
-        masks = dict(key_lengths=key_lengths, segment_ids=segment_ids)
+        masks = dict(key_lengths=key_lengths, segment_ids=segment_ids, sequence_axis=self.sequence_axis)
         (q, k, v), _ = self._convolve((q_BTHD, k_BSHD, v_BSHM), None, **masks)
         out_BTHM = ops.delta_rule_attention(
             q, k, v, self.beta(x), log_decay=self.log_decay(x), **masks, **self._op_kwargs()
@@ -246,16 +226,7 @@ class DeltaRuleCore(AttentionCore):
     def step(self, state: DeltaState, q_BHD, k_BHD, v_BHM, *, x=None):
         """One token: the convolutions' steps, then the delta rule's."""
         x_BE = self._require_inputs(x, "step")
-        qkv, conv = (q_BHD, k_BHD, v_BHM), ()
-        if self.conv is not None:
-            outs, new = [], []
-            for i, x_BHX in enumerate(qkv):
-                s, y = ops.short_convolution_step(
-                    state.conv[i], x_BHX.reshape(x_BHX.shape[0], -1), self.conv[i][...].astype(x_BHX.dtype)
-                )
-                new.append(s)
-                outs.append(y.reshape(x_BHX.shape))
-            qkv, conv = tuple(outs), tuple(new)
+        qkv, conv = self._convolve((q_BHD, k_BHD, v_BHM), state.conv, step=True)
         log_decay = self.log_decay(x_BE[:, None])
         linear, out_BHM = ops.delta_rule_attention_step(
             state.linear, *qkv, self.beta(x_BE), log_decay=None if log_decay is None else log_decay[:, 0]
@@ -279,7 +250,8 @@ class DeltaRuleCore(AttentionCore):
         del positions
         self._check_prefill(state, q_BTHD, k_BTHD, v_BTHM)
         x = self._require_inputs(x, "prefill")
-        masks = dict(key_lengths=key_lengths, segment_ids=segment_ids)
+        axis = prefill_axis(self.sequence_axis, q_BTHD.shape[1])
+        masks = dict(key_lengths=key_lengths, segment_ids=segment_ids, sequence_axis=axis)
         states = state.conv if self.conv is not None else None
         (q, k, v), conv = self._convolve((q_BTHD, k_BTHD, v_BTHM), states, **masks)
         linear, out_BTHM = ops.delta_rule_attention_prefill(

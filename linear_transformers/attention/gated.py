@@ -108,17 +108,7 @@ class GatedLinearCore(AttentionCore):
 
     def __init__(self, *, rngs: nnx.Rngs, param_dtype=jnp.float32, **kwargs):
         super().__init__(rngs=rngs, param_dtype=param_dtype, **kwargs)
-        if not self.causal:
-            raise ValueError(
-                f"attention kind {self.kind!r} is causal by definition (its decay runs along "
-                f"time) but was built for non-causal attention (an encoder or cross-attention); "
-                f"use 'linear' or 'softmax' there."
-            )
-        if self.in_features is None:
-            raise ValueError(
-                f"attention kind {self.kind!r} computes gates from the layer input and needs "
-                f"in_features, its width (MultiHeadAttention passes it)."
-            )
+        self._check_causal_with_inputs(along_time="its decay", from_input="gates")
         options = self.options
         H, M = self.num_heads, self.value_dim
         self.feature_map = ops.make_feature_map(options.feature_map)
@@ -170,12 +160,7 @@ class GatedLinearCore(AttentionCore):
         x=None,
         positions=None,
     ):
-        if mask is not None or key_segment_ids is not None:
-            raise ValueError(
-                f"{self.kind!r} attention takes no [T, S] mask and no key_segment_ids (causal "
-                f"self-attention only); use key_lengths for padding and segment_ids for packed "
-                f"sequences."
-            )
+        self._refuse_pair_masks(mask, key_segment_ids)
         x = self._require_inputs(x, "the parallel form")
         if positions is None and self.rotary:
             T = q_BTHD.shape[1]
@@ -192,14 +177,6 @@ class GatedLinearCore(AttentionCore):
             **self.options.op_kwargs(self.feature_map),
         )
         return self._finish(out_BTHM, x)
-
-    def _require_inputs(self, x, what: str):
-        if x is None:
-            raise ValueError(
-                f"{self.kind!r} attention computes its gates from the layer input: {what} needs "
-                f"x= (MultiHeadAttention passes it)."
-            )
-        return x
 
     def init_state(self, batch, *, max_length=None, dtype=None):
         """A zero decayed state s [B, H, F, M] (float32 at least, no normaliser; `max_length` is

@@ -123,4 +123,4 @@ def test_the_kinds_are_causal_self_attention_with_a_recurrent_form(kind):
     with pytest.raises(ValueError, match=rf"'{kind}' is causal by definition"):
         MultiHeadAttention(E, H, kind=kind, causal=False, rngs=nnx.Rngs(0))
     cls = attention.attention_class(kind)
-    assert cls.has_recurrent_form and cls.supports_segments and not cls.has_sequence_parallel_form
+    assert cls.has_recurrent_form and cls.supports_segments and cls.has_sequence_parallel_form

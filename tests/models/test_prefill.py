@@ -517,13 +517,19 @@ def test_kinds_without_a_recurrent_form_refuse_prefill():
         encoder.prefill((None,), _x((B, 4, E)))
 
 
-SP_KINDS = "['causal-linear', 'gla', 'linear', 'retention', 'simple-gla', 'softmax']"
+SP_KINDS = str(
+    ["causal-linear", "deltanet", "gated-deltanet", "gla", "kda"]
+    + ["linear", "retention", "simple-gla", "softmax"]
+)
 
 
 def test_sequence_axis_needs_a_kind_with_a_sequence_parallel_form():
     assert sequence_parallel_kinds() == [
         "causal-linear",
+        "deltanet",
+        "gated-deltanet",
         "gla",
+        "kda",
         "linear",
         "retention",
         "simple-gla",

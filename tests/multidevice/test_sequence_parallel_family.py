@@ -258,3 +258,52 @@ def test_delta_rule_non_finite_inputs_over_devices_reach_what_they_reach_on_one(
     out = np.asarray(expected[0])
     assert not np.isfinite(out[0, 3:6, 0]).any() and np.isfinite(out[0, 6:, 0]).all()
     assert not np.isfinite(out[0, 15:22, 1, 2]).any() and np.isfinite(out[0, 15:22, 1, :2]).all()
+
+
+@pytest.mark.parametrize("p, window", [(4, 4), (8, 4), (4, 1)])
+def test_short_convolution_in_shard_map_equals_one_device(x64, p, window):
+    """Blocks of 6 or 3 steps: a window reads the previous device's last inputs, the initial state
+    only on the first device, never past a segment begun on an earlier device (segment 3 begins
+    at step 13 and runs over two devices at P = 4); the global final state, padding at the end;
+    gradients of x, the weight and the initial state."""
+    E = 5
+    x = _randn(50, B, T, E)
+    weight, s0 = _randn(51, window, E), _randn(52, B, window - 1, E)
+    ids, lengths = jnp.asarray(SEGMENTS), jnp.asarray([T, T - 2])
+
+    def run(sequence_axis, x, weight, s0, ids, lengths):
+        return ops.short_convolution(
+            x, weight, initial_state=s0, return_state=True, segment_ids=ids, key_lengths=lengths,
+            sequence_axis=sequence_axis,
+        )  # fmt: skip
+
+    def value_and_grad(run):
+        def loss(x, weight, s0, ids, lengths):
+            y, state = run(x, weight, s0, ids, lengths)
+            return jnp.sum(jnp.sin(y)) + jnp.sum(state**2), (y, state)
+
+        return jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+    args = (x, weight, s0, ids, lengths)
+    expected = value_and_grad(functools.partial(run, None))(*args)
+    split = jax.shard_map(
+        functools.partial(run, "seq"),
+        mesh=_mesh(p),
+        in_specs=(TIME, P(), P(), TIME, P()),
+        out_specs=(TIME, P()),
+    )
+    got = value_and_grad(split)(*args)
+    chex.assert_trees_all_close(got, expected, **TOL)
+    assert window == 1 or np.any(np.asarray(expected[0][1][1]) != 0)  # The state holds inputs.
+
+
+def test_short_convolution_needs_w_minus_1_steps_per_device():
+    x = jnp.ones((1, 8, 2))
+    split = jax.shard_map(
+        lambda x: ops.short_convolution(x, jnp.ones((4, 2)), sequence_axis="seq"),
+        mesh=_mesh(8),
+        in_specs=TIME,
+        out_specs=TIME,
+    )
+    with pytest.raises(ValueError, match=r"at least W - 1 = 3 steps .* got 1 steps per device"):
+        split(x)

@@ -33,12 +33,16 @@ KINDS = {
     "linear": ("linear", {"chunk_size": 4}),  # local blocks of 8, 4, 2: chunks straddle
     "softmax": ("softmax", {}),
 }
+DELTA_KINDS = {  # Blocks of 4 steps on 4 devices: chunks of 2, the convolution's window of 4.
+    "gated-deltanet": ("gated-deltanet", {"chunk_size": 2}),
+    "kda": ("kda", {"chunk_size": 2}),
+}
 TOL = dict(atol=2e-5, rtol=2e-5)
 GRAD_TOL = dict(atol=2e-5, rtol=2e-4)
 
 
 def _config(name, sequence_axis):
-    return small_config(*KINDS[name], sequence_axis=sequence_axis)
+    return small_config(*{**KINDS, **DELTA_KINDS}[name], sequence_axis=sequence_axis)
 
 
 def _build(model_name, name, sequence_axis):
@@ -131,6 +135,14 @@ def _check(model_name, name, got):
 def test_sequence_parallel_model_equals_one_device(model_name, name, p):
     got = _sequence_parallel(model_name, name, _mesh((p,), ("seq",)), P(None, "seq"))
     _check(model_name, name, got)
+
+
+@pytest.mark.parametrize("name", list(DELTA_KINDS))
+def test_sequence_parallel_delta_rule_kinds_equal_one_device(name):
+    """The delta-rule kinds' short convolution reads across device boundaries in the global
+    view, and the delta rule composes the devices' maps of the state: loss, logits, gradients."""
+    got = _sequence_parallel("lm", name, _mesh((4,), ("seq",)), P(None, "seq"))
+    _check("lm", name, got)
 
 
 @pytest.mark.parametrize("name, p", [("linear", 8), ("softmax", 4)])
