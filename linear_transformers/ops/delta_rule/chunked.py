@@ -5,19 +5,19 @@ Legend: B batch, T time, H heads, G = B * H (heads merged into the batch), D key
 value features, X decay features (1 or D), N chunks, C steps per chunk (i, j: two steps of one
 chunk).
 
-Inside a chunk entered with state S, G_i = g_1 + ... + g_i (the log decays up to step i) and
+Inside a chunk entered with state S, Gamma_i = g_1 + ... + g_i (the log decays up to step i) and
 u_j = beta_j (v_j - k_j^T S~_j), the correction step j writes (S~_j: the state step j reads,
 decayed). Unrolling the recurrence of `reference.py`:
 
-  S_i = exp(G_i) S + sum_{j<=i} (exp(G_i - G_j) k_j) u_j^T
-  u_i + beta_i sum_{j<i} k_i . (exp(G_i - G_j) k_j) u_j = beta_i (v_i - (exp(G_i) k_i)^T S)
+  S_i = exp(Gamma_i) S + sum_{j<=i} (exp(Gamma_i - Gamma_j) k_j) u_j^T
+  u_i + beta_i sum_{j<i} k_i . (exp(Gamma_i - Gamma_j) k_j) u_j = beta_i (v_i - (exp(Gamma_i) k_i)^T S)
 
-so (I + A) u = beta (V - (exp(G) K) S) with A strictly lower triangular. One unit-triangular
+so (I + A) u = beta (V - (exp(Gamma) K) S) with A strictly lower triangular. One unit-triangular
 inverse per chunk (`triangular.py`), independent of S, gives U = (I + A)^-1 beta V and
-W = (I + A)^-1 beta exp(G) K for every chunk at once; the scan then needs only products:
+W = (I + A)^-1 beta exp(Gamma) K for every chunk at once; the scan then needs only products:
 
-  u = U - W S,   o_i = (exp(G_i) q_i)^T S + sum_{j<=i} q_i . (exp(G_i - G_j) k_j) u_j,
-  S' = exp(G_C) S + sum_j (exp(G_C - G_j) k_j) u_j^T.
+  u = U - W S,   o_i = (exp(Gamma_i) q_i)^T S + sum_{j<=i} q_i . (exp(Gamma_i - Gamma_j) k_j) u_j,
+  S' = exp(Gamma_C) S + sum_j (exp(Gamma_C - Gamma_j) k_j) u_j^T.
 
 Every exponent is one sum of log decays <= 0 over consecutive steps (`totals.py`), never the
 difference of two running sums, so nothing overflows and a reset's floor (-1e4) loses nothing;
@@ -57,7 +57,7 @@ def _chunks(x_BTHX, N: int, C: int):
 
 
 def _scores(a_xCD, k_xCD, g_xCX, pair_decay_xCC, acc):
-    """[..., i, j] = a_i . (exp(G_i - G_j) k_j) for every pair (i, j) of a chunk, j > i included
+    """[..., i, j] = a_i . (exp(Gamma_i - Gamma_j) k_j) for every pair (i, j) of a chunk, j > i included
     (the caller masks them). Each exponent is one sum of same-sign log decays, never the
     difference of two running sums: per head from `pair_decay_xCC`, per feature the gated
     family's decayed scores (`chunk_scores.py`)."""
@@ -101,13 +101,13 @@ def form(
         mask = mask & (runs[..., :, None] == runs[..., None, :])
 
     acc = q.dtype
-    pair_decay = None  # [N, G, C, C] per head: exp(G_i - G_j), shared by A and P.
+    pair_decay = None  # [N, G, C, C] per head: exp(Gamma_i - Gamma_j), shared by A and P.
     if g is not None and g.shape[-1] == 1:
         pair_decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=2)[..., 0], -jnp.inf))
     A = beta * jnp.where(mask & ~jnp.eye(C, dtype=bool), _scores(k, k, g, pair_decay, acc), 0)
     P = jnp.where(mask, _scores(q, k, g, pair_decay, acc), 0)  # [N, G, C, C]
     k_decayed, q_decayed, k_to_end = k, q, k
-    if g is not None:  # exp(G_i) and exp(G_C - G_j), each from one sum of same-sign terms.
+    if g is not None:  # exp(Gamma_i) and exp(Gamma_C - Gamma_j), each from one sum of same-sign terms.
         from_start = jnp.exp(totals.prefix_sum(g, axis=2))
         k_decayed, q_decayed = from_start * k, from_start * q
         k_to_end = jnp.exp(totals.suffix_sum(g, axis=2)) * k
