@@ -47,3 +47,41 @@ def test_a_tiny_run_reports_recall_over_the_queries(tmp_path):
 def test_bad_mqar_configs_are_named(tmp_path, arg, match):
     with pytest.raises(ValueError, match=match):
         tasks.train_and_evaluate(mqar_config.get_config(arg), tmp_path)
+
+
+def test_the_comparison_trains_each_kind_and_n_then_tabulates_recall(tmp_path):
+    """One kind x two n, two steps each: one row per run with its held-out recall, the table by
+    kind, the files; a second call reads the finished runs back instead of training again."""
+    from experiments.benchmarking import mqar_bench
+
+    options = mqar_bench.MqarComparisonOptions(
+        kinds=("linear",),
+        num_kv_pairs=(2, 3),
+        overrides="num_steps=2,batch_size=4,eval_batch_size=8,seq_len=12,vocab_size=32,model_dim=16,"
+        "feed_forward_dim=16,progress_bar=false",
+    )
+    lines = []
+    result = mqar_bench.run_and_report(options, tmp_path, log=lines.append)
+    assert [(r["kind"], r["num_kv_pairs"], r["steps"]) for r in result["rows"]] == [
+        ("linear", 2, 2),
+        ("linear", 3, 2),
+    ]
+    assert all(0 <= r["recall_accuracy"] <= 1 for r in result["rows"])
+    assert {"csv", "recall_csv", "json", "png"} <= set(result["files"])
+    assert any("| kind | n=2 | n=3 |" in line for line in lines)
+    again = mqar_bench.run_and_report(options, tmp_path, log=lambda line: None)
+    assert again["rows"] == result["rows"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kinds=("flash",)), r"unknown attention kinds \['flash'\]"),
+        (dict(num_kv_pairs=(50,)), r"seq_len=128 must hold the 50 pairs"),
+    ],
+)
+def test_bad_comparison_options_are_named(kwargs, match):
+    from experiments.benchmarking import mqar_bench
+
+    with pytest.raises(ValueError, match=match):
+        mqar_bench.MqarComparisonOptions(**kwargs)
