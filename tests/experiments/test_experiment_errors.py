@@ -23,6 +23,11 @@ SMOKE = "configs/digits.py:smoke,num_steps=2,eval_every=0,sample_every=0"
     [
         ("experiments.sample", ["--workdir=w", "extra"], "sample: error: unexpected arguments ['extra']"),
         ("experiments.copy_comparison", ["--runs=decoder/nope"], "copy_comparison: error: "),
+        (
+            "experiments.mqar_comparison",
+            ["--num_kv_pairs=50"],
+            "mqar_comparison: error: --num_kv_pairs=50: config.seq_len=128 must hold the 50 pairs",
+        ),
     ],
 )
 def test_every_command_refuses_a_stray_argument_or_a_bad_flag_in_one_line(module, args, message):
