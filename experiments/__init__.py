@@ -1,0 +1,13 @@
+"""Entry points, tasks, training and benchmarks built on linear_transformers."""
+
+import os
+
+# jaxlib 0.10.2's XLA:CPU hands fused reductions to YNNPACK, which there gives nondeterministic
+# results, whole batches of NaN at times (a 2-layer "linear" CausalLM called eagerly on one
+# batch of 64: 1 call in 8; tests/models/test_cpu_determinism.py), and runs a multiply-reduce
+# 20-40x slower when an operand has a size-1 axis (jax-ml/jax#37465). Every entry point imports
+# this package before JAX starts its CPU backend, so they run with those fusions off, unless
+# XLA_FLAGS already chooses.
+YNN_REDUCE_OFF = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
+if "--xla_cpu_experimental_ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {YNN_REDUCE_OFF}".strip()

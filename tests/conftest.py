@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import pytest
 import tf32
 
+import experiments  # noqa: F401  (sets XLA_FLAGS before the first computation starts JAX's CPU backend)
+
 MATMUL_PRECISIONS = ("default", tf32.TF32)
 
 
