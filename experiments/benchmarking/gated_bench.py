@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from experiments.benchmarking import attention_bench, measure, report
 from linear_transformers import _deprecation, ops
+from linear_transformers.ops.delta_rule import chunked as delta_chunked
 
 BASELINE = "causal-linear/chunked"
 DECAYS = ("none", "head", "step", "feature")
@@ -127,6 +128,8 @@ def chunk_size_used(kind: str, chunk_size: int | None) -> int | None:
     """The chunk length a kind runs with (None for the dense reference and the scan)."""
     if parse_kind(kind)[1] != "chunked":
         return None
+    if is_delta(kind):
+        return chunk_size or delta_chunked.default_chunk_size()
     return chunk_size or ops.DEFAULT_CHUNK_SIZE
 
 

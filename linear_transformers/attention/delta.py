@@ -46,7 +46,7 @@ class DeltaNetOptions:
 
     Attributes:
       implementation: one of the delta rule's forms, "chunked" (default), "scan", "reference".
-      chunk_size: chunk length of "chunked" (None: the op's default, 64).
+      chunk_size: chunk length of "chunked" (None: the op's default, 32 on CPU, 64 elsewhere).
       conv_size: the short convolution's window W (default 4, FLA's), None for none.
       output_gate: multiply the normalised output by the gate of the module docstring.
       allow_neg_eigval: beta in [0, 2] (2 sigmoid) instead of [0, 1]: the state's transition

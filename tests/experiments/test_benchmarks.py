@@ -16,6 +16,7 @@ import pytest
 
 from experiments.benchmarking import attention_bench, generation_bench, measure, peers, report
 from linear_transformers import ops
+from linear_transformers.ops.delta_rule import chunked as delta_rule_chunked
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -515,6 +516,8 @@ def test_delta_cases_time_the_delta_rule_against_its_scan_and_the_gated_form():
     scan = jax.jit(gated_bench.attention_fn("delta-feature/scan", None))(q, k, v, beta, g)
     np.testing.assert_allclose(chunked, scan, atol=1e-5, rtol=1e-4)
     assert gated_bench.chunk_size_used("delta-step/scan", 32) is None
+    # The delta rule's chunk is its own, the platform's (32 on this CPU run), not the gated op's.
+    assert gated_bench.chunk_size_used("delta-step/chunked", None) == delta_rule_chunked.default_chunk_size()
 
     def row(kind, time_ms):
         return {"kind": kind, "pass": "forward+backward", "n": 64, "time_ms": time_ms, "status": "ok"}

@@ -62,7 +62,9 @@ def test_the_scan_computes_the_layers_one_after_another(train):
         for layer in layers:
             expected = layer(expected)
         got = layer_stack.run(stacked, _x(), lambda layer, x: layer(x))
-        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+        # Two programs (the layers called eagerly, one layer under a scan) fuse and round
+        # differently: some float32 ulps of the O(1) activations (1.05e-6 seen on one).
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     if train:  # dropout was on: the two calls differ
         assert not np.allclose(got, layer_stack.run(stacked, _x(), lambda layer, x: layer(x)))
 

@@ -14,6 +14,7 @@ import pytest
 from cases import unoptimised_jit
 
 from linear_transformers import ops
+from linear_transformers.ops.delta_rule import chunked
 
 B, T, H, D, M = 2, 12, 2, 3, 2
 # Example 0 holds two packed sequences: the second (steps 9..11) sees nothing of the first.
@@ -93,7 +94,7 @@ def _with_gradients(run, seen_BTHM, weights_BTHM):
 
 
 @pytest.mark.parametrize("shape", [(H,), (B, T, H), (B, T, H, D)], ids=["head", "step", "feature"])
-def test_every_form_gives_the_stated_result_for_non_finite_inputs(x64, shape):
+def test_every_form_gives_the_stated_result_for_non_finite_inputs(x64, monkeypatch, shape):
     q, k, v, beta, g, s0 = _inputs(shape)
     want_out, want_s = _recurrence(q, k, v, beta, g, s0)
     seen = ~np.isfinite(want_out)
@@ -108,8 +109,13 @@ def test_every_form_gives_the_stated_result_for_non_finite_inputs(x64, shape):
     clean_v, clean_g, clean_s0 = np.nan_to_num(v), np.where(np.isnan(g) | (g > 0), 0.0, g), np.nan_to_num(s0)
     weights = np.random.default_rng(1).standard_normal(want_out.shape)
     want_grads = _with_gradients(_op("reference"), seen, weights)(q, k, clean_v, beta, clean_g, clean_s0)[2]
-    for implementation in ("reference", "scan", "chunked"):
-        out, s, grads = _with_gradients(_op(implementation), seen, weights)(q, k, v, beta, g, s0)
+    for implementation in ("reference", "scan", "chunked", "chunked in segments of 5"):
+        with monkeypatch.context() as patch:  # Segments carry the guarded state from one to the next.
+            patch.setattr(
+                chunked, "segment_length", lambda platform=None: 5 if "segments" in implementation else None
+            )
+            run = _op(implementation.split()[0])
+            out, s, grads = _with_gradients(run, seen, weights)(q, k, v, beta, g, s0)
         np.testing.assert_array_equal(np.isfinite(out), ~seen, err_msg=implementation)
         np.testing.assert_allclose(np.where(seen, 0, out), np.where(seen, 0, want_out), atol=1e-12)
         np.testing.assert_array_equal(np.isfinite(s), np.isfinite(want_s), err_msg=implementation)

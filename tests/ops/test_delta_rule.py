@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from linear_transformers import ops
+from linear_transformers.ops.delta_rule import chunked
 
 B, T, H, D, M = 2, 13, 2, 4, 3
 FORMS = ["reference", "scan", "chunked"]
@@ -96,6 +97,45 @@ def test_gradients_equal_the_references(x64, form, decay):
     chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("decay", ["none", "step", "feature"])
+def test_the_chunked_form_in_segments_is_the_recurrence_values_and_gradients(x64, monkeypatch, decay):
+    """Segments of 5 steps (the CPU's outer loop, `chunked.segment_length`), chunks of 4 inside
+    them: segments and chunks both padded, packed segments crossing them, an initial state."""
+    monkeypatch.setattr(chunked, "segment_length", lambda platform=None: 5)
+    case = _case(decay, seed=4)
+    want, want_s = _numpy_delta_rule(*case[:4], _per_step(case[4]), case[5], case[6], D**-0.5)
+    q, k, v, beta, g, ids, s0 = (None if x is None else jnp.asarray(x) for x in case)
+    lengths = jnp.array([11, 9])
+
+    def attention(q, k, v, beta, g, s0, implementation, key_lengths=None):
+        out, state = ops.delta_rule_attention(
+            q, k, v, beta, log_decay=g, implementation=implementation, chunk_size=4,
+            initial_state=ops.LinearState(s0, None), return_state=True, segment_ids=ids,
+            key_lengths=key_lengths,
+        )  # fmt: skip
+        return out, state.s_BHFM
+
+    chex.assert_trees_all_close(
+        attention(q, k, v, beta, g, s0, "chunked"), (want, want_s), rtol=1e-10, atol=1e-10
+    )
+
+    def loss(*args):
+        out, s = attention(*args, key_lengths=lengths)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(s))
+
+    argnums = (0, 1, 2, 3, 5) if g is None else (0, 1, 2, 3, 4, 5)
+    want = jax.grad(loss, argnums)(q, k, v, beta, g, s0, "reference")
+    chex.assert_trees_all_close(
+        jax.grad(loss, argnums)(q, k, v, beta, g, s0, "chunked"), want, rtol=1e-9, atol=1e-9
+    )
+
+
+def test_the_cpu_runs_small_chunks_in_segments_other_platforms_every_chunk_at_once():
+    assert (chunked.default_chunk_size("cpu"), chunked.segment_length("cpu")) == (32, 256)
+    for platform in ("gpu", "tpu"):
+        assert (chunked.default_chunk_size(platform), chunked.segment_length(platform)) == (64, None)
+
+
 def test_the_chunked_form_holds_in_float32_over_many_chunks():
     rng = np.random.default_rng(2)
     q, k = (jnp.asarray(rng.standard_normal((1, 300, 2, 16)), jnp.float32) for _ in range(2))
@@ -109,12 +149,15 @@ def test_the_chunked_form_holds_in_float32_over_many_chunks():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("segment", [None, 64], ids=["whole", "segments"])
 @pytest.mark.parametrize("decay", ["none", "step", "feature"])
-def test_the_chunked_backward_keeps_its_inputs_and_the_chunk_states_alone(decay):
+def test_the_chunked_backward_keeps_its_inputs_and_the_chunk_states_alone(monkeypatch, decay, segment):
     """What `jax.vjp` keeps for the backward pass of the chunked form (float32, T = 256 in chunks
-    of 32, D = M = 4): the inputs and one [D, M] state per chunk and head. The scores, inverses,
+    of 32, D = M = 4), the sequence at once (as on GPUs) or in segments of 64 steps (as on the
+    CPU): the inputs and one [D, M] state per chunk (or segment) and head. The scores, inverses,
     U and W it recomputes are each a sequence-sized tensor or larger (kept, they were 19-34x the
     inputs here)."""
+    monkeypatch.setattr(chunked, "segment_length", lambda platform=None: segment)
     rng = np.random.default_rng(3)
     shape = (1, 256, 2, 4)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(3))

@@ -46,7 +46,32 @@ from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.delta_rule import triangular
 from linear_transformers.ops.gated_linear import chunk_scores, totals
 
-DEFAULT_CHUNK_SIZE = 64
+DEFAULT_CHUNK_SIZE = 64  # Off the CPU; `default_chunk_size` chooses per platform.
+
+
+def default_chunk_size(platform: str | None = None) -> int:
+    """Steps per chunk when the caller gives none: 32 on CPU, 64 elsewhere.
+
+    On CPU, in segments of 256 steps, chunks of 32 took forward+backward 15-25% less time than
+    chunks of 64 (N = 4096 and 16384, every decay shape, interleaved in one process; BENCHMARKS.md
+    section 8): the [C, C] scores, inverses and WY products grow with C, the scan over chunks is
+    cheap. On GPUs chunks of 64 keep the tensor cores busy, as FLA's kernels do.
+    """
+    platform = platform or jax.default_backend()
+    return 32 if platform == "cpu" else DEFAULT_CHUNK_SIZE
+
+
+def segment_length(platform: str | None = None) -> int | None:
+    """Steps per segment of the op's outer loop (`op.py`): None = the whole sequence at once.
+
+    On CPU the op runs the chunked form over segments of 256 steps in sequence, carrying the
+    state (`gated_linear/chunk_segments.py`), so that each segment's scores, inverses, U and W
+    stay in cache: at N = 4096 forward+backward took ~250 ms at once, ~190 ms in segments of 256
+    (chunks of 64), ~150 ms with chunks of 32; segments of 128 and 512 were no faster
+    (BENCHMARKS.md section 8). GPUs and TPUs get every chunk at once.
+    """
+    platform = platform or jax.default_backend()
+    return 256 if platform == "cpu" else None
 
 
 def _chunks(x_BTHX, N: int, C: int):
@@ -77,9 +102,7 @@ def keeping_chunk_states(f):
     return jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES))
 
 
-def form(
-    q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_size: int = DEFAULT_CHUNK_SIZE
-):
+def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_size: int):
     """-> (out [B, T, H, M], S_T)."""
     B, T, H, D = q_BTHD.shape
     C = min(chunk_size, T)

@@ -16,6 +16,7 @@ import numpy as np
 from linear_transformers.ops import input_checks
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.delta_rule import chunked, nonfinite, reference, scan
+from linear_transformers.ops.gated_linear import chunk_segments
 from linear_transformers.ops.gated_linear.block import flags
 from linear_transformers.ops.gated_linear.inputs import check_linear_state, check_log_decay, prepare_log_decay
 from linear_transformers.ops.linear_state import LinearState, init_linear_state
@@ -72,20 +73,53 @@ def _prepare(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, valid_BT, *, acc, qk_l2no
 
 
 def _attend_block(
-    q, k, v, beta, g, key_lengths_B, segment_ids_BT, s0_BHDM, *, axis, form, acc, qk_l2norm, scale
+    q, k, v, beta, g, key_lengths_B, segment_ids_BT, s0_BHDM, *, axis, form, segment, **options
 ):
-    """-> (out [B, T, H, M], the final state): the whole sequence (axis None), or this device's
-    block of a sequence split over `axis`."""
+    """-> (out [B, T, H, M], the final state): the whole sequence (axis None), at once or in
+    segments of `segment` steps (None: at once), or this device's block of a sequence split over
+    `axis`. `options`: `_prepare`'s."""
     valid_BT, reset_BT = flags(q.shape[1], key_lengths_B, segment_ids_BT, axis=axis)
-    q, k, v, beta, g = _prepare(q, k, v, beta, g, valid_BT, acc=acc, qk_l2norm=qk_l2norm, scale=scale)
-    if axis is None:
-        out, final = form(q, k, v, beta, g, reset_BT, s0_BHDM)
+    if axis is None and segment is not None and q.shape[1] > segment:
+        out, final = _in_segments(form, (q, k, v, beta, g), valid_BT, reset_BT, s0_BHDM, segment, **options)
     else:
-        start, final = _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis)
-        out, _ = form(q, k, v, beta, g, reset_BT, start)
+        q, k, v, beta, g = _prepare(q, k, v, beta, g, valid_BT, **options)
+        if axis is None:
+            out, final = form(q, k, v, beta, g, reset_BT, s0_BHDM)
+        else:
+            start, final = _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis)
+            out, _ = form(q, k, v, beta, g, reset_BT, start)
     if valid_BT is not None:  # A query that does not count sees nothing: 0, as in every kind.
         out = jnp.where(valid_BT[:, :, None, None], out, 0)
     return out, final
+
+
+def _in_segments(form, inputs, valid_BT, reset_BT, s0_BHDM, L: int, *, scale, **options):
+    """`form` over segments of L steps in sequence, each prepared on its own, the state carried
+    (`gated_linear/chunk_segments.py`): the backward pass keeps the raw inputs and the state
+    entering each segment, and recomputes one segment at a time."""
+    B, T, H, M = inputs[2].shape
+    pad = -T % L
+    if pad:  # Padding counts for nothing (valid False): it writes nothing and keeps the state.
+        valid_BT = jnp.arange(T + pad)[None] < T if valid_BT is None else _pad_time(valid_BT, pad)
+        inputs, reset_BT = tuple(_pad_time(x, pad) for x in inputs), _pad_time(reset_BT, pad)
+
+    def segment_fn(consts, s_BHDM, inputs, flags):
+        (scale,) = consts  # An argument, not a closure: it may be traced, and is differentiated.
+        valid, reset = flags
+        out, s_BHDM = form(*_prepare(*inputs, valid, scale=scale, **options), reset, s_BHDM)
+        return s_BHDM, out
+
+    scale = (jnp.asarray(scale, options["acc"]),)
+    out_spec = ((B, T + pad, H, M), options["acc"])
+    flags = (valid_BT, reset_BT)
+    out, final = chunk_segments.run_segments(
+        segment_fn, scale, inputs, flags, s0_BHDM, (T + pad) // L, L, out_spec
+    )
+    return out[:, :T], final
+
+
+def _pad_time(x, pad: int):
+    return None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
 def _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis):
@@ -157,7 +191,8 @@ def delta_rule_attention(
         rule is stable for ||k|| = 1 and beta in [0, 2]).
       implementation: "chunked" (default; the WY representation per chunk, one scan over
         chunks), "scan" (one step at a time) or "reference" (the recurrence unrolled in Python).
-      chunk_size: steps per chunk of "chunked" (default 64).
+      chunk_size: steps per chunk of "chunked" (default `chunked.default_chunk_size()`: 32 on
+        CPU, 64 elsewhere).
       initial_state: an `ops.LinearState` with s [B, H, D, M] and no z; default zeros.
       return_state: also return the final state.
       key_lengths: int [B]: steps past it do not count (their outputs are 0, the state skips
@@ -202,15 +237,20 @@ def delta_rule_attention(
     form = FORMS[implementation]
     if implementation == "chunked":
         form = functools.partial(
-            form, chunk_size=chunked.DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+            form, chunk_size=chunked.default_chunk_size() if chunk_size is None else chunk_size
         )
     scale = D**-0.5 if scale is None else scale
-    block = functools.partial(_attend_block, form=form, acc=acc, qk_l2norm=qk_l2norm, scale=scale)
-    if implementation == "chunked":
-        block = _keeping_chunk_states(block)
-    args = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, key_lengths, segment_ids, s0_BHDM)
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BTHD, v_BTHM, name=name)
+    # One device's whole sequence may run in segments (`chunked.segment_length`); a block of a
+    # split sequence runs at once.
+    segment = chunked.segment_length() if implementation == "chunked" and sequence_axis is None else None
+    options = dict(acc=acc, qk_l2norm=qk_l2norm, scale=scale)
+    block = functools.partial(_attend_block, form=form, segment=segment, **options)
+    if implementation == "chunked" and (segment is None or T <= segment):
+        # In segments, the segments' loop keeps the inputs and one state per segment already.
+        block = _keeping_chunk_states(block)
+    args = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, key_lengths, segment_ids, s0_BHDM)
     if sequence_axis is None:
         out, s_BHDM = block(*args, axis=None)
     else:
