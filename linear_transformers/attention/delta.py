@@ -177,15 +177,15 @@ class DeltaRuleCore(AttentionCore):
             weight = self.conv[i][...].astype(x.dtype)
             if step:
                 state, y = ops.short_convolution_step(states[i], x_flat, weight)
+            elif states is None:
+                y, state = ops.short_convolution(x_flat, weight, **kwargs), None
             else:
-                initial = None if states is None else states[i]
-                y = ops.short_convolution(
-                    x_flat, weight, initial_state=initial, return_state=states is not None, **kwargs
+                y, state = ops.short_convolution(
+                    x_flat, weight, initial_state=states[i], return_state=True, **kwargs
                 )
-                y, state = y if states is not None else (y, None)
             new_states.append(state)
             outs.append(y.reshape(x.shape))
-        return tuple(outs), tuple(new_states) if states is not None else ()
+        return tuple(outs), () if states is None else tuple(new_states)
 
     def __call__(
         self,

@@ -108,7 +108,8 @@ def short_convolution(
     # belongs to starts at its segment's first step, or at -(W - 1) (the initial state) when no
     # segment began before it, on this device or an earlier one.
     offset = 0 if axis is None else sp.device_offset(axis, T)
-    x_ext = jnp.concatenate([_inputs_before(x_BTE.astype(acc), s0_BWE, axis), x_BTE.astype(acc)], axis=1)
+    x_acc = x_BTE.astype(acc)
+    x_ext = jnp.concatenate([_inputs_before(x_acc, s0_BWE, axis), x_acc], axis=1)
     t = offset + jnp.arange(T)
     run_start_BT = jnp.broadcast_to(jnp.asarray(-(W - 1)), (B, T))
     if reset_BT is not None:

@@ -143,16 +143,6 @@ def _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis):
     return start, final
 
 
-def _keeping_chunk_states(block):
-    """`block` differentiated keeping its inputs and the chunks' entering states alone: the
-    prepared inputs and every chunk intermediate are recomputed in the backward pass."""
-
-    def keeping(*args, axis):
-        return chunked.keeping_chunk_states(functools.partial(block, axis=axis))(*args)
-
-    return keeping
-
-
 def delta_rule_attention(
     q_BTHD,
     k_BTHD,
@@ -246,18 +236,19 @@ def delta_rule_attention(
     # split sequence runs at once.
     segment = chunked.segment_length() if implementation == "chunked" and sequence_axis is None else None
     options = dict(acc=acc, qk_l2norm=qk_l2norm, scale=scale)
-    block = functools.partial(_attend_block, form=form, segment=segment, **options)
+    block = functools.partial(_attend_block, axis=sequence_axis, form=form, segment=segment, **options)
     if implementation == "chunked" and (segment is None or T <= segment):
-        # In segments, the segments' loop keeps the inputs and one state per segment already.
-        block = _keeping_chunk_states(block)
+        # The prepared inputs and every chunk intermediate recomputed in the backward pass. (In
+        # segments, the segments' loop keeps the inputs and one state per segment already.)
+        block = chunked.keeping_chunk_states(block)
     args = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, key_lengths, segment_ids, s0_BHDM)
     if sequence_axis is None:
-        out, s_BHDM = block(*args, axis=None)
+        out, s_BHDM = block(*args)
     else:
         if not sp.is_manual(sequence_axis):
             sp.check_sequence_axis(sequence_axis, T, name=name)
         out, s_BHDM = sp.call_over_sequence(
-            functools.partial(block, axis=sequence_axis),
+            block,
             sequence_axis,
             args,
             (sp.TIME, sp.TIME, sp.TIME, sp.TIME, sp.TIME, sp.BATCH, sp.TIME, sp.BATCH),
