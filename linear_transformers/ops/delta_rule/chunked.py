@@ -44,7 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from linear_transformers.ops import precision
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.delta_rule import triangular
-from linear_transformers.ops.gated_linear import chunk_scores, totals
+from linear_transformers.ops.gated_linear import chunk_scores, chunk_segments, totals
 
 DEFAULT_CHUNK_SIZE = 64  # Off the CPU; `default_chunk_size` chooses per platform.
 
@@ -110,8 +110,7 @@ def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_s
     pad = N * C - T
     if pad:  # Padded steps write nothing (beta 0) and keep the state (g 0); their outputs are cut.
         q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT = (
-            None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-            for x in (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT)
+            chunk_segments.pad_time(x, pad) for x in (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT)
         )
     q, k, v = (_chunks(x, N, C) for x in (q_BTHD, k_BTHD, v_BTHM))  # [N, G, C, D|M]
     beta = _chunks(beta_BTH[..., None], N, C)  # [N, G, C, 1]

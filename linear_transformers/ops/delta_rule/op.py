@@ -76,10 +76,10 @@ def _attend_block(
     q, k, v, beta, g, key_lengths_B, segment_ids_BT, s0_BHDM, *, axis, form, segment, **options
 ):
     """-> (out [B, T, H, M], the final state): the whole sequence (axis None), at once or in
-    segments of `segment` steps (None: at once), or this device's block of a sequence split over
-    `axis`. `options`: `_prepare`'s."""
+    segments of `segment` steps (None: at once; only with axis None), or this device's block of
+    a sequence split over `axis`. `options`: `_prepare`'s."""
     valid_BT, reset_BT = flags(q.shape[1], key_lengths_B, segment_ids_BT, axis=axis)
-    if axis is None and segment is not None and q.shape[1] > segment:
+    if segment is not None:
         out, final = _in_segments(form, (q, k, v, beta, g), valid_BT, reset_BT, s0_BHDM, segment, **options)
     else:
         q, k, v, beta, g = _prepare(q, k, v, beta, g, valid_BT, **options)
@@ -100,8 +100,11 @@ def _in_segments(form, inputs, valid_BT, reset_BT, s0_BHDM, L: int, *, scale, **
     B, T, H, M = inputs[2].shape
     pad = -T % L
     if pad:  # Padding counts for nothing (valid False): it writes nothing and keeps the state.
-        valid_BT = jnp.arange(T + pad)[None] < T if valid_BT is None else _pad_time(valid_BT, pad)
-        inputs, reset_BT = tuple(_pad_time(x, pad) for x in inputs), _pad_time(reset_BT, pad)
+        valid_BT = (
+            jnp.arange(T + pad)[None] < T if valid_BT is None else chunk_segments.pad_time(valid_BT, pad)
+        )
+        inputs = tuple(chunk_segments.pad_time(x, pad) for x in inputs)
+        reset_BT = chunk_segments.pad_time(reset_BT, pad)
 
     def segment_fn(consts, s_BHDM, inputs, flags):
         (scale,) = consts  # An argument, not a closure: it may be traced, and is differentiated.
@@ -116,10 +119,6 @@ def _in_segments(form, inputs, valid_BT, reset_BT, s0_BHDM, L: int, *, scale, **
         segment_fn, scale, inputs, flags, s0_BHDM, (T + pad) // L, L, out_spec
     )
     return out[:, :T], final
-
-
-def _pad_time(x, pad: int):
-    return None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
 def _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis):
@@ -232,12 +231,15 @@ def delta_rule_attention(
     scale = D**-0.5 if scale is None else scale
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BTHD, v_BTHM, name=name)
-    # One device's whole sequence may run in segments (`chunked.segment_length`); a block of a
-    # split sequence runs at once.
-    segment = chunked.segment_length() if implementation == "chunked" and sequence_axis is None else None
+    # One device's whole sequence longer than a segment runs in segments
+    # (`chunked.segment_length`); a block of a split sequence runs at once.
+    segment = None
+    if implementation == "chunked" and sequence_axis is None:
+        segment = chunked.segment_length()
+        segment = segment if segment is not None and T > segment else None
     options = dict(acc=acc, qk_l2norm=qk_l2norm, scale=scale)
     block = functools.partial(_attend_block, axis=sequence_axis, form=form, segment=segment, **options)
-    if implementation == "chunked" and (segment is None or T <= segment):
+    if implementation == "chunked" and segment is None:
         # The prepared inputs and every chunk intermediate recomputed in the backward pass. (In
         # segments, the segments' loop keeps the inputs and one state per segment already.)
         block = chunked.keeping_chunk_states(block)

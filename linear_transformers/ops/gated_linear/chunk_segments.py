@@ -47,6 +47,12 @@ def _sum_over_added_axes(cotangent, primal):
     return jax.tree.map(reduce, cotangent, primal)
 
 
+def pad_time(x, pad: int):
+    """x [B, T, ...] followed by `pad` steps of zeros (None stays None): a sequence padded to a
+    whole number of segments or chunks."""
+    return None if x is None or not pad else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
 def _slice(x, i, L: int):
     return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * L, L, axis=1)
 

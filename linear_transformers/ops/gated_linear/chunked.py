@@ -139,10 +139,6 @@ def _segments(T: int, chunk_size: int):
     return G, -(-num_chunks // G), C
 
 
-def _pad_time(x, pad: int):
-    return None if x is None or not pad else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-
-
 def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, chunk_size):
     B, T, H, _ = q.shape
     M = v.shape[-1]
@@ -155,8 +151,10 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
         # 0), its decay 0 (a factor of 1), and it begins no segment: it reaches neither a real
         # output nor the final state.
         if prepare is not None:
-            valid_BT = jnp.arange(T + pad)[None] < T if valid_BT is None else _pad_time(valid_BT, pad)
-        q, k, v, g, reset_BT = (x if x is None else _pad_time(x, pad) for x in (q, k, v, g, reset_BT))
+            valid_BT = (
+                jnp.arange(T + pad)[None] < T if valid_BT is None else chunk_segments.pad_time(valid_BT, pad)
+            )
+        q, k, v, g, reset_BT = (chunk_segments.pad_time(x, pad) for x in (q, k, v, g, reset_BT))
     consts = ()
     if prepare is not None:
         # Closure-converted, so that the arrays `prepare` closes over (a feature map's
