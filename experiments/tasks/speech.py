@@ -122,6 +122,8 @@ def smoke(c: ml_collections.ConfigDict) -> None:
     """Seconds: the smoke corpus, a tiny model, 6 steps; for tests."""
     c.corpus_size = "smoke"
     c.stack_frames = 4
+    # Every smoke utterance is under 160 stacked frames: one padded length, one compiled step.
+    c.bucket_frames = 160
     c.model.num_layers = 1
     c.model.num_heads = 2
     c.model.model_dim = 32

@@ -284,6 +284,7 @@ def test_benchmark_generation_script_smoke(tmp_path):
     out, stdout = _run_script(
         "benchmark_generation",
         "--archs=mnist",
+        "--num_layers=1",
         "--batches=1",
         "--timed_steps=2",
         "--recompute_steps=1",

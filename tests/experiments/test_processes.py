@@ -26,11 +26,11 @@ from experiments.training.metrics import read_metrics
 CONFIG = "configs/digits.py:smoke"
 # Per-step losses (log_every=1), a checkpoint every 5 steps, one evaluation mid-run.
 RUN = {
-    "num_steps": 40,
+    "num_steps": 20,
     "log_every": 1,
     "checkpoint_every": 5,
-    "eval_every": 20,
-    "sample_every": 20,
+    "eval_every": 10,
+    "sample_every": 10,
     "peer_timeout": 5,
     "coordinator_timeout": 60,
 }
@@ -115,17 +115,16 @@ def test_two_processes_train_as_one_process_with_their_devices_and_write_once(st
     assert len(lines) == len(set(lines)) == RUN["num_steps"] + 2  # + two evaluations
     assert json.loads((straight / "config.json").read_text())["num_processes"] == 2
     assert sorted(p.name for p in (straight / "samples").iterdir()) == [
+        "step_0000010.png",
         "step_0000020.png",
-        "step_0000040.png",
     ]
 
 
 @slow
-@pytest.mark.parametrize("seed", [0, 1])
 def test_sigterm_to_both_at_random_moments_stops_them_at_one_step_and_resumes_exactly(
-    straight, tmp_path, cache, seed
+    straight, tmp_path, cache
 ):
-    rng = random.Random(seed)
+    rng = random.Random(0)
     workdir = tmp_path / "run"
     group = _group(workdir, cache).start()
     _wait_for_training(workdir, group)

@@ -202,7 +202,7 @@ def test_the_speech_comparison_writes_its_table_at_the_smoke_size(data_dir, tmp_
     options = speech_bench.SpeechComparisonOptions(
         runs=("linear", "bi-lstm"),
         size="smoke",
-        overrides=f"data_dir={data_dir},num_steps=2,eval_every=0,max_eval_examples=4",
+        overrides=f"data_dir={data_dir},num_steps=2,eval_every=0,max_eval_examples=4,bucket_frames=32",
         out_dir=str(tmp_path),
         memory_gib=0,
         timed_steps=2,

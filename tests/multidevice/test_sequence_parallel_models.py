@@ -127,10 +127,13 @@ def _check(model_name, name, got):
     assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads1))
 
 
-# The decoder-only model on every P; the encoder-decoder (source padding crossing device
-# boundaries) on 4 here and on 2 x 4 below.
-@pytest.mark.parametrize("model_name, p", [("lm", 2), ("lm", 8), ("seq2seq", 4)])
-@pytest.mark.parametrize("name", list(KINDS))
+# Linear attention's decoder-only model on every P, its encoder-decoder (source padding crossing
+# device boundaries) on 4 here and on 2 x 4 below; softmax's on 8 (its op on every P:
+# test_sequence_parallel_ops.py).
+@pytest.mark.parametrize(
+    "name, model_name, p",
+    [("linear", "lm", 2), ("linear", "lm", 8), ("linear", "seq2seq", 4), ("softmax", "lm", 8)],
+)
 def test_sequence_parallel_model_equals_one_device(model_name, name, p):
     got = _sequence_parallel(model_name, name, _mesh((p,), ("seq",)), P(None, "seq"))
     _check(model_name, name, got)
@@ -150,17 +153,16 @@ def test_sequence_parallel_image_generator_equals_one_device(name, p):
     _check("image", name, got)
 
 
-@pytest.mark.parametrize("name", list(KINDS))
-def test_data_and_sequence_mesh_equals_one_device(name):
+@pytest.mark.parametrize(
+    "name, model_name", [("linear", "lm"), ("linear", "seq2seq"), ("softmax", "seq2seq")]
+)
+def test_data_and_sequence_mesh_equals_one_device(name, model_name):
     """Batch over "data" (2), time over "seq" (4): the ops split the batch over the other axis."""
-    got = _sequence_parallel("lm", name, _mesh((2, 4), ("data", "seq")), P("data", "seq"))
-    _check("lm", name, got)
-    got = _sequence_parallel("seq2seq", name, _mesh((2, 4), ("data", "seq")), P("data", "seq"))
-    _check("seq2seq", name, got)
+    got = _sequence_parallel(model_name, name, _mesh((2, 4), ("data", "seq")), P("data", "seq"))
+    _check(model_name, name, got)
 
 
-@pytest.mark.parametrize("sequence_axis", ["seq", None])
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name, sequence_axis", [("linear", "seq"), ("linear", None), ("softmax", None)])
 def test_explicit_axes_mesh_equals_one_device(name, sequence_axis):
     """Explicit axis types: time-sharded inputs run sequence-parallel whether the model names
     the axis or not (the ops read it from the inputs' sharding)."""
