@@ -13,7 +13,6 @@ import contextlib
 import gc
 import pathlib
 
-import compile_flags  # noqa: F401  (first: XLA flags before JAX starts its backend)
 import jax
 import jax.numpy as jnp
 import pytest

@@ -28,10 +28,7 @@ def environment(devices: int, cache_dir=None, **extra) -> dict:
     """CPU with `devices` host devices; a compilation cache shared by the runs when `cache_dir`
     (a cached executable is the compiled one: the numbers do not change)."""
     env = dict(os.environ)
-    # The caller's other XLA flags (tests/compile_flags.py) are kept; the device count is ours.
-    device_flag = "--xla_force_host_platform_device_count"
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(device_flag)]
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*flags, f"{device_flag}={devices}"]))
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     if cache_dir is not None:
         env.update(

@@ -43,8 +43,12 @@ def _case(decay, seed=0):
     q, k = (rng.standard_normal((B, T, H, D)) for _ in range(2))
     v = rng.standard_normal((B, T, H, M))
     beta = rng.uniform(0, 2, (B, T, H))
-    shape = {"none": None, "head": (H,), "step": (B, T, H), "feature": (B, T, H, D)}[decay]
-    g = None if shape is None else -rng.uniform(0.01, 1.0, shape)
+    shape = {"none": None, "head": (H,), "step": (B, T, H), "feature": (B, T, H, D)}[
+        decay.removeprefix("strong ")
+    ]
+    # Strong decays: a chunk's exceed exp(30) from its midpoint, so the scores sum every pair's.
+    low, high = (10.0, 40.0) if decay.startswith("strong") else (0.01, 1.0)
+    g = None if shape is None else -rng.uniform(low, high, shape)
     ids = np.array([[1] * 5 + [2] * 6 + [0] * 2, [3] * 2 + [4] * 11])
     s0 = rng.standard_normal((B, H, D, M))
     return q, k, v, beta, g, ids, s0
@@ -57,7 +61,7 @@ def _per_step(g):
     return g if g.ndim == 4 else g[..., None]
 
 
-@pytest.mark.parametrize("decay", DECAYS)
+@pytest.mark.parametrize("decay", [*DECAYS, "strong feature"])
 @pytest.mark.parametrize("form", FORMS)
 def test_every_form_is_the_recurrence(x64, form, decay):
     q, k, v, beta, g, ids, s0 = _case(decay)
@@ -77,7 +81,7 @@ def test_every_form_is_the_recurrence(x64, form, decay):
     assert state.z_BHF is None
 
 
-@pytest.mark.parametrize("decay", ["none", "feature"])
+@pytest.mark.parametrize("decay", ["none", "feature", "strong feature"])
 @pytest.mark.parametrize("form", ["scan", "chunked"])
 def test_gradients_equal_the_references(x64, form, decay):
     q, k, v, beta, g, ids, s0 = (None if x is None else jnp.asarray(x) for x in _case(decay, seed=1))

@@ -126,8 +126,12 @@ def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_s
     pair_decay = None  # [N, G, C, C] per head: exp(Gamma_i - Gamma_j), shared by A and P.
     if g is not None and g.shape[-1] == 1:
         pair_decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=2)[..., 0], -jnp.inf))
-    A = beta * jnp.where(mask & ~jnp.eye(C, dtype=bool), _scores(k, k, g, pair_decay, acc), 0)
-    P = jnp.where(mask, _scores(q, k, g, pair_decay, acc), 0)  # [N, G, C, C]
+    if g is not None and pair_decay is None:  # Per feature: k's rescaling and the form shared.
+        kk, qk = _scores(jnp.stack([k, q]), k, g, pair_decay, acc)  # [N, G, C, C] each
+    else:
+        kk, qk = _scores(k, k, g, pair_decay, acc), _scores(q, k, g, pair_decay, acc)
+    A = beta * jnp.where(mask & ~jnp.eye(C, dtype=bool), kk, 0)
+    P = jnp.where(mask, qk, 0)
     k_decayed, q_decayed, k_to_end = k, q, k
     if g is not None:  # exp(Gamma_i) and exp(Gamma_C - Gamma_j), each from one sum of same-sign terms.
         from_start = jnp.exp(totals.prefix_sum(g, axis=2))

@@ -59,6 +59,8 @@ def _blocked_scores(q, k, g, acc):
     *lead, C, F = q.shape
     c = EXACT_BLOCK if C % EXACT_BLOCK == 0 else C
     n = C // c
+    # q may carry leading axes k and g broadcast over (several queries scored against one k).
+    k, g = jnp.broadcast_to(k, q.shape), jnp.broadcast_to(g, (*lead, C, g.shape[-1]))
     q, k = q.astype(acc), k.astype(acc)
     qb, kb, gb = (x.reshape(*lead, n, c, F) for x in (q, k, g))
     inner = jnp.tril(jnp.ones((c, c), bool))
@@ -117,5 +119,7 @@ _scores.defvjp(_scores_forward, _scores_backward)
 
 def decayed_scores(q_xCF, k_xCF, g_xCX, acc):
     """[..., C, C] scores q_t . diag(decay from s to t) k_s of every pair of a chunk, s > t
-    included (the caller masks them); any leading shape, chunk steps on axis -2."""
+    included (the caller masks them); any leading shape, chunk steps on axis -2. q may have
+    leading axes more than k and g, which are broadcast over them: several queries scored
+    against one k share its rescaling and the choice of form."""
     return _scores(q_xCF, k_xCF, g_xCX, from_midpoint(g_xCX, axis=g_xCX.ndim - 2), acc)
