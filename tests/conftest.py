@@ -6,12 +6,17 @@ tests/multidevice/ skip unless 8 devices are present.
 `pytest --matmul-precision=tensorfloat32` runs every test with TF32 products, as float32 inputs
 get by default on an NVIDIA GPU (emulated on the CPU: `tests/tf32.py`): on a machine without a
 GPU it shows which tests a GPU would fail. Tests that pin their precision keep it.
+
+The run compiles with LLVM's optimisation off into one temporary compilation cache (below).
 """
 
 import collections
 import contextlib
 import gc
+import os
 import pathlib
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +25,43 @@ import tf32
 
 import experiments  # noqa: F401  (sets XLA_FLAGS before the first computation starts JAX's CPU backend)
 
+# Test programs are small and many: a run compiles ~19,000 of them, 70% of its CPU time on a
+# 2-core CPU. They compile with LLVM's optimisation off, a third less compile time: XLA's own
+# passes (fusion, layouts, the HLO the tests check) are unchanged, only the machine code is
+# less tuned. A level XLA_FLAGS names is kept; the multi-process tests' trainer processes get
+# an XLA_FLAGS of their own (tests/process_group.py), so they compile as users' runs do.
+BACKEND_OPTIMIZATION = "--xla_backend_optimization_level"
+if BACKEND_OPTIMIZATION not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {BACKEND_OPTIMIZATION}=0".strip()
+
 MATMUL_PRECISIONS = ("default", tf32.TF32)
+
+# One persistent compilation cache for the whole run, its workers and the commands they start:
+# a program compiled by one test module (each drops its in-memory programs when it ends) or one
+# command is loaded by the next that compiles it, and nothing is written to the trainer's cache
+# in the home directory. Programs compiled in under 0.1 s are not written: most programs are, and
+# their recompiles cost less than the files.
+COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
+CACHE_MIN_COMPILE_SECONDS = "0.1"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and COMPILATION_CACHE not in os.environ:
+        # The run's first process (xdist's controller, or the only one): its workers inherit this.
+        config.session_compilation_cache = tempfile.mkdtemp(prefix="linear-transformers-test-jax-cache-")
+        os.environ[COMPILATION_CACHE] = config.session_compilation_cache
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = CACHE_MIN_COMPILE_SECONDS
+    jax.config.update("jax_compilation_cache_dir", os.environ[COMPILATION_CACHE])
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs",
+        float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", CACHE_MIN_COMPILE_SECONDS)),
+    )
+
+
+def pytest_unconfigure(config):
+    directory = getattr(config, "session_compilation_cache", None)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_addoption(parser):
