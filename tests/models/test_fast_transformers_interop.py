@@ -313,7 +313,7 @@ def test_sampling_an_authors_checkpoint_completes_test_images(tmp_path):
         attention_type="causal-linear",
         n_heads=2,
         num_images=3,
-        prefix_pixels=700,
+        prefix_pixels=770,
         data_dir=tmp_path / "tfds",
         manual_dir=tmp_path / "raw",
     )
@@ -325,7 +325,7 @@ def test_sampling_an_authors_checkpoint_completes_test_images(tmp_path):
     }
     images = results["recurrent"]["images"]
     assert images.shape == (3, 784) and (tmp_path / "recurrent.png").is_file()
-    np.testing.assert_array_equal(images[:, :700], test_images[:3].reshape(3, -1)[:, :700])
+    np.testing.assert_array_equal(images[:, :770], test_images[:3].reshape(3, -1)[:, :770])
     assert images.min() >= 0 and images.max() < 256
     # The recurrent form and the full recompute draw the same images from the same key.
     np.testing.assert_array_equal(images, results["recompute"]["images"])
