@@ -9,5 +9,14 @@ import os
 # this package before JAX starts its CPU backend, so they run with those fusions off, unless
 # XLA_FLAGS already chooses.
 YNN_REDUCE_OFF = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
-if "--xla_cpu_experimental_ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {YNN_REDUCE_OFF}".strip()
+
+
+def default_xla_flag(flag_and_value: str) -> None:
+    """Add `--flag=value` to XLA_FLAGS unless XLA_FLAGS already names the flag. It takes effect
+    in this process only before JAX starts its backend, and in the processes it starts."""
+    flag = flag_and_value.split("=", 1)[0]
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag_and_value}".strip()
+
+
+default_xla_flag(YNN_REDUCE_OFF)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import pytest
 import tf32
 
-import experiments  # noqa: F401  (sets XLA_FLAGS before the first computation starts JAX's CPU backend)
+import experiments  # (sets XLA_FLAGS before the first computation starts JAX's CPU backend)
 
 # Test programs are small and many: a run compiles ~19,000 of them, most of its CPU time on a
 # 2-core CPU. They compile with LLVM's optimisation off and with XLA:CPU's loop emitters in place
@@ -32,10 +32,9 @@ import experiments  # noqa: F401  (sets XLA_FLAGS before the first computation s
 # machine code (these programs run for milliseconds). A flag XLA_FLAGS names is kept. The
 # multi-process trainer runs (tests/process_group.py sets their XLA_FLAGS) compile with XLA's
 # defaults, as users' runs do.
-TEST_COMPILER_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
-for _flag, _value in TEST_COMPILER_FLAGS.items():
-    if _flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
+TEST_COMPILER_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+for _flag in TEST_COMPILER_FLAGS:
+    experiments.default_xla_flag(_flag)
 
 MATMUL_PRECISIONS = ("default", tf32.TF32)
 
@@ -45,20 +44,20 @@ MATMUL_PRECISIONS = ("default", tf32.TF32)
 # in the home directory. Programs compiled in under 0.1 s are not written: most programs are, and
 # their recompiles cost less than the files.
 COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
-CACHE_MIN_COMPILE_SECONDS = "0.1"
+CACHE_MIN_COMPILE_SECONDS = 0.1
 
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput") and COMPILATION_CACHE not in os.environ:
-        # The run's first process (xdist's controller, or the only one): its workers inherit this.
-        config.session_compilation_cache = tempfile.mkdtemp(prefix="linear-transformers-test-jax-cache-")
-        os.environ[COMPILATION_CACHE] = config.session_compilation_cache
-        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = CACHE_MIN_COMPILE_SECONDS
-    jax.config.update("jax_compilation_cache_dir", os.environ[COMPILATION_CACHE])
-    jax.config.update(
-        "jax_persistent_cache_min_compile_time_secs",
-        float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", CACHE_MIN_COMPILE_SECONDS)),
-    )
+    if hasattr(config, "workerinput") or COMPILATION_CACHE in os.environ:
+        # xdist's workers read the variables set below when they import JAX; a directory the
+        # caller chose is kept, with the caller's settings.
+        return
+    config.session_compilation_cache = tempfile.mkdtemp(prefix="linear-transformers-test-jax-cache-")
+    os.environ[COMPILATION_CACHE] = config.session_compilation_cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(CACHE_MIN_COMPILE_SECONDS)
+    # This process imported JAX before: its config is set directly.
+    jax.config.update("jax_compilation_cache_dir", config.session_compilation_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
 
 
 def pytest_unconfigure(config):
