@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+from configs import digits
 from experiments.training import mesh
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -53,3 +54,11 @@ def test_a_directory_jax_was_given_is_kept(tmp_path):
         assert not (tmp_path / "ours").exists()
     finally:
         mesh.jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_the_tests_compile_into_a_directory_of_their_own_run():
+    # tests/conftest.py: one cache for the run (a temporary one unless the caller chose it), not
+    # the trainer's default in the home directory, which the trainer would otherwise choose here.
+    default = digits.get_config().compilation_cache_dir
+    directory = mesh.use_compilation_cache(default)
+    assert directory == os.environ["JAX_COMPILATION_CACHE_DIR"] != str(pathlib.Path(default).expanduser())
