@@ -7,13 +7,15 @@ tests/multidevice/ skip unless 8 devices are present.
 get by default on an NVIDIA GPU (emulated on the CPU: `tests/tf32.py`): on a machine without a
 GPU it shows which tests a GPU would fail. Tests that pin their precision keep it.
 
-The run compiles with LLVM's optimisation off and XLA:CPU's loop emitters, into one temporary
-compilation cache (below).
+On the CPU the run compiles with LLVM's optimisation off and XLA:CPU's loop emitters; it compiles
+into one temporary compilation cache (below).
 """
 
 import collections
 import contextlib
 import gc
+import importlib.metadata
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -31,10 +33,22 @@ import experiments  # (sets XLA_FLAGS before the first computation starts JAX's 
 # of its fusion emitters: the same programs in about a third of the compile time, into slower
 # machine code (these programs run for milliseconds). A flag XLA_FLAGS names is kept. The
 # multi-process trainer runs (tests/process_group.py sets their XLA_FLAGS) compile with XLA's
-# defaults, as users' runs do.
+# defaults, as users' runs do; so does every run that may use a GPU or TPU (python -m
+# experiments.check_accelerator runs these tests there), whose compiles the tests check as they are.
 TEST_COMPILER_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-for _flag in TEST_COMPILER_FLAGS:
-    experiments.default_xla_flag(_flag)
+
+
+def _cpu_only() -> bool:
+    """JAX_PLATFORMS=cpu, or no accelerator plugin installed (how JAX itself finds them)."""
+    if os.environ.get("JAX_PLATFORMS"):
+        return os.environ["JAX_PLATFORMS"] == "cpu"
+    plugins = importlib.metadata.entry_points(group="jax_plugins")
+    return not plugins and not any(importlib.util.find_spec(name) for name in ("jax_plugins", "libtpu"))
+
+
+if _cpu_only():
+    for _flag in TEST_COMPILER_FLAGS:
+        experiments.default_xla_flag(_flag)
 
 MATMUL_PRECISIONS = ("default", tf32.TF32)
 
