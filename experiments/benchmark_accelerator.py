@@ -5,7 +5,8 @@
   python -m experiments.benchmark_accelerator --sizes=tiny --device=cpu   # smoke run, seconds
 
 Parts, in this order (each by the benchmark module that measures it on the CPU; see
-experiments/benchmarking/accelerator_bench.py): attention (chunked causal linear vs cuDNN flash
+experiments/benchmarking/accelerator_bench.py): kernel (the Pallas kernel vs XLA's chunked form,
+cuDNN and a copy of its bytes), attention (chunked causal linear vs cuDNN flash
 and XLA softmax, bf16, B=8, N=16k/64k), generation (MNIST architecture, recurrent vs KV cache,
 bf16, batch 1/256/1024), train_step (bf16 and float32 steps of the paper's MNIST model),
 compile (that step's first call at 2, 8 and 16 layers), chunk_size (C=32..256, float32 and

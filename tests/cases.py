@@ -24,6 +24,13 @@ MODEL_KINDS = {
     "relu": ("linear", {"feature_map": "relu"}),
 }
 
+
+def chunk_size_for(implementation: str, chunk_size):
+    """A test's chunk length for `implementation`: the GPU kernel ("pallas") takes powers of two
+    from 16, the other forms any length (or ignore it)."""
+    return max(16, chunk_size) if implementation == "pallas" and chunk_size is not None else chunk_size
+
+
 # Tests of ops compile many small programs: XLA's optimisation passes cost more than they save.
 unoptimised_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 

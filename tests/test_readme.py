@@ -106,6 +106,7 @@ def test_readme_family_examples_run_and_their_claims_hold():
     namespace = {}
     exec(compile(op_example, str(README), "exec"), namespace)
     np.testing.assert_allclose(namespace["out"], namespace["out_scan"], atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(namespace["out"], namespace["out_kernel"], atol=2e-4, rtol=2e-4)
     (model_example,) = [b for b in blocks if "pack_sequences" in b]
     exec(compile(model_example, str(README), "exec"), namespace)
     model, tokens, ids = namespace["model"], namespace["tokens"], namespace["segment_ids"]

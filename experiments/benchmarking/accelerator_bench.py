@@ -3,6 +3,11 @@
 A GPU is lent rarely and briefly, so one run measures everything its "GPU" section lists, each
 part by the benchmark module that already measures it on the CPU:
 
+  kernel      kernel_bench: the Pallas kernel (Triton) of the gated family against XLA's chunked
+              form and a copy of the forward's bytes (the roof), bf16, B=8, H=8, D=M=64,
+              N = 16k, no decay and decays per step and per feature, with cuDNN flash
+              attention; the goals forward <= 3x the copy, forward+backward >= 10x cuDNN, a
+              decay <= 1.3x no decay.
   attention   attention_bench: causal-linear/chunked vs softmax (cuDNN flash attention and XLA),
               bf16, B=8, H=8, D=M=64, N = 16k and 64k, forward and forward+backward; the
               targets chunked >= 8x / 30x cuDNN at 16k / 64k.
@@ -51,12 +56,13 @@ from experiments.benchmarking import (
     attention_bench,
     gated_bench,
     generation_bench,
+    kernel_bench,
     measure,
     prefill_bench,
     report,
 )
 
-PARTS = ("attention", "generation", "train_step", "compile", "chunk_size", "prefill", "gated")
+PARTS = ("kernel", "attention", "generation", "train_step", "compile", "chunk_size", "prefill", "gated")
 SIZES = ("accelerator", "check", "tiny")
 CHUNKED = "causal-linear/chunked"
 CUDNN = "softmax-cudnn"
@@ -87,6 +93,7 @@ class Sizes:
     compile_layers: tuple[int, ...]  # depths whose first training step is timed
     prefill: prefill_bench.PrefillBenchOptions
     gated: gated_bench.GatedBenchOptions
+    kernel: gated_bench.GatedBenchOptions  # decays and passes of the kernel part (impls: both)
     budgets_s: tuple[tuple[str, float], ...]  # (part, seconds)
 
     def budget_s(self, part: str) -> float:
@@ -104,7 +111,8 @@ def _sizes(name: str) -> Sizes:
             train_batches=(16,),
             train_dtypes=("bfloat16",),
             budgets_s=tuple(
-                (part, dict(attention=45.0, train_step=30.0, compile=100.0).get(part, 60.0)) for part in PARTS
+                (part, dict(kernel=45.0, attention=45.0, train_step=30.0, compile=100.0).get(part, 60.0))
+                for part in PARTS
             ),
         )
     return Sizes(
@@ -134,9 +142,12 @@ def _sizes(name: str) -> Sizes:
         gated=gated_bench.GatedBenchOptions(
             batch=8, dtype="bfloat16", impls=("chunked",), delta_decays=("step",)
         ),
-        # 510 s in all (max_minutes 8.5): with JAX's start and a last case running over, the
-        # run fits a 10-minute device command.
-        budgets_s=tuple(zip(PARTS, (100.0, 140.0, 80.0, 80.0, 60.0, 70.0, 60.0))),
+        kernel=gated_bench.GatedBenchOptions(
+            lengths=(16384,), batch=8, dtype="bfloat16", decays=kernel_bench.DECAYS, delta_decays=()
+        ),
+        # Parts past max_minutes (8.5) are skipped: with JAX's start and a last case running
+        # over, the run fits a 10-minute device command.
+        budgets_s=tuple(zip(PARTS, (70.0, 90.0, 130.0, 70.0, 70.0, 50.0, 60.0, 50.0))),
     )
 
 
@@ -179,6 +190,9 @@ def _tiny_sizes() -> Sizes:
         ),
         gated=gated_bench.GatedBenchOptions(
             lengths=(64,), batch=2, decays=("step",), impls=("chunked",), delta_decays=(), **small, **quick
+        ),
+        kernel=gated_bench.GatedBenchOptions(
+            lengths=(64,), batch=2, decays=("none", "feature"), delta_decays=(), **small, **quick
         ),
         budgets_s=tuple((part, 120.0) for part in PARTS),
     )
@@ -557,6 +571,67 @@ def gated_cases(sizes: Sizes) -> list[Case]:
     ]
 
 
+def kernel_cases(sizes: Sizes) -> list[Case]:
+    """What the kernel's goals need first (no decay: the kernel, the copy roof, cuDNN), then the
+    kernel with each decay and its copy, then XLA's chunked form of every decay."""
+    opts = sizes.kernel
+    gpu = jax.devices()[0].platform == "gpu"
+
+    def case(kind: str, pass_: str, n: int) -> Case:
+        return Case(
+            f"{kind} {pass_} N={n}",
+            lambda: [kernel_bench.run_case(opts, kind, pass_, n, opts.budget_bytes())],
+        )
+
+    cases = []
+    for n in opts.lengths:
+        for decay in opts.decays:
+            cases += [case(f"gated-{decay}/pallas", p, n) for p in opts.passes]
+            cases.append(case(kernel_bench.copy_kind(decay), "forward", n))
+            if decay == opts.decays[0] and gpu:
+                cases += [
+                    _sweep_case(attention_bench, _attention_opts(sizes, n), CUDNN, p, n) for p in opts.passes
+                ]
+        cases += [case(f"gated-{d}/chunked", p, n) for d in opts.decays for p in opts.passes]
+    if not gpu:
+        cases.append(Case(CUDNN, lambda: [{"kind": CUDNN, "status": "skipped: cuDNN needs an NVIDIA GPU"}]))
+    return cases
+
+
+def kernel_targets(rows: list[dict]) -> list[dict]:
+    ok = {(r["kind"], r["pass"], r["n"]): r["time_ms"] for r in rows if r.get("status") == "ok" and "n" in r}
+    both = "forward+backward"
+    out = []
+    for n in dict.fromkeys(r["n"] for r in rows if "n" in r):
+        kernel = ok.get(("gated-none/pallas", "forward", n))
+        out.append(
+            _ratio_target(
+                f"pallas forward <= {kernel_bench.ROOF_GOAL:g}x the copy of its bytes, no decay, N={n}",
+                kernel,
+                ok.get((kernel_bench.copy_kind("none"), "forward", n)),
+                lambda ratio: ratio <= kernel_bench.ROOF_GOAL,
+            )
+        )
+        out.append(
+            _ratio_target(
+                f"pallas {both} >= {kernel_bench.CUDNN_GOAL:g}x cuDNN flash attention, no decay, N={n}",
+                ok.get((CUDNN, both, n)),
+                ok.get(("gated-none/pallas", both, n)),
+                lambda ratio: ratio >= kernel_bench.CUDNN_GOAL,
+            )
+        )
+        for decay in ("step", "feature"):
+            out.append(
+                _ratio_target(
+                    f"pallas {both}, {decay} decay <= {kernel_bench.DECAY_GOAL:g}x no decay, N={n}",
+                    ok.get((f"gated-{decay}/pallas", both, n)),
+                    ok.get(("gated-none/pallas", both, n)),
+                    lambda ratio: ratio <= kernel_bench.DECAY_GOAL,
+                )
+            )
+    return out
+
+
 def _gated_ratios(rows: list[dict]) -> list[dict]:
     return gated_bench.add_ratios([r for r in rows if "n" in r])
 
@@ -586,6 +661,13 @@ class PartSpec:
 _VS_CHUNKED = "time / time(causal-linear/chunked), same run"
 _ATTENTION_COLUMNS = "kind pass n batch dtype chunk_size time_ms peak_mib status".split()
 PART_SPECS = {
+    "kernel": PartSpec(
+        "The Pallas kernel of the gated family vs XLA's chunked form, cuDNN and the memory roof",
+        kernel_cases,
+        "kind pass n batch dtype chunk_size time_ms bytes gb_per_s peak_mib status".split(),
+        {"pallas, XLA chunked and a copy of the forward's bytes, same run": kernel_bench.comparison},
+        kernel_targets,
+    ),
     "attention": PartSpec(
         "Attention: causal linear (chunked) vs softmax (cuDNN flash, XLA)",
         attention_cases,

@@ -6,8 +6,9 @@ A GPU is lent rarely and for minutes. This runs, in order:
 1. the op and model tests (`GROUPS`; pytest in a process of its own, pytest-xdist workers, GPU
    memory preallocation off so that they share the device), each test's outcome written as it
    ends (`pytest_results`), so a run stopped by its time limit still reports what finished;
-2. the quick parts of `accelerator_bench` at its "check" sizes (attention at 16k, the bf16
-   training step, the first step's compile time at 2, 8 and 16 layers).
+2. the quick parts of `accelerator_bench` at its "check" sizes (the Pallas kernel against XLA's
+   chunked form, cuDNN and the memory roof at 16k; attention at 16k, the bf16 training step,
+   the first step's compile time at 2, 8 and 16 layers).
 
 and writes <out_dir>/check.md: the device, pass / fail / skip counts per group, every failure
 with its assertion message, the slowest tests, and the benchmark's report (accelerator.md and
@@ -61,8 +62,8 @@ class CheckOptions:
     tests_from: str | None = None
     workers: int = 0
     test_minutes: float = 4.5
-    bench_parts: tuple[str, ...] = ("attention", "train_step", "compile")
-    bench_minutes: float = 2.5
+    bench_parts: tuple[str, ...] = ("kernel", "attention", "train_step", "compile")
+    bench_minutes: float = 3.0
 
     def __post_init__(self):
         if self.tests_from:

@@ -12,8 +12,9 @@ baseline every ratio is taken against) and "gated-{decay}/{impl}" with decay
   step     [B, N, H], per head and step (Mamba-2, simple GLA)
   feature  [B, N, H, D], per key feature and step (GLA)
 
-and impl "chunked" (the op's default) or "reference" (the dense [N, N] form; [N, N, D]
-with per-feature decays), which runs only where XLA's peak memory for it fits the budget; and
+and impl "chunked" (the op's default), "reference" (the dense [N, N] form; [N, N, D]
+with per-feature decays), which runs only where XLA's peak memory for it fits the budget, or
+"pallas" (the Pallas kernel: Triton on a GPU, Pallas's interpreter on a CPU, slow there); and
 "delta-{decay}/{impl}", the delta rule (`ops.delta_rule_attention`: DeltaNet, Gated DeltaNet,
 KDA for decays none, step, feature) in its chunked form and its scan (one step at a time), with
 beta = sigmoid of standard normal logits; its goals: chunked >= DELTA_GOAL_OVER_SCAN x faster
@@ -38,10 +39,11 @@ import jax.numpy as jnp
 from experiments.benchmarking import attention_bench, measure, report
 from linear_transformers import _deprecation, ops
 from linear_transformers.ops.delta_rule import chunked as delta_chunked
+from linear_transformers.ops.gated_linear import pallas
 
 BASELINE = "causal-linear/chunked"
 DECAYS = ("none", "head", "step", "feature")
-IMPLS = ("chunked", "reference")
+IMPLS = ("chunked", "reference", "pallas")
 PASSES = attention_bench.PASSES
 DTYPES = ("float32", "bfloat16")
 # The goal the table states: a decay costs at most this much over plain causal linear
@@ -62,7 +64,8 @@ class GatedBenchOptions(attention_bench.SweepOptions):
     batch: Batch B at every N (default: from --tokens).
     dtype: Input dtype (decays: float32).
     decays: Log decay shapes: none, head, step, feature.
-    impls: Forms of the gated op: chunked, reference (dense; "quadratic" is its old name).
+    impls: Forms of the gated op: chunked, reference (dense; "quadratic" is its old name),
+        pallas (the GPU kernel; interpreted on a CPU).
     chunk_size: Chunk length of the chunked forms (default: the op's, 64).
     decay_logit_bias: Log decays = log_sigmoid(normal logits + this); 3: ~0.95 kept per step.
     delta_decays: Log decay shapes of the delta-rule cases (none: no delta-rule case).
@@ -126,7 +129,11 @@ def is_delta(kind: str) -> bool:
 
 def chunk_size_used(kind: str, chunk_size: int | None) -> int | None:
     """The chunk length a kind runs with (None for the dense reference and the scan)."""
-    if parse_kind(kind)[1] != "chunked":
+    decay, impl = parse_kind(kind)
+    if impl == "pallas":
+        default = pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE if decay == "feature" else pallas.DEFAULT_CHUNK_SIZE
+        return chunk_size or default
+    if impl != "chunked":
         return None
     if is_delta(kind):
         return chunk_size or delta_chunked.default_chunk_size()
@@ -136,7 +143,7 @@ def chunk_size_used(kind: str, chunk_size: int | None) -> int | None:
 def attention_fn(kind: str, chunk_size: int | None):
     """(q, k, v[, beta][, log_decay]) -> out for one kind (chunk_size None: the op's default)."""
     decay, impl = parse_kind(kind)
-    chunk = chunk_size if impl == "chunked" else None
+    chunk = chunk_size if impl in ("chunked", "pallas") else None
     if is_delta(kind):
         if decay == "none":
             return lambda q, k, v, beta: ops.delta_rule_attention(

@@ -331,7 +331,8 @@ class CausalFormOptions:
     Attributes:
       implementation: one of `ops.LINEAR_IMPLEMENTATIONS` (default "chunked"); all give the
         same result.
-      chunk_size: chunk length for implementation="chunked" (None: `ops.DEFAULT_CHUNK_SIZE`).
+      chunk_size: chunk length for implementation="chunked" (None: `ops.DEFAULT_CHUNK_SIZE`)
+        or "pallas" (a power of two >= 16).
     """
 
     # Old option names, accepted by `check_attention_options` with a DeprecationWarning.

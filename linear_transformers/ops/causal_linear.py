@@ -26,6 +26,9 @@ parallel and carried on from where it ended (`return_state=True` gives (s_T, z_T
   it (`gated_linear/chunk_segments.py`): forward+backward keeps the inputs and one state per
   segment.
 - "scan": the RNN, `lax.scan` of the (s, z) update; O(F*M) state, T sequential steps.
+- "pallas": the chunked recurrence as a Pallas kernel, one program per (batch, head) carrying
+  its state on chip (a Triton kernel on a GPU; Pallas's interpreter on a CPU, for tests);
+  `gated_linear/pallas.py`.
 
 With `sequence_axis`, the time axis is split over the devices of a mesh axis (LASP-2, Sun et al.
 2025): each device reduces its block to its (s, z) totals, one all-gather shares these F x M
@@ -62,9 +65,10 @@ def causal_linear_attention(
       q_BTHD, k_BTHD: [B, T, H, D]; v_BTHM: [B, T, H, M].
       feature_map: registered name, FeatureMap or callable (see `feature_maps`).
       implementation: one of `LINEAR_IMPLEMENTATIONS`, "reference", "associative_scan",
-        "chunked", "scan" (see the module docstring); all give the same result for every T.
+        "chunked", "scan", "pallas" (the GPU kernel; see the module docstring); all give the
+        same result for every T.
       chunk_size: chunk length C for implementation="chunked" (>= 1; None:
-        `DEFAULT_CHUNK_SIZE`); T need not be a multiple of it.
+        `DEFAULT_CHUNK_SIZE`) or "pallas" (a power of two >= 16); T need not be a multiple of it.
       eps: added to the normaliser.
       initial_state: an `ops.LinearState` (s [B, H, F, M], z [B, H, F]) the sequence continues
         from: `init_linear_state`, the state of `linear_attention_step`, or the state a previous

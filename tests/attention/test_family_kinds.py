@@ -136,4 +136,4 @@ def test_the_family_is_registered_with_recurrent_and_sequence_parallel_forms():
         cls = attention.attention_class(kind)
         assert cls.has_recurrent_form and cls.has_sequence_parallel_form and cls.supports_segments
     assert set(GATED) <= set(attention.sequence_parallel_kinds())
-    assert ops.LINEAR_IMPLEMENTATIONS == ("reference", "associative_scan", "chunked", "scan")
+    assert ops.LINEAR_IMPLEMENTATIONS == ("reference", "associative_scan", "chunked", "scan", "pallas")

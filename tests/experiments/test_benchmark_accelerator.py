@@ -63,6 +63,10 @@ def test_every_part_at_tiny_sizes_and_a_failing_part_is_skipped(tmp_path, monkey
     # No cuDNN on the CPU: the attention targets say so instead of a verdict.
     verdicts = {t["target"]: t["verdict"] for t in result["targets"]}
     assert verdicts["chunked >= 8x cuDNN flash attention, N=16384, forward"] == "not measured"
+    # The kernel part: the kernel (interpreted here) and the copy of its bytes both ran.
+    assert verdicts["pallas forward <= 3x the copy of its bytes, no decay, N=64"] in ("met", "missed")
+    kernel = [r for r in rows if r["part"] == "kernel" and r["kind"] == "gated-none/pallas"]
+    assert kernel and float(kernel[0]["gb_per_s"]) > 0 and int(kernel[0]["bytes"]) == 4 * 2 * 64 * 2 * 8 * 2
 
 
 def test_the_entry_point_writes_the_report_of_the_selected_parts(tmp_path):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import chunk_size_for
 
 from linear_transformers import ops
 
@@ -88,7 +89,7 @@ def _op(impl, chunk_size=ops.DEFAULT_CHUNK_SIZE, fm_name="elu", jit=True):
     fn = functools.partial(
         ops.causal_linear_attention,
         implementation=impl,
-        chunk_size=chunk_size,
+        chunk_size=chunk_size_for(impl, chunk_size),
         feature_map=_feature_map(fm_name)[0],
     )
     return jax.jit(fn) if jit else fn
@@ -119,7 +120,7 @@ def _quadratic_grads(seed, T, fm_name):
 
 
 def test_impls_cover_the_documented_set():
-    assert set(ops.LINEAR_IMPLEMENTATIONS) == {"reference", "associative_scan", "chunked", "scan"}
+    assert set(ops.LINEAR_IMPLEMENTATIONS) == {"reference", "associative_scan", "chunked", "scan", "pallas"}
 
 
 @pytest.mark.parametrize("fm_name,T", [("elu", 1)] + [(fm, 37) for fm in FEATURE_MAPS])

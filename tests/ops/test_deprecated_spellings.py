@@ -52,7 +52,11 @@ def test_moved_names():
     from linear_transformers.ops import chunk_segments, gated_forms
 
     with pytest.warns(DeprecationWarning, match=r"ops\.IMPLS is deprecated.*ops\.LINEAR_IMPLEMENTATIONS"):
-        assert ops.IMPLS == ops.LINEAR_IMPLEMENTATIONS == ("reference", "associative_scan", "chunked", "scan")
+        assert (
+            ops.IMPLS
+            == ops.LINEAR_IMPLEMENTATIONS
+            == ("reference", "associative_scan", "chunked", "scan", "pallas")
+        )
     with pytest.warns(DeprecationWarning, match=r"gated_linear\.chunked\.DEFAULT_CHUNK_SIZE"):
         assert gated_forms.DEFAULT_CHUNK_SIZE == gated_linear.DEFAULT_CHUNK_SIZE
     with pytest.warns(DeprecationWarning, match=r"gated_linear\.chunk_segments\.run_segments"):

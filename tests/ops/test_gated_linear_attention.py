@@ -107,7 +107,14 @@ def _run(q, k, v, g, s0, z0, **kw):
 @pytest.mark.parametrize("decay", DECAYS)
 @pytest.mark.parametrize(
     "impl,chunk_size",
-    [("reference", None), ("associative_scan", None), ("scan", None), ("chunked", 4), ("chunked", None)],
+    [
+        ("reference", None),
+        ("associative_scan", None),
+        ("scan", None),
+        ("chunked", 4),
+        ("chunked", None),
+        ("pallas", None),
+    ],
 )
 def test_every_impl_equals_the_numpy_recurrence(x64, decay, impl, chunk_size):
     for normalize, packed in itertools.product((False, True), (False, True)):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import unoptimised_jit
+from cases import chunk_size_for, unoptimised_jit
 
 from linear_transformers import ops
 
@@ -59,7 +59,7 @@ def _op(implementation):
             v,
             log_decay=g,
             implementation=implementation,
-            chunk_size=4,
+            chunk_size=chunk_size_for(implementation, 4),
             return_state=True,
             segment_ids=SEGMENTS,
         )

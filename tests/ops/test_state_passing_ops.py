@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import favor_map
+from cases import chunk_size_for, favor_map
 from cases import unoptimised_jit as jit
 
 from linear_transformers import ops
@@ -135,7 +135,10 @@ def _functional(out, state, w):
 
 def _op(impl, chunk_size, fm_name):
     return functools.partial(
-        ops.causal_linear_attention, implementation=impl, chunk_size=chunk_size, feature_map=_fm(fm_name)
+        ops.causal_linear_attention,
+        implementation=impl,
+        chunk_size=chunk_size_for(impl, chunk_size),
+        feature_map=_fm(fm_name),
     )
 
 
@@ -299,7 +302,7 @@ def _segmented_value_and_grad(impl, bounds):
                 k[:, a:b],
                 v[:, a:b],
                 implementation=impl,
-                chunk_size=8,
+                chunk_size=chunk_size_for(impl, 8),
                 initial_state=state,
                 return_state=True,
             )

@@ -10,6 +10,8 @@ chunked.py           "chunked" (the default): chunks, a segment at a time
 chunk_scores.py      the chunked form's decayed scores within a chunk
 chunk_segments.py    the chunked form's segment loop and its recomputing backward pass
 scan.py              "scan": the RNN
+pallas.py            "pallas": the GPU kernel (Triton; Pallas's interpreter on a CPU)
+pallas_kernels.py    its forward and backward kernels
 totals.py            what a stretch of steps does to the state; sums of log decays
 nonfinite.py         the guard of the forms that multiply by masked weights
 """

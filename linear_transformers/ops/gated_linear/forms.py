@@ -24,13 +24,15 @@ and computes, with a_t = exp(g_t) and the state dropped at a reset,
   s_t = a_t * s_{t-1} + phi(k_t) v_t^T,   z_t = a_t * z_{t-1} + phi(k_t),
   out_t = phi(q_t) . s_t  (/ (phi(q_t) . z_t + eps) with a normaliser),
 
-returning the outputs and the state after the last step. The chunked form also takes
+returning the outputs and the state after the last step. The chunked and pallas forms also take
 `chunk_size`, which the caller binds.
 
 - "reference": the dense decay matrix (`reference.py`).
 - "associative_scan": `lax.associative_scan` of every step's totals (`associative_scan.py`).
 - "chunked": chunks, a segment of them at a time (`chunked.py`).
 - "scan": the RNN (`scan.py`).
+- "pallas": the chunked recurrence as a Pallas kernel (`pallas.py`), which takes `chunk_size`
+  as "chunked" does.
 
 Every form carries the non-finite guard (`nonfinite.py`), whichever path calls it: one semantics
 for a non-finite value or decay, in the values and in the gradients.
@@ -38,7 +40,7 @@ for a non-finite value or decay, in the values and in the gradients.
 
 from __future__ import annotations
 
-from linear_transformers.ops.gated_linear import associative_scan, chunked, nonfinite, reference, scan
+from linear_transformers.ops.gated_linear import associative_scan, chunked, nonfinite, pallas, reference, scan
 
 FORMS = {
     name: nonfinite.guarded(module.form)
@@ -47,6 +49,7 @@ FORMS = {
         ("associative_scan", associative_scan),
         ("chunked", chunked),
         ("scan", scan),
+        ("pallas", pallas),
     )
 }
 LINEAR_IMPLEMENTATIONS = tuple(FORMS)

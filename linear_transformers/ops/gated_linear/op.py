@@ -80,8 +80,10 @@ def gated_linear_attention(
       normalize: divide by scale * phi(q_t) . z_t + eps (the paper's normaliser; needs a
         non-negative feature map).
       implementation: one of `LINEAR_IMPLEMENTATIONS`, "reference", "associative_scan",
-        "chunked", "scan" (`forms.py`); all give the same result.
-      chunk_size: chunk length C for implementation="chunked" (None: `DEFAULT_CHUNK_SIZE`, 64).
+        "chunked", "scan", "pallas" (the GPU kernel, interpreted on a CPU; `pallas.py`)
+        (`forms.py`); all give the same result.
+      chunk_size: chunk length C for implementation="chunked" (None: `DEFAULT_CHUNK_SIZE`, 64)
+        or "pallas" (a power of two >= 16; None: 64, 16 with a decay per feature).
       eps: added to the normaliser.
       initial_state: an `ops.LinearState` (s [B, H, F, M], z [B, H, F] or None without a
         normaliser) the sequence continues from. None: zeros. Gradients flow into it.
@@ -172,6 +174,8 @@ def attend(
     form = FORMS[implementation]
     if implementation == "chunked":
         form = functools.partial(form, chunk_size=DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size)
+    elif implementation == "pallas":
+        form = functools.partial(form, chunk_size=chunk_size)
     scale = D**-0.5 if scale is None else scale
     prepare = functools.partial(inputs.prepare, fm=fm, scale=scale, acc=acc)
     options = dict(form=form, prepare=prepare, eps=eps, acc=acc)

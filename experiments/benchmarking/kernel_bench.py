@@ -1,0 +1,107 @@
+"""The Pallas kernel of the gated family against XLA's chunked form and against the memory roof,
+timed in one run: the accelerator benchmark's "kernel" part.
+
+Legend: B batch, N sequence length, H heads, D key/query features, M value features.
+
+Cases (`kind`): "gated-{decay}/{impl}" (`gated_bench`'s: decay none, step or feature; impl
+"pallas" or "chunked") and "copy-{decay}", the roof: one elementwise pass that reads the
+forward's inputs (q, k, v and the log decays) and writes an output of its size, the bytes the
+forward must move at least. Every row has `bytes` (what its forward reads and writes) and
+`gb_per_s` (bytes / time: for a forward, the bandwidth it achieved; the copy's is the device's,
+measured). The copy runs forward only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from experiments.benchmarking import attention_bench, gated_bench
+
+DECAYS = ("none", "step", "feature")
+IMPLS = ("pallas", "chunked")
+# The goals of the kernel (bf16, N = 16384): the forward within this many times the copy of its
+# bytes; forward+backward at least this many times faster than cuDNN flash attention; a decay
+# within this factor of no decay (forward+backward).
+ROOF_GOAL = 3.0
+CUDNN_GOAL = 10.0
+DECAY_GOAL = 1.3
+
+
+def copy_kind(decay: str) -> str:
+    return f"copy-{decay}"
+
+
+def forward_bytes(specs) -> int:
+    """What a forward reads (every spec but the output cotangent, the last) and writes (an
+    output the size of v, the third)."""
+    read = sum(s.size * s.dtype.itemsize for s in specs[:-1])
+    return int(read + specs[2].size * specs[2].dtype.itemsize)
+
+
+def _copy(q, k, v, *rest):
+    """Reads q, k, v and the log decays once, writes one [B, N, H, M] array (M = D); `rest`:
+    ([log decay,] the output cotangent, unused)."""
+    out = q + k + v
+    if len(rest) == 2:
+        g = rest[0]
+        out = out + (g if g.ndim == 4 else g[..., None]).astype(out.dtype)
+    return out
+
+
+def run_case(opts: gated_bench.GatedBenchOptions, kind: str, pass_: str, n: int, budget: int) -> dict:
+    """One case: a gated kind as `gated_bench` defines it, or the copy of its decay's bytes."""
+    batch = opts.batch_for(n)
+    copy = kind.startswith("copy-")
+    gated_kind = f"gated-{kind.removeprefix('copy-')}/pallas" if copy else kind
+    decay, impl = gated_bench.parse_kind(gated_kind)
+    chunk = None if copy else gated_bench.chunk_size_used(kind, opts.chunk_size)
+    labels = {"decay": decay, "impl": "copy" if copy else impl}
+    row = attention_bench.case_row(opts, kind, pass_, n, batch, chunk, labels, per_sample_peak=False)
+    specs = gated_bench.input_specs(opts, gated_kind, batch, n)
+    row["bytes"] = forward_bytes(specs)
+    if copy:
+        if pass_ != "forward":
+            raise ValueError(f"{kind} is the forward's roof: it has no {pass_!r} pass.")
+        fn = _copy
+    else:
+        fn = attention_bench.pass_fn(gated_bench.attention_fn(kind, opts.chunk_size), pass_)
+    inputs = functools.partial(gated_bench.random_inputs, opts, gated_kind, batch, n)
+    row = attention_bench.time_case(opts, row, fn, specs, inputs, budget)
+    row["gb_per_s"] = row["bytes"] / (row["time_ms"] * 1e6) if row["status"] == "ok" else float("nan")
+    return row
+
+
+def comparison(rows: list[dict]) -> list[dict]:
+    """Per (N, decay, pass): the kernel's, XLA's and the copy's ms, the kernel's GB/s and its
+    time over the copy's (forward) and XLA's over the kernel's."""
+    ran = {(r["n"], r["kind"], r["pass"]): r for r in rows if r.get("status") == "ok" and "kind" in r}
+    nan = float("nan")
+
+    def field(row, name):
+        return row[name] if row else nan
+
+    out = []
+    for n in dict.fromkeys(r["n"] for r in rows if "n" in r):
+        for decay in DECAYS:
+            copy = ran.get((n, copy_kind(decay), "forward"))
+            for pass_ in attention_bench.PASSES:
+                kernel = ran.get((n, f"gated-{decay}/pallas", pass_))
+                xla = ran.get((n, f"gated-{decay}/chunked", pass_))
+                if not (kernel or xla):
+                    continue
+                kernel_ms, xla_ms, copy_ms = (field(r, "time_ms") for r in (kernel, xla, copy))
+                out.append(
+                    {
+                        "n": n,
+                        "decay": decay,
+                        "pass": pass_,
+                        "pallas_ms": kernel_ms,
+                        "xla_chunked_ms": xla_ms,
+                        "copy_ms": copy_ms,
+                        "pallas_gb_per_s": field(kernel, "gb_per_s"),
+                        "copy_gb_per_s": field(copy, "gb_per_s"),
+                        "pallas_over_copy": kernel_ms / copy_ms if pass_ == "forward" else nan,
+                        "xla_over_pallas": xla_ms / kernel_ms,
+                    }
+                )
+    return out

@@ -1,0 +1,204 @@
+"""The Pallas kernels of the "pallas" form: the chunked recurrence of one (batch, head) per
+program, its state kept on chip from the first chunk to the last.
+
+Legend: B batch, T time (a whole number of chunks), H heads, D key/query features (feature-map
+features, after `prepare`), M value features, C chunk length, X decay features (1 or D).
+
+Each program walks its sequence chunk by chunk with `lax.fori_loop`, carrying the [D, M] state
+in float32 (float64 for float64 inputs). Within a chunk, with L[t, s] the log decays summed over
+(s, t], P[t] those up to t and Q[s] those after s (within the chunk), and Gamma their total:
+
+  A[t, s]   = sum_x q[t] k[s] exp(L[t, s, x])              t >= s, same segment (else 0)
+  out[t]    = A[t] @ v + reads[t] * (q[t] * exp(P[t])) @ S
+  S        <- survives * exp(Gamma) * S + (tail * k * exp(Q))^T @ v
+
+`reads[t]`: no segment began in the chunk up to t (the query reads the state carried in);
+`tail[s]`: s is in the chunk's last segment (it reaches the state carried out); `survives`: no
+segment began in the chunk. Segments come in as two int32 [B, T] counts of segment starts, up to
+and including t (`runs`) and before t (`before`); without segments neither is passed.
+
+Every sum of log decays is a sum of same-sign terms (a cumulative sum, or a product with a 0/1
+matrix at full precision), never the difference of two running sums, and every exponent is <= 0:
+exact and finite whatever the decays, as the XLA forms are (`totals.py`). With a decay per
+feature the pair decays are [C, C, D] (summed over features elementwise, not a matmul), so that
+chunk is short (`pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE`).
+
+The backward kernel recomputes what it needs: one pass forward over the chunks (carrying S)
+gives dq; one pass backward (carrying dS, the cotangent of the state) gives dk, dv and the
+initial state's cotangent. Nothing the size of the sequence is kept between the passes. The
+decays' cotangent is formed outside (`pallas.py`) from q * dq - k * dk.
+
+Only what Pallas lowers to Triton is used here (no value slicing, 2-D matmuls, forward
+`cumsum`); `tests/ops/test_pallas_form.py` lowers both kernels for CUDA on any machine.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from linear_transformers.ops.precision import EXACT
+
+
+def _chunk_masks(c, runs_ref, before_ref, C: int):
+    """(keep [C, C], reads [C], tail [C], survives) of chunk c; all None without segments but keep
+    (the causal mask)."""
+    t = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    s = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    keep = t >= s
+    if runs_ref is None:
+        return keep, None, None, None
+    rows = pl.ds(c * C, C)
+    runs = runs_ref[rows]
+    entering = jnp.min(before_ref[rows])  # the segment count the carried state belongs to
+    last = jnp.max(runs)
+    keep = keep & (runs[:, None] == runs[None, :])
+    return keep, runs == entering, runs == last, last == entering
+
+
+class _Chunk:
+    """One chunk's inputs in `acc`, its masks, and the factors that carry its queries to the state
+    entering it (`into`) and its keys to the state leaving it (`out_of`): [C, X] or None (1)."""
+
+    def __init__(self, c, refs, C: int, acc, *, per_feature: bool):
+        q_ref, k_ref, v_ref, g_ref, runs_ref, before_ref = refs
+        rows = pl.ds(c * C, C)
+        self.q = q_ref[rows, :].astype(acc)
+        self.k = k_ref[rows, :].astype(acc)
+        self.v = v_ref[rows, :].astype(acc)
+        self.keep, reads, tail, self.survives = _chunk_masks(c, runs_ref, before_ref, C)
+        self.per_feature = per_feature
+        self.g = self.decay = self.into = self.out_of = None
+        if g_ref is not None:
+            g = (g_ref[rows, :] if per_feature else g_ref[rows][:, None]).astype(acc)  # [C, X]
+            after = _later(C)  # after[s, i]: i > s
+            if per_feature:
+                suffix = pltriton.dot(after.astype(acc), g, precision=EXACT)
+            else:
+                suffix = jnp.sum(jnp.where(after, jnp.transpose(g), 0), axis=1, keepdims=True)
+            gamma = jnp.sum(g, axis=0, keepdims=True)  # [1, X]
+            self.g, self.decay = g, jnp.exp(gamma)
+            self.into, self.out_of = jnp.exp(jnp.cumsum(g, axis=0)), jnp.exp(suffix)
+        if reads is not None:
+            one = jnp.ones((C, 1), acc)
+            self.into = jnp.where(reads[:, None], one if self.into is None else self.into, 0)
+            self.out_of = jnp.where(tail[:, None], one if self.out_of is None else self.out_of, 0)
+        self.q_in = _times(self.q, self.into)
+        self.k_out = _times(self.k, self.out_of)
+
+    def pair_decays(self):
+        """exp(L[t, s]) where kept, else 0: [C, C], or [C, C, D] per feature; None: no decay. L
+        sums the log decays in (s, t] as products with 0/1 matrices at full precision: a sum of
+        same-sign terms, never a difference of two running sums, which would lose eps * |sum|."""
+        g = self.g
+        if g is None:
+            return None
+        C = g.shape[0]
+        if self.per_feature:  # L[(t, s), d] = sum_i [s < i <= t] g[i, d]
+            pair = jax.lax.broadcasted_iota(jnp.int32, (C * C, C), 0)
+            i = jax.lax.broadcasted_iota(jnp.int32, (C * C, C), 1)
+            between = (pair % C < i) & (i <= pair // C)
+            L = pltriton.dot(between.astype(g.dtype), g, precision=EXACT).reshape(C, C, g.shape[1])
+            return jnp.exp(jnp.where(self.keep[:, :, None], L, -jnp.inf))
+        # L[t, s] = sum_i [i <= t] g[i] [i > s]
+        L = pltriton.dot(
+            jnp.where(_upto(C), jnp.transpose(g), 0), _later(C).astype(g.dtype), trans_b=True, precision=EXACT
+        )
+        return jnp.exp(jnp.where(self.keep, L, -jnp.inf))
+
+    def scores(self, E):
+        """A [C, C]: q[t] . (decayed) k[s] where kept, else 0."""
+        if E is None:
+            return jnp.where(self.keep, pltriton.dot(self.q, self.k, trans_b=True), 0)
+        if self.per_feature:
+            return jnp.sum(self.q[:, None, :] * self.k[None, :, :] * E, axis=2)
+        return pltriton.dot(self.q, self.k, trans_b=True) * E
+
+    def carry_over(self, S):
+        """What the chunk leaves of the state carried into it: S decayed (per row), or 0."""
+        if self.decay is not None:
+            S = S * jnp.transpose(self.decay)  # [X, 1] against S's rows
+        return S if self.survives is None else jnp.where(self.survives, S, 0)
+
+
+def _later(C: int):
+    """[C, C] bool: [s, i] is i > s."""
+    return jax.lax.broadcasted_iota(jnp.int32, (C, C), 1) > jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+
+
+def _upto(C: int):
+    """[C, C] bool: [t, i] is i <= t."""
+    return jax.lax.broadcasted_iota(jnp.int32, (C, C), 1) <= jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+
+
+def _times(x, factor):
+    return x if factor is None else x * factor
+
+
+def _split_refs(refs, has_decay: bool, has_segments: bool):
+    """(q, k, v, g, runs, before) from the kernel's leading refs; None where not passed."""
+    q_ref, k_ref, v_ref, *rest = refs
+    g_ref = rest.pop(0) if has_decay else None
+    runs_ref, before_ref = (rest.pop(0), rest.pop(0)) if has_segments else (None, None)
+    return q_ref, k_ref, v_ref, g_ref, runs_ref, before_ref
+
+
+def forward_kernel(*refs, C, num_chunks, has_decay, has_segments, per_feature, acc):
+    """refs: q, k, v, [g], [runs, before], s0 -> out, s (the state after the last chunk)."""
+    inputs, (s0_ref, o_ref, s_ref) = _split_refs(refs, has_decay, has_segments), refs[-3:]
+
+    def body(c, S):
+        chunk = _Chunk(c, inputs, C, acc, per_feature=per_feature)
+        A = chunk.scores(chunk.pair_decays())
+        out = pltriton.dot(A, chunk.v) + pltriton.dot(chunk.q_in, S)
+        o_ref[pl.ds(c * C, C), :] = out.astype(o_ref.dtype)
+        return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
+
+    s_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(acc)).astype(s_ref.dtype)
+
+
+def backward_kernel(*refs, C, num_chunks, has_decay, has_segments, per_feature, acc):
+    """refs: q, k, v, [g], [runs, before], s0, d_out, d_s -> dq, dk, dv, d_s0."""
+    inputs = _split_refs(refs, has_decay, has_segments)
+    s0_ref, do_ref, ds_ref, dq_ref, dk_ref, dv_ref, ds0_ref = refs[-7:]
+
+    def load(c):
+        chunk = _Chunk(c, inputs, C, acc, per_feature=per_feature)
+        do = do_ref[pl.ds(c * C, C), :].astype(acc)
+        E = chunk.pair_decays()
+        dA = jnp.where(chunk.keep, pltriton.dot(do, chunk.v, trans_b=True), 0)
+        # The cotangent of q[t] . k[s] of each pair (per feature: of q[t, d] k[s, d]).
+        if E is None:
+            dAE = dA
+        else:
+            dAE = dA[:, :, None] * E if per_feature else dA * E
+        return chunk, do, E, dAE
+
+    def forward(c, S):  # dq, from the state entering each chunk
+        chunk, do, _, dAE = load(c)
+        dq = jnp.sum(dAE * chunk.k[None, :, :], axis=1) if per_feature else pltriton.dot(dAE, chunk.k)
+        dq = dq + _times(pltriton.dot(do, S, trans_b=True), chunk.into)
+        dq_ref[pl.ds(c * C, C), :] = dq.astype(dq_ref.dtype)
+        return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
+
+    jax.lax.fori_loop(0, num_chunks, forward, s0_ref[...].astype(acc))
+
+    def backward(i, dS):  # dk, dv and the state's cotangent, from the last chunk to the first
+        c = num_chunks - 1 - i
+        chunk, do, E, dAE = load(c)
+        rows = pl.ds(c * C, C)
+        dv = pltriton.dot(chunk.scores(E), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
+        dk = (
+            jnp.sum(dAE * chunk.q[:, None, :], axis=0)
+            if per_feature
+            else pltriton.dot(dAE, chunk.q, trans_a=True)
+        )
+        dk = dk + _times(pltriton.dot(chunk.v, dS, trans_b=True), chunk.out_of)
+        dk_ref[rows, :] = dk.astype(dk_ref.dtype)
+        dv_ref[rows, :] = dv.astype(dv_ref.dtype)
+        return chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True)
+
+    dS = jax.lax.fori_loop(0, num_chunks, backward, ds_ref[...].astype(acc))
+    ds0_ref[...] = dS.astype(ds0_ref.dtype)

@@ -1,0 +1,202 @@
+"""The "pallas" form (`ops/gated_linear/pallas.py`): its kernels, run by Pallas's interpreter
+on the CPU (on a GPU, as Triton kernels), equal the dense reference over several chunks, in
+values and gradients, for every decay shape with segments, key lengths, a starting state, a
+normaliser and sizes that are not powers of two; strong decays stay exact; bfloat16 inputs keep
+float32 states; and both kernels lower to Triton for CUDA on any machine.
+
+Legend: B batch, T time, H heads, D key/query features, M value features.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linear_transformers import ops
+from linear_transformers.ops.gated_linear import pallas
+
+B, T, H, D, M = 2, 40, 2, 3, 5  # three chunks of 16, the last one partly padding
+CHUNK = 16
+# Segments that cross chunk boundaries, padding (0) inside a chunk, one row a single segment.
+SEGMENTS = np.array([[1] * 10 + [2] * 17 + [0] * 3 + [3] * 10, [4] * 33 + [5] * 7])
+LENGTHS = np.array([T, 29])
+
+
+def _inputs(seed, decay, *, normalize):
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((B, T, H, D)), rng.standard_normal((B, T, H, D))
+    v = rng.standard_normal((B, T, H, M))
+    g = {
+        "none": None,
+        "head": -rng.uniform(0, 1, size=(H,)),
+        "step": -rng.uniform(0, 1, size=(B, T, H)),
+        "feature": -rng.uniform(0, 1, size=(B, T, H, D)),
+    }[decay]
+    s0 = rng.standard_normal((B, H, D, M))
+    z0 = rng.uniform(0, 1, size=(B, H, D)) if normalize else None
+    w = rng.standard_normal((B, T, H, M))
+    return tuple(None if x is None else jnp.asarray(x) for x in (q, k, v, g, s0, z0, w))
+
+
+def _loss(implementation, q, k, v, g, s0, z0, w, *, normalize, packed):
+    out, state = ops.gated_linear_attention(
+        q,
+        k,
+        v,
+        log_decay=g,
+        normalize=normalize,
+        feature_map="elu" if normalize else None,
+        implementation=implementation,
+        chunk_size=CHUNK if implementation == "pallas" else None,
+        initial_state=ops.LinearState(s0, z0),
+        return_state=True,
+        segment_ids=jnp.asarray(SEGMENTS) if packed else None,
+        key_lengths=jnp.asarray(LENGTHS) if packed else None,
+    )
+    z_term = 0.0 if z0 is None else jnp.sum(jnp.cos(state.z_BHF))
+    return jnp.sum(jnp.sin(out) * w) + jnp.sum(state.s_BHFM**2) + z_term, (out, state)
+
+
+@pytest.mark.parametrize("decay", ["none", "head", "step", "feature"])
+@pytest.mark.parametrize("normalize,packed", [(False, True), (True, False)])
+def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, packed):
+    """W.r.t. q, k, v, the log decays and the initial state (s and z), through the outputs and
+    the final state, in float64."""
+    q, k, v, g, s0, z0, w = _inputs(0, decay, normalize=normalize)
+    primals = [x for x in (q, k, v, g, s0, z0) if x is not None]
+
+    def loss(implementation, *args):
+        it = iter(args)
+        q, k, v = next(it), next(it), next(it)
+        g_ = None if g is None else next(it)
+        s0_, z0_ = next(it), None if z0 is None else next(it)
+        return _loss(implementation, q, k, v, g_, s0_, z0_, w, normalize=normalize, packed=packed)
+
+    grad = jax.jit(
+        jax.value_and_grad(loss, argnums=tuple(range(1, len(primals) + 1)), has_aux=True), static_argnums=0
+    )
+    (_, want), want_grads = grad("reference", *primals)
+    (_, got), got_grads = grad("pallas", *primals)
+    chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-10)
+    chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("decay,chunk", [("step", 64), ("feature", 16)])
+def test_strong_decays_stay_finite_and_exact(decay, chunk, float32_products):
+    """Log decays of -10 per step over whole chunks (sums down to -640 within one): in float32
+    as exact as the float64 reference of the same inputs."""
+    rng = np.random.default_rng(1)
+    n = 150
+    q, k, v = (jnp.asarray(rng.standard_normal((1, n, H, 4)), jnp.float32) for _ in range(3))
+    g = -rng.uniform(0, 10, size=(1, n, H) + ((4,) if decay == "feature" else ()))
+    g[:, :70] = -10.0
+    g = jnp.asarray(g, jnp.float32)
+    got = ops.gated_linear_attention(q, k, v, log_decay=g, implementation="pallas", chunk_size=chunk)
+    with jax.enable_x64(True):
+        q64, k64, v64, g64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, g))
+        want = ops.gated_linear_attention(q64, k64, v64, log_decay=g64, implementation="reference")
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_bfloat16_inputs_keep_float32_states(float32_products):
+    q, k, v, g, s0, _, _ = _inputs(2, "step", normalize=False)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    g, s0 = g.astype(jnp.float32), s0.astype(jnp.float32)
+    run = functools.partial(
+        ops.gated_linear_attention,
+        q,
+        k,
+        v,
+        log_decay=g,
+        initial_state=ops.LinearState(s0, None),
+        return_state=True,
+    )
+    got, got_state = run(implementation="pallas")
+    want, want_state = run(implementation="chunked")
+    assert got.dtype == jnp.bfloat16 and got_state.s_BHFM.dtype == jnp.float32
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
+    )
+    np.testing.assert_allclose(got_state.s_BHFM, want_state.s_BHFM, rtol=1e-5, atol=1e-5)
+
+    # The decays' gradient, formed from float32 cotangents of q and k (not from bfloat16 ones).
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(got.shape), jnp.float32)
+
+    def loss(g, implementation):
+        out = ops.gated_linear_attention(q, k, v, log_decay=g, implementation=implementation)
+        return jnp.sum(out.astype(jnp.float32) * w)
+
+    got_g, want_g = (jax.grad(loss)(g, i) for i in ("pallas", "chunked"))
+    scale = float(jnp.max(jnp.abs(want_g)))
+    np.testing.assert_allclose(got_g, want_g, rtol=0, atol=1e-3 * scale)
+
+
+@pytest.mark.parametrize("decay", ["none", "step", "feature"])
+def test_both_kernels_lower_to_triton_for_cuda(decay):
+    """Every operation of the forward and backward kernels has a Triton lowering: lowered for
+    CUDA here, without a GPU (what Triton then compiles is checked on a GPU)."""
+    n, d = 64, 16
+    per_feature = decay == "feature"
+    config = dict(
+        C=16 if per_feature else 64, per_feature=per_feature, mode="triton", acc=jnp.dtype(jnp.float32)
+    )
+    spec = jax.ShapeDtypeStruct
+    g = {"none": None, "step": spec((1, n, 2), jnp.float32), "feature": spec((1, n, 2, d), jnp.float32)}[
+        decay
+    ]
+    segments = spec((1, n), jnp.int32)
+
+    def grads(q, k, v, g, runs, before, s0):
+        def loss(q, k, v, g, s0):
+            out, s = pallas._attend(config, jnp.bfloat16, q, k, v, g, runs, before, s0)
+            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(s)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 4) if g is None else (0, 1, 2, 3, 4))(q, k, v, g, s0)
+
+    qkv = spec((1, n, 2, d), jnp.bfloat16)
+    exported = jax.export.export(
+        jax.jit(grads),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(qkv, qkv, qkv, g, segments, segments, spec((1, 2, d, d), jnp.float32))
+    calls = exported.mlir_module().count("xla.gpu.triton(")
+    assert calls == (1 if g is None else 2)  # without a decay the forward's outputs go unused
+
+
+def test_the_platform_chooses_the_kernel_mode():
+    assert pallas.kernel_mode("gpu") == "triton"
+    assert pallas.kernel_mode("cpu") == "interpret"
+    with pytest.raises(
+        ValueError, match=r'implementation="pallas" is a GPU kernel.*on \'tpu\' use "chunked"'
+    ):
+        pallas.kernel_mode("tpu")
+
+
+@pytest.mark.parametrize("chunk_size", [8, 48])
+def test_chunk_sizes_must_be_powers_of_two_from_16(chunk_size):
+    q = jnp.ones((1, 4, 1, 2))
+    with pytest.raises(
+        ValueError, match=rf"chunk_size must be a power of two >= 16 \(a Triton block\), got {chunk_size}"
+    ):
+        ops.gated_linear_attention(q, q, q, implementation="pallas", chunk_size=chunk_size)
+
+
+def test_the_interpreter_refuses_inputs_that_vary_over_a_manual_axis():
+    """Pallas's CPU interpreter cannot run the kernel inside shard_map: a clear error, not a
+    JAX-internal one."""
+    mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    q = jnp.ones((1, 32, 1, 16))
+    spec = jax.sharding.PartitionSpec(None, "seq")
+
+    def local(q):
+        return ops.gated_linear_attention(q, q, q, implementation="pallas", sequence_axis="seq")
+
+    split = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)
+    with pytest.raises(
+        NotImplementedError, match=r"inside jax.shard_map .* axes \['seq'\]\) runs only as the GPU"
+    ):
+        jax.jit(split)(q)
