@@ -42,13 +42,15 @@ ATOL = 1e-5
 RTOL = 1e-6
 FIXTURE_NAMES = sorted(p.stem for p in cases.FIXTURES.glob("*.npz"))
 GATED_NAMES = [name for name in FIXTURE_NAMES if name not in cases.DELTA_CASES]
-# Every impl; the chunked one with chunks that do not divide T (16) and with its default.
+# Every impl; the chunked one with chunks that do not divide T (16) and with its default; the
+# GPU kernel (interpreted on a CPU) with its default.
 IMPLS = [
     ("reference", None),
     ("associative_scan", None),
     ("scan", None),
     ("chunked", 16),
     ("chunked", None),
+    ("pallas", None),
 ]
 
 

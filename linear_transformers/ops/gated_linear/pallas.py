@@ -46,6 +46,10 @@ from linear_transformers.ops.gated_linear import pallas_kernels, totals
 # feature, whose pair decays are [C, C, D].
 DEFAULT_CHUNK_SIZE, DEFAULT_CHUNK_SIZE_PER_FEATURE = 64, 16
 _MIN_BLOCK = 16  # Triton's smallest matmul dimension
+# Eight warps: a program holds some ten [64, 64] float32 tensors at once (the scores, their
+# decays, q, k, v, the state and, backward, their cotangents), or [16, 16, D] pair decays per
+# feature: 16 registers a thread each at 256 threads. Not tuned on a GPU yet.
+TRITON_PARAMS = dict(num_warps=8, num_stages=2)
 
 
 def kernel_mode(platform: str | None = None) -> str:
@@ -148,7 +152,7 @@ def _call(kernel, config, inputs, outputs):
         out_specs=[spec(x.shape, time_major) for x, time_major in outputs],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype, manual_axis_type=axis_type) for x, _ in outputs],
         interpret=mode == "interpret",
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2) if mode == "triton" else None,
+        compiler_params=pltriton.CompilerParams(**TRITON_PARAMS) if mode == "triton" else None,
     )(*arrays)
 
 
