@@ -84,6 +84,30 @@ def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, p
     chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("strength,factored", [(1.0, True), (12.0, False)])
+def test_per_feature_decays_take_either_form_exactly(x64, strength, factored):
+    """Per feature, a chunk's scores are one matmul of q and k rescaled from its midpoint where
+    its decays stay within exp(+-30) of it, else every pair's decay on its own: values and
+    gradients equal the reference in float64 either way."""
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 1, 4))) for _ in range(3))
+    g = jnp.asarray(-rng.uniform(0, strength, size=(1, 32, 1, 4)))
+    # The largest sum of log decays from a chunk's midpoint m = 8 (chunks of 16), either way.
+    chunks = np.asarray(g).reshape(2, 16, 4)
+    spread = max(max(np.abs(c[9:].sum(0)).max(), np.abs(c[1:9].sum(0)).max()) for c in chunks)
+    assert (spread <= 30) == factored
+
+    def loss(q, k, v, g, implementation):
+        return jnp.sum(
+            jnp.sin(ops.gated_linear_attention(q, k, v, log_decay=g, implementation=implementation))
+        )
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+    chex.assert_trees_all_close(
+        grad(q, k, v, g, "pallas"), grad(q, k, v, g, "reference"), rtol=1e-9, atol=1e-9
+    )
+
+
 @pytest.mark.parametrize("decay,chunk", [("step", 64), ("feature", 16)])
 def test_strong_decays_stay_finite_and_exact(decay, chunk, float32_products):
     """Log decays of -10 per step over whole chunks (sums down to -640 within one): in float32

@@ -43,7 +43,7 @@ from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.gated_linear import pallas_kernels, totals
 
 # The chunk length when the caller gives none: 64 (the family's), and 16 with a decay per
-# feature, whose pair decays are [C, C, D].
+# feature, whose exact form for strong decays holds [C, C, D] pair decays.
 DEFAULT_CHUNK_SIZE, DEFAULT_CHUNK_SIZE_PER_FEATURE = 64, 16
 _MIN_BLOCK = 16  # Triton's smallest matmul dimension
 # Eight warps: a program holds some ten [64, 64] float32 tensors at once (the scores, their

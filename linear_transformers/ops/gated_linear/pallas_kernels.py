@@ -20,8 +20,11 @@ and including t (`runs`) and before t (`before`); without segments neither is pa
 Every sum of log decays is a sum of same-sign terms (a cumulative sum, or a product with a 0/1
 matrix at full precision), never the difference of two running sums, and every exponent is <= 0:
 exact and finite whatever the decays, as the XLA forms are (`totals.py`). With a decay per
-feature the pair decays are [C, C, D] (summed over features elementwise, not a matmul), so that
-chunk is short (`pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE`).
+feature a chunk's scores are, as in the chunked form (`chunk_scores.py`), one matmul of q and k
+rescaled from the chunk's midpoint where its decays stay within exp(+-FACTOR_RANGE) of it (exact
+to a relative eps * FACTOR_RANGE), else every pair's decay on its own, [C, C, D] summed over
+features elementwise (`lax.cond` per chunk); that fallback's size keeps the chunk short
+(`pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE`).
 
 The backward kernel recomputes what it needs: one pass forward over the chunks (carrying S)
 gives dq; one pass backward (carrying dS, the cotangent of the state) gives dk, dv and the
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from linear_transformers.ops.gated_linear.chunk_scores import FACTOR_RANGE
 from linear_transformers.ops.precision import EXACT
 
 
@@ -70,7 +74,7 @@ class _Chunk:
         self.v = v_ref[rows, :].astype(acc)
         self.keep, reads, tail, self.survives = _chunk_masks(c, runs_ref, before_ref, C)
         self.per_feature = per_feature
-        self.g = self.decay = self.into = self.out_of = None
+        self.g = self.decay = self.into = self.out_of = self.u = self.factored = None
         if g_ref is not None:
             g = (g_ref[rows, :] if per_feature else g_ref[rows][:, None]).astype(acc)  # [C, X]
             after = _later(C)  # after[s, i]: i > s
@@ -81,6 +85,9 @@ class _Chunk:
             gamma = jnp.sum(g, axis=0, keepdims=True)  # [1, X]
             self.g, self.decay = g, jnp.exp(gamma)
             self.into, self.out_of = jnp.exp(jnp.cumsum(g, axis=0)), jnp.exp(suffix)
+            if per_feature:
+                self.u = _from_midpoint(g)
+                self.factored = jnp.max(jnp.abs(self.u)) <= FACTOR_RANGE
         if reads is not None:
             one = jnp.ones((C, 1), acc)
             self.into = jnp.where(reads[:, None], one if self.into is None else self.into, 0)
@@ -108,13 +115,48 @@ class _Chunk:
         )
         return jnp.exp(jnp.where(self.keep, L, -jnp.inf))
 
-    def scores(self, E):
+    def _per_feature(self, factored, pairwise):
+        """`factored(exp(u), exp(-u))` where the chunk's decays stay within exp(+-FACTOR_RANGE)
+        of its midpoint (u: the log decays from the midpoint to each step), else
+        `pairwise(pair decays [C, C, D])`: every pair's decay on its own."""
+        return jax.lax.cond(
+            self.factored,
+            lambda: factored(jnp.exp(self.u), jnp.exp(-self.u)),
+            lambda: pairwise(self.pair_decays()),
+        )
+
+    def scores(self):
         """A [C, C]: q[t] . (decayed) k[s] where kept, else 0."""
-        if E is None:
+        if self.g is None:
             return jnp.where(self.keep, pltriton.dot(self.q, self.k, trans_b=True), 0)
-        if self.per_feature:
-            return jnp.sum(self.q[:, None, :] * self.k[None, :, :] * E, axis=2)
-        return pltriton.dot(self.q, self.k, trans_b=True) * E
+        if not self.per_feature:
+            return pltriton.dot(self.q, self.k, trans_b=True) * self.pair_decays()
+        return self._per_feature(
+            lambda up, down: jnp.where(self.keep, pltriton.dot(self.q * up, self.k * down, trans_b=True), 0),
+            lambda E: jnp.sum(self.q[:, None, :] * self.k[None, :, :] * E, axis=2),
+        )
+
+    def query_cotangent(self, dA):
+        """dq of the scores, given their cotangent dA [C, C] (zero where not kept)."""
+        if self.g is None:
+            return pltriton.dot(dA, self.k)
+        if not self.per_feature:
+            return pltriton.dot(dA * self.pair_decays(), self.k)
+        return self._per_feature(
+            lambda up, down: pltriton.dot(dA, self.k * down) * up,
+            lambda E: jnp.sum(dA[:, :, None] * E * self.k[None, :, :], axis=1),
+        )
+
+    def key_cotangent(self, dA):
+        """dk of the scores, given their cotangent dA [C, C] (zero where not kept)."""
+        if self.g is None:
+            return pltriton.dot(dA, self.q, trans_a=True)
+        if not self.per_feature:
+            return pltriton.dot(dA * self.pair_decays(), self.q, trans_a=True)
+        return self._per_feature(
+            lambda up, down: pltriton.dot(dA, self.q * up, trans_a=True) * down,
+            lambda E: jnp.sum(dA[:, :, None] * E * self.q[:, None, :], axis=0),
+        )
 
     def carry_over(self, S):
         """What the chunk leaves of the state carried into it: S decayed (per row), or 0."""
@@ -131,6 +173,18 @@ def _later(C: int):
 def _upto(C: int):
     """[C, C] bool: [t, i] is i <= t."""
     return jax.lax.broadcasted_iota(jnp.int32, (C, C), 1) <= jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+
+
+def _from_midpoint(g):
+    """u [C, X]: the log decays summed from the chunk's midpoint m to each step (after m:
+    sum_{m < i <= t} g_i; before it: -sum_{t < i <= m} g_i), each a sum of same-sign terms, as
+    `chunk_scores.from_midpoint`. exp(u_t - u_s) is the decay from s to t."""
+    C = g.shape[0]
+    t = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    m = C // 2
+    signed = ((m < i) & (i <= t)).astype(g.dtype) - ((t < i) & (i <= m)).astype(g.dtype)
+    return pltriton.dot(signed, g, precision=EXACT)
 
 
 def _times(x, factor):
@@ -151,7 +205,7 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_segments, per_feature, a
 
     def body(c, S):
         chunk = _Chunk(c, inputs, C, acc, per_feature=per_feature)
-        A = chunk.scores(chunk.pair_decays())
+        A = chunk.scores()
         out = pltriton.dot(A, chunk.v) + pltriton.dot(chunk.q_in, S)
         o_ref[pl.ds(c * C, C), :] = out.astype(o_ref.dtype)
         return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
@@ -167,19 +221,12 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_segments, per_feature, 
     def load(c):
         chunk = _Chunk(c, inputs, C, acc, per_feature=per_feature)
         do = do_ref[pl.ds(c * C, C), :].astype(acc)
-        E = chunk.pair_decays()
-        dA = jnp.where(chunk.keep, pltriton.dot(do, chunk.v, trans_b=True), 0)
-        # The cotangent of q[t] . k[s] of each pair (per feature: of q[t, d] k[s, d]).
-        if E is None:
-            dAE = dA
-        else:
-            dAE = dA[:, :, None] * E if per_feature else dA * E
-        return chunk, do, E, dAE
+        dA = jnp.where(chunk.keep, pltriton.dot(do, chunk.v, trans_b=True), 0)  # of the scores
+        return chunk, do, dA
 
     def forward(c, S):  # dq, from the state entering each chunk
-        chunk, do, _, dAE = load(c)
-        dq = jnp.sum(dAE * chunk.k[None, :, :], axis=1) if per_feature else pltriton.dot(dAE, chunk.k)
-        dq = dq + _times(pltriton.dot(do, S, trans_b=True), chunk.into)
+        chunk, do, dA = load(c)
+        dq = chunk.query_cotangent(dA) + _times(pltriton.dot(do, S, trans_b=True), chunk.into)
         dq_ref[pl.ds(c * C, C), :] = dq.astype(dq_ref.dtype)
         return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
 
@@ -187,15 +234,10 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_segments, per_feature, 
 
     def backward(i, dS):  # dk, dv and the state's cotangent, from the last chunk to the first
         c = num_chunks - 1 - i
-        chunk, do, E, dAE = load(c)
+        chunk, do, dA = load(c)
         rows = pl.ds(c * C, C)
-        dv = pltriton.dot(chunk.scores(E), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
-        dk = (
-            jnp.sum(dAE * chunk.q[:, None, :], axis=0)
-            if per_feature
-            else pltriton.dot(dAE, chunk.q, trans_a=True)
-        )
-        dk = dk + _times(pltriton.dot(chunk.v, dS, trans_b=True), chunk.out_of)
+        dv = pltriton.dot(chunk.scores(), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
+        dk = chunk.key_cotangent(dA) + _times(pltriton.dot(chunk.v, dS, trans_b=True), chunk.out_of)
         dk_ref[rows, :] = dk.astype(dk_ref.dtype)
         dv_ref[rows, :] = dv.astype(dv_ref.dtype)
         return chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True)
