@@ -18,7 +18,6 @@ import functools
 from experiments.benchmarking import attention_bench, gated_bench
 
 DECAYS = ("none", "step", "feature")
-IMPLS = ("pallas", "chunked")
 # The goals of the kernel (bf16, N = 16384): the forward within this many times the copy of its
 # bytes; forward+backward at least this many times faster than cuDNN flash attention; a decay
 # within this factor of no decay (forward+backward).

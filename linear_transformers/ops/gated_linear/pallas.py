@@ -70,7 +70,8 @@ def _block_size(n: int) -> int:
 
 
 def _pad_axis(x, axis: int, size: int):
-    if x is None or x.shape[axis] == size:
+    """x with zeros after its entries along `axis`, up to `size`."""
+    if x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
@@ -93,8 +94,7 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
     Tp, Fp, Mp = -(-T // C) * C, _block_size(F), _block_size(M)
     if g is not None:
         g = g.astype(acc)
-        g = _pad_axis(g, 3, Fp) if per_feature else g[..., 0]
-        g = _pad_axis(g, 1, Tp)
+        g = _pad_axis(_pad_axis(g, 3, Fp) if per_feature else g[..., 0], 1, Tp)
     q, k = (_pad_axis(_pad_axis(x, 3, Fp), 1, Tp) for x in (q, k))
     runs = before = None
     if reset_BT is not None:
@@ -134,17 +134,18 @@ def _call(kernel, config, inputs, outputs):
     mode = config["mode"]
     # Inside `shard_map` (a device's block of a sequence axis) every input and output varies
     # over the axes any input varies over.
-    arrays = sp.vary_like([x for x, _ in inputs], [x for x, _ in inputs])
-    axis_type = jax.typeof(arrays[0]).manual_axis_type
-    if mode == "interpret" and sp.varying_axes(arrays):
+    axes = sp.varying_axes([x for x, _ in inputs])
+    if mode == "interpret" and axes:
         # Pallas's interpreter (jax 0.10) evaluates the kernel as traced, with types that vary
         # over no mesh axis, and `shard_map` refuses to mix them with its inputs' types.
         raise NotImplementedError(
             'implementation="pallas" inside jax.shard_map (a sequence_axis, or inputs that vary '
-            f"over the manual mesh axes {sorted(sp.varying_axes(arrays))}) runs only as the GPU "
+            f"over the manual mesh axes {sorted(axes)}) runs only as the GPU "
             'kernel: Pallas\'s CPU interpreter cannot run it there. Use implementation="chunked" '
             "on a CPU."
         )
+    arrays = sp.vary([x for x, _ in inputs], axes)
+    axis_type = jax.typeof(arrays[0]).manual_axis_type
     return pl.pallas_call(
         kernel,
         grid=(B, H),
@@ -169,9 +170,7 @@ def _kernel_options(config, q, g, runs):
 
 
 def _time_inputs(q, k, v, g, runs, before):
-    return [(x, True) for x in (q, k, v, g) if x is not None] + [
-        (x, True) for x in (runs, before) if x is not None
-    ]
+    return [(x, True) for x in (q, k, v, g, runs, before) if x is not None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -74,7 +74,7 @@ class _Chunk:
         self.v = v_ref[rows, :].astype(acc)
         self.keep, reads, tail, self.survives = _chunk_masks(c, runs_ref, before_ref, C)
         self.per_feature = per_feature
-        self.g = self.decay = self.into = self.out_of = self.u = self.factored = None
+        self.g = self.decay = self.into = self.out_of = self.E = self.u = self.factored = None
         if g_ref is not None:
             g = (g_ref[rows, :] if per_feature else g_ref[rows][:, None]).astype(acc)  # [C, X]
             after = _later(C)  # after[s, i]: i > s
@@ -88,6 +88,8 @@ class _Chunk:
             if per_feature:
                 self.u = _from_midpoint(g)
                 self.factored = jnp.max(jnp.abs(self.u)) <= FACTOR_RANGE
+            else:  # the [C, C] pair decays every pass reads, once per chunk
+                self.E = self._step_pair_decays()
         if reads is not None:
             one = jnp.ones((C, 1), acc)
             self.into = jnp.where(reads[:, None], one if self.into is None else self.into, 0)
@@ -95,25 +97,29 @@ class _Chunk:
         self.q_in = _times(self.q, self.into)
         self.k_out = _times(self.k, self.out_of)
 
-    def pair_decays(self):
-        """exp(L[t, s]) where kept, else 0: [C, C], or [C, C, D] per feature; None: no decay. L
-        sums the log decays in (s, t] as products with 0/1 matrices at full precision: a sum of
-        same-sign terms, never a difference of two running sums, which would lose eps * |sum|."""
-        g = self.g
-        if g is None:
-            return None
-        C = g.shape[0]
-        if self.per_feature:  # L[(t, s), d] = sum_i [s < i <= t] g[i, d]
-            pair = jax.lax.broadcasted_iota(jnp.int32, (C * C, C), 0)
-            i = jax.lax.broadcasted_iota(jnp.int32, (C * C, C), 1)
-            between = (pair % C < i) & (i <= pair // C)
-            L = pltriton.dot(between.astype(g.dtype), g, precision=EXACT).reshape(C, C, g.shape[1])
-            return jnp.exp(jnp.where(self.keep[:, :, None], L, -jnp.inf))
-        # L[t, s] = sum_i [i <= t] g[i] [i > s]
+    def _step_pair_decays(self):
+        """exp(L[t, s]) where kept, else 0, [C, C], with one decay per step: L[t, s] = sum_i
+        [i <= t] g[i] [i > s], the log decays in (s, t] as a product with 0/1 matrices at full
+        precision: a sum of same-sign terms, never a difference of two running sums, which would
+        lose eps * |sum|."""
+        C = self.g.shape[0]
         L = pltriton.dot(
-            jnp.where(_upto(C), jnp.transpose(g), 0), _later(C).astype(g.dtype), trans_b=True, precision=EXACT
+            jnp.where(_upto(C), jnp.transpose(self.g), 0),
+            _later(C).astype(self.g.dtype),
+            trans_b=True,
+            precision=EXACT,
         )
         return jnp.exp(jnp.where(self.keep, L, -jnp.inf))
+
+    def _feature_pair_decays(self):
+        """The same per feature, [C, C, D]: L[(t, s), d] = sum_i [s < i <= t] g[i, d]."""
+        g = self.g
+        C = g.shape[0]
+        pair = jax.lax.broadcasted_iota(jnp.int32, (C * C, C), 0)
+        i = jax.lax.broadcasted_iota(jnp.int32, (C * C, C), 1)
+        between = (pair % C < i) & (i <= pair // C)
+        L = pltriton.dot(between.astype(g.dtype), g, precision=EXACT).reshape(C, C, g.shape[1])
+        return jnp.exp(jnp.where(self.keep[:, :, None], L, -jnp.inf))
 
     def _per_feature(self, factored, pairwise):
         """`factored(exp(u), exp(-u))` where the chunk's decays stay within exp(+-FACTOR_RANGE)
@@ -122,7 +128,7 @@ class _Chunk:
         return jax.lax.cond(
             self.factored,
             lambda: factored(jnp.exp(self.u), jnp.exp(-self.u)),
-            lambda: pairwise(self.pair_decays()),
+            lambda: pairwise(self._feature_pair_decays()),
         )
 
     def scores(self):
@@ -130,7 +136,7 @@ class _Chunk:
         if self.g is None:
             return jnp.where(self.keep, pltriton.dot(self.q, self.k, trans_b=True), 0)
         if not self.per_feature:
-            return pltriton.dot(self.q, self.k, trans_b=True) * self.pair_decays()
+            return pltriton.dot(self.q, self.k, trans_b=True) * self.E
         return self._per_feature(
             lambda up, down: jnp.where(self.keep, pltriton.dot(self.q * up, self.k * down, trans_b=True), 0),
             lambda E: jnp.sum(self.q[:, None, :] * self.k[None, :, :] * E, axis=2),
@@ -141,7 +147,7 @@ class _Chunk:
         if self.g is None:
             return pltriton.dot(dA, self.k)
         if not self.per_feature:
-            return pltriton.dot(dA * self.pair_decays(), self.k)
+            return pltriton.dot(dA * self.E, self.k)
         return self._per_feature(
             lambda up, down: pltriton.dot(dA, self.k * down) * up,
             lambda E: jnp.sum(dA[:, :, None] * E * self.k[None, :, :], axis=1),
@@ -152,7 +158,7 @@ class _Chunk:
         if self.g is None:
             return pltriton.dot(dA, self.q, trans_a=True)
         if not self.per_feature:
-            return pltriton.dot(dA * self.pair_decays(), self.q, trans_a=True)
+            return pltriton.dot(dA * self.E, self.q, trans_a=True)
         return self._per_feature(
             lambda up, down: pltriton.dot(dA, self.q * up, trans_a=True) * down,
             lambda E: jnp.sum(dA[:, :, None] * E * self.q[:, None, :], axis=0),
