@@ -101,10 +101,11 @@ def test_gradients_equal_the_references(x64, form, decay):
     chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("decay", ["none", "step", "feature"])
+@pytest.mark.parametrize("decay", ["none", "step", "feature", "strong feature"])
 def test_the_chunked_form_in_segments_is_the_recurrence_values_and_gradients(x64, monkeypatch, decay):
     """Segments of 5 steps (the CPU's outer loop, `chunked.segment_length`), chunks of 4 inside
-    them: segments and chunks both padded, packed segments crossing them, an initial state."""
+    them: segments and chunks both padded, packed segments crossing them, an initial state. Per
+    feature, weak decays take the factored scores and strong ones every pair on its own."""
     monkeypatch.setattr(chunked, "segment_length", lambda platform=None: 5)
     case = _case(decay, seed=4)
     want, want_s = _numpy_delta_rule(*case[:4], _per_step(case[4]), case[5], case[6], D**-0.5)
@@ -132,6 +133,33 @@ def test_the_chunked_form_in_segments_is_the_recurrence_values_and_gradients(x64
     chex.assert_trees_all_close(
         jax.grad(loss, argnums)(q, k, v, beta, g, s0, "chunked"), want, rtol=1e-9, atol=1e-9
     )
+
+
+@pytest.mark.parametrize("chunk_size,segment", [(4, None), (4, 8), (3, 8), (16, 5)])
+def test_the_per_feature_scores_are_factored_where_every_chunk_fits(chunk_size, segment):
+    """`chunked.fits_factored` (two sums per chunk) is the definition: |u| <= FACTOR_RANGE at
+    every step of every chunk the form sees, u the log decay from the chunk's midpoint
+    (`chunk_scores.from_midpoint`), chunks of C from each segment's start."""
+    from linear_transformers.ops.gated_linear import chunk_scores
+
+    def by_definition(g):
+        L = g.shape[1] if segment is None else segment
+        C = min(chunk_size, L)
+        for start in range(0, g.shape[1], L):
+            for chunk in range(start, min(start + L, g.shape[1]), C):
+                g_C = g[:, chunk : min(chunk + C, start + L, g.shape[1])]
+                g_C = np.pad(g_C, [(0, 0), (0, C - g_C.shape[1]), (0, 0), (0, 0)])
+                if np.max(np.abs(chunk_scores.from_midpoint(jnp.asarray(g_C), axis=1))) > 30:
+                    return False
+        return True
+
+    rng = np.random.default_rng(5)
+    T_long = 21
+    for trial in range(12):
+        g = -rng.uniform(0, 3, (1, T_long, 2, 3))
+        g[0, rng.integers(T_long), rng.integers(2), rng.integers(3)] = -rng.choice([25.0, 40.0, 1e4])
+        want = by_definition(g)
+        assert bool(chunked.fits_factored(jnp.asarray(g), chunk_size, segment)) == want, trial
 
 
 def test_the_cpu_runs_small_chunks_in_segments_other_platforms_every_chunk_at_once():

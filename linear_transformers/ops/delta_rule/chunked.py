@@ -20,10 +20,12 @@ W = (I + A)^-1 beta exp(Gamma) K for every chunk at once; the scan then needs on
   S' = exp(Gamma_C) S + sum_j (exp(Gamma_C - Gamma_j) k_j) u_j^T.
 
 Every exponent is one sum of log decays <= 0 over consecutive steps (`totals.py`), never the
-difference of two running sums, so nothing overflows and a reset's floor (-1e4) loses nothing;
-the pairs' decayed products are the gated family's (`chunk_scores.py`: one matmul of rescaled
-q and k where a chunk's decays allow, every pair on its own where they are strong), so per-
-feature decays (X = D) never form a [C, C, D] tensor in the common case. A segment that begins
+difference of two running sums, so nothing overflows and a reset's floor (-1e4) loses nothing.
+Per-feature decays (X = D) are the gated family's (`chunk_scores.py`): where every chunk's
+decays stay within exp(+-FACTOR_RANGE) of its midpoint, every factor comes from exp(+-u), u
+the log decay from the midpoint (`midpoint_factors`: exact to a relative eps * FACTOR_RANGE, no
+[C, C, D] tensor); elsewhere every pair is decayed on its own (`blocked_scores`). One
+`lax.cond` chooses for a whole call (`fits_factored`; the op's). A segment that begins
 inside a chunk (`reset`) is a mask, not a decay: steps interact only within one run of the
 chunk (the steps between two resets), only the first run reads S, and only the last run writes
 the next chunk's state (S itself only when no segment began).
@@ -36,6 +38,8 @@ is the common case.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -81,15 +85,60 @@ def _chunks(x_BTHX, N: int, C: int):
     return jnp.moveaxis(x_BNCHX, (1, 3), (0, 2)).reshape(N, B * H, C, x_BNCHX.shape[-1])
 
 
-def _scores(a_xCD, k_xCD, g_xCX, pair_decay_xCC, acc):
-    """[..., i, j] = a_i . (exp(Gamma_i - Gamma_j) k_j) for every pair (i, j) of a chunk, j > i included
-    (the caller masks them). Each exponent is one sum of same-sign log decays, never the
-    difference of two running sums: per head from `pair_decay_xCC`, per feature the gated
-    family's decayed scores (`chunk_scores.py`)."""
-    if g_xCX is not None and pair_decay_xCC is None:
-        return chunk_scores.decayed_scores(a_xCD, k_xCD, g_xCX, acc)
+def _scores(a_xCD, k_xCD, pair_decay_xCC, acc):
+    """[..., i, j] = a_i . (exp(Gamma_i - Gamma_j) k_j) for every pair (i, j) of a chunk, j > i
+    included (the caller masks them): per head from `pair_decay_xCC` (None: no decay)."""
     products = precision.einsum_in(acc, "...id,...jd->...ij", a_xCD, k_xCD)
     return products if pair_decay_xCC is None else pair_decay_xCC * products
+
+
+def _decays(q, k, g, mask, acc):
+    """-> (kk, qk: [N, G, C, C] scores of every pair (`_scores`); q and k decayed from the chunk's
+    start; k decayed to its end; the chunk's decay [N, G, X, 1] or None), each exponent one sum
+    of same-sign log decays: per feature the gated family's exact scores
+    (`chunk_scores.blocked_scores`)."""
+    if g is None:
+        return _scores(k, k, None, acc), _scores(q, k, None, acc), k, q, k, None
+    if g.shape[-1] == 1:  # [N, G, C, C] pair decays exp(Gamma_i - Gamma_j), shared by kk and qk.
+        pair_decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=2)[..., 0], -jnp.inf))
+        kk, qk = _scores(k, k, pair_decay, acc), _scores(q, k, pair_decay, acc)
+    else:  # k's decays shared by kk and qk.
+        kk, qk = chunk_scores.blocked_scores(jnp.stack([k, q]), k, g, acc)
+    from_start = jnp.exp(totals.prefix_sum(g, axis=2))
+    k_to_end = jnp.exp(totals.suffix_sum(g, axis=2)) * k
+    return kk, qk, from_start * k, from_start * q, k_to_end, jnp.exp(jnp.sum(g, axis=2))[..., None]
+
+
+def _factored_decays(q, k, g, acc):
+    """`_decays` for per-feature decays that fit the factored form (every |u| <= FACTOR_RANGE):
+    every factor from `chunk_scores.midpoint_factors`."""
+    f = chunk_scores.midpoint_factors(g)
+    k_up, q_up, k_down = k * f.up, q * f.up, k * f.down
+    kk, qk = (precision.einsum_in(acc, "...id,...jd->...ij", x, k_down) for x in (k_up, q_up))
+    chunk_decay = jnp.swapaxes(f.start_to_midpoint * f.midpoint_to_end, -1, -2)  # [N, G, D, 1]
+    k_decayed, q_decayed = f.start_to_midpoint * k_up, f.start_to_midpoint * q_up
+    return kk, qk, k_decayed, q_decayed, f.midpoint_to_end * k_down, chunk_decay
+
+
+def fits_factored(g_BTHX, chunk_size: int, segment: int | None):
+    """Whether every chunk the form sees (chunks of C steps from the start of each segment of
+    `segment` steps, None: one of T) fits the factored scores: |u| <= FACTOR_RANGE
+    (`chunk_scores.from_midpoint`). With every g <= 0, u falls from its first step to its last,
+    so its extremes are the sums of the first half after step 0 and of the second half: one
+    reduction over g, no [.., C, X] rescaling. A NaN anywhere chooses the exact form."""
+    B, T, H, X = g_BTHX.shape
+    L = T if segment is None else segment
+    S = -(-T // L)
+    C = min(chunk_size, L)
+    N = -(-L // C)
+    g = g_BTHX if S * L == T else jnp.pad(g_BTHX, [(0, 0), (0, S * L - T), (0, 0), (0, 0)])
+    g = g.reshape(B, S, L, H, X)
+    if N * C != L:
+        g = jnp.pad(g, [(0, 0), (0, 0), (0, N * C - L), (0, 0), (0, 0)])
+    g = g.reshape(B, S, N, C, H, X)
+    m = C // 2
+    widest = jnp.maximum(-jnp.sum(g[:, :, :, 1 : m + 1], axis=3), -jnp.sum(g[:, :, :, m + 1 :], axis=3))
+    return jnp.max(widest) <= chunk_scores.FACTOR_RANGE
 
 
 CHUNK_STATES = "delta_rule_chunk_states"
@@ -102,12 +151,18 @@ def keeping_chunk_states(f):
     return jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES))
 
 
-def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_size: int):
-    """-> (out [B, T, H, M], S_T)."""
+def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_size: int, factored=None):
+    """-> (out [B, T, H, M], S_T). `factored`: whether per-feature decays take the midpoint's
+    factors (True: the caller checked `fits_factored`) or every pair on its own (False); None
+    chooses for this call (`chunk_scores.in_either_form`)."""
     B, T, H, D = q_BTHD.shape
     C = min(chunk_size, T)
     N = -(-T // C)
     pad = N * C - T
+    if g_BTHX is not None and g_BTHX.shape[-1] > 1 and factored is None:
+        g_NGCD = _chunks(chunk_segments.pad_time(g_BTHX, pad) if pad else g_BTHX, N, C)
+        inputs = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM)
+        return chunk_scores.in_either_form(functools.partial(form, chunk_size=chunk_size), g_NGCD, *inputs)
     if pad:  # Padded steps write nothing (beta 0) and keep the state (g 0); their outputs are cut.
         q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT = (
             chunk_segments.pad_time(x, pad) for x in (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT)
@@ -123,20 +178,12 @@ def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_s
         mask = mask & (runs[..., :, None] == runs[..., None, :])
 
     acc = q.dtype
-    pair_decay = None  # [N, G, C, C] per head: exp(Gamma_i - Gamma_j), shared by A and P.
-    if g is not None and g.shape[-1] == 1:
-        pair_decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=2)[..., 0], -jnp.inf))
-    if g is not None and pair_decay is None:  # Per feature: k's rescaling and the form shared.
-        kk, qk = _scores(jnp.stack([k, q]), k, g, pair_decay, acc)  # [N, G, C, C] each
+    if g is not None and g.shape[-1] > 1 and factored:
+        kk, qk, k_decayed, q_decayed, k_to_end, chunk_decay = _factored_decays(q, k, g, acc)
     else:
-        kk, qk = _scores(k, k, g, pair_decay, acc), _scores(q, k, g, pair_decay, acc)
+        kk, qk, k_decayed, q_decayed, k_to_end, chunk_decay = _decays(q, k, g, mask, acc)
     A = beta * jnp.where(mask & ~jnp.eye(C, dtype=bool), kk, 0)
     P = jnp.where(mask, qk, 0)
-    k_decayed, q_decayed, k_to_end = k, q, k
-    if g is not None:  # exp(Gamma_i) and exp(Gamma_C - Gamma_j), each from one sum of same-sign terms.
-        from_start = jnp.exp(totals.prefix_sum(g, axis=2))
-        k_decayed, q_decayed = from_start * k, from_start * q
-        k_to_end = jnp.exp(totals.suffix_sum(g, axis=2)) * k
     keeps = None  # [N, G, 1, 1]: whether the chunk carries the state it entered with.
     if runs is not None:
         reads_state = (runs == 0)[..., None]
@@ -146,7 +193,6 @@ def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_s
     rhs = beta * jnp.concatenate([v, k_decayed], axis=-1)
     UW = jnp.einsum("...ij,...jd->...id", triangular.unit_lower_inverse(A), rhs)
     U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
-    chunk_decay = None if g is None else jnp.exp(jnp.sum(g, axis=2))[..., None]  # [N, G, X, 1]
 
     def body(s_GDM, x):  # Only what the next chunk's state needs runs one chunk at a time.
         U, W, k_to_end, chunk_decay, keeps = x

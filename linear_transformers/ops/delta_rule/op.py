@@ -238,12 +238,27 @@ def delta_rule_attention(
         segment = chunked.segment_length()
         segment = segment if segment is not None and T > segment else None
     options = dict(acc=acc, qk_l2norm=qk_l2norm, scale=scale)
-    block = functools.partial(_attend_block, axis=sequence_axis, form=form, segment=segment, **options)
-    if implementation == "chunked" and segment is None:
-        # The prepared inputs and every chunk intermediate recomputed in the backward pass. (In
-        # segments, the segments' loop keeps the inputs and one state per segment already.)
-        block = chunked.keeping_chunk_states(block)
+
+    def block_of(form):
+        block = functools.partial(_attend_block, axis=sequence_axis, form=form, segment=segment, **options)
+        if implementation == "chunked" and segment is None:
+            # The prepared inputs and every chunk intermediate recomputed in the backward pass. (In
+            # segments, the segments' loop keeps the inputs and one state per segment already.)
+            block = chunked.keeping_chunk_states(block)
+        return block
+
+    block = block_of(form)
     args = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, key_lengths, segment_ids, s0_BHDM)
+    if implementation == "chunked" and sequence_axis is None and g_BTHX is not None and g_BTHX.shape[-1] > 1:
+        # Per feature, the form of the decayed scores (`chunk_scores.py`) is chosen once for the
+        # whole call: a cond per segment kept XLA from fusing each segment's preparation into
+        # its chunks (~12% of forward+backward on CPU at N = 4096). The branches' residuals are
+        # alike (the inputs, and the states the segments' loop or `keeping_chunk_states` keeps),
+        # and the cond's derivative shares residuals of one type between its branches. (A block
+        # of a split sequence chooses per call of the form: `chunk_scores.in_either_form`.)
+        fits = chunked.fits_factored(g_BTHX, form.keywords["chunk_size"], segment)
+        factored, blocked = (block_of(functools.partial(form, factored=f)) for f in (True, False))
+        block = functools.partial(jax.lax.cond, fits, factored, blocked)
     if sequence_axis is None:
         out, s_BHDM = block(*args)
     else:

@@ -51,7 +51,7 @@ def _exclusive_cumsum(x, axis):
     return jnp.cumsum(shifted, axis=axis)
 
 
-def _chunks(carry, x, *, eps, acc):
+def _chunks(carry, x, *, eps, acc, factored=None):
     """((s, z), one segment's N chunks) -> ((s, z), out_BHNCM): every chunk at once, after the
     state `carry`."""
     s0, z0 = carry
@@ -67,21 +67,26 @@ def _chunks(carry, x, *, eps, acc):
         dropped = runs[..., -1] > 0  # [B, 1, N]
 
     # Within a chunk: the masked (decayed) quadratic form on C x C (t, s: query and key in it).
+    q_in, k_out, v_out = q.astype(acc), k.astype(acc), v
+    a = None
     if g is None:
         sim = precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q, k)
+    elif factored:  # Every decay from the chunk's midpoint factors (`chunk_scores.py`).
+        f = chunk_scores.midpoint_factors(g)
+        q_up, k_down = q_in * f.up, k_out * f.down
+        sim = precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q_up, k_down)
+        q_in, k_out = f.start_to_midpoint * q_up, f.midpoint_to_end * k_down
+        a = (f.start_to_midpoint * f.midpoint_to_end)[..., 0, :]
     else:
-        sim = chunk_scores.decayed_scores(q, k, g, acc)
+        sim = chunk_scores.blocked_scores(q, k, g, acc)
+        q_in = q_in * jnp.exp(totals.prefix_sum(g, axis=3))
+        k_out = k_out * jnp.exp(totals.suffix_sum(g, axis=3))
+        a = jnp.exp(jnp.sum(g, axis=3))
     sim = jnp.where(mask, sim, 0)
     num = jnp.einsum("bhnts,bhnsm->bhntm", sim, v.astype(acc))
     den = None if z0 is None else jnp.sum(sim, axis=-1)
 
     # Between chunks: the state each chunk starts from, then what its queries read of it.
-    q_in, k_out, v_out = q.astype(acc), k.astype(acc), v
-    a = None
-    if g is not None:
-        q_in = q_in * jnp.exp(totals.prefix_sum(g, axis=3))
-        k_out = k_out * jnp.exp(totals.suffix_sum(g, axis=3))
-        a = jnp.exp(jnp.sum(g, axis=3))
     if tail is not None:
         k_out = jnp.where(tail[..., None], k_out, 0)
         v_out = jnp.where(tail[..., None], v_out, 0)
@@ -125,7 +130,11 @@ def _segment(consts, carry, inputs, flags, *, prepare, N, C, eps, acc):
         q, k, v, g = prepare(q, k, v, g, valid_BL, *consts)
     x = tuple(None if a is None else _layout(a, N, C) for a in (q, k, v, g))
     reset_B1NC = None if reset_BL is None else reset_BL.reshape(reset_BL.shape[0], 1, N, C)
-    carry, out_BHNCM = _chunks(carry, (*x, reset_B1NC), eps=eps, acc=acc)
+    chunks = functools.partial(_chunks, eps=eps, acc=acc)
+    if x[3] is None:
+        carry, out_BHNCM = chunks(carry, (*x, reset_B1NC))
+    else:  # The form of the decayed scores chosen once for the segment.
+        carry, out_BHNCM = chunk_scores.in_either_form(chunks, x[3], carry, (*x, reset_B1NC))
     B, H, _, _, M = out_BHNCM.shape
     return carry, jnp.swapaxes(out_BHNCM.reshape(B, H, N * C, M), 1, 2)
 
