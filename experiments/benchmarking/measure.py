@@ -91,6 +91,36 @@ def time_call(call, *, min_repeats: int = 3, max_repeats: int = 50, min_seconds:
     return Timing(statistics.median(times), min(times), len(times))
 
 
+def interleaved_times(calls: dict, *, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each call in each of `rounds` rounds, the calls in turn, each run twice in a
+    row and the second run timed. `calls`: name -> synchronous call.
+
+    For ratios between calls on a machine whose speed drifts (a shared VM): two medians timed
+    minutes apart move with the drift, and so does their ratio; times seconds apart share it
+    (`median_ratio`). The untimed run absorbs what the call before left behind: on the 2-core
+    CPU a call right after the delta rule's scan (gigabytes allocated and freed) took twice as
+    long as the same call repeated."""
+    if rounds < 1:
+        raise ValueError(f"interleaved_times: rounds must be >= 1, got {rounds}.")
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            call()
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median_ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
+    """The median over rounds of `name`'s time over `baseline`'s in the same round
+    (`interleaved_times`)."""
+    for key in (name, baseline):
+        if key not in times:
+            raise ValueError(f"median_ratio: {key!r} was not timed; timed: {sorted(times)}.")
+    return statistics.median(a / b for a, b in zip(times[name], times[baseline], strict=True))
+
+
 def peak_bytes(compiled) -> int | None:
     """Bytes XLA reserves for one call of a compiled function, or None if the backend is silent.
 

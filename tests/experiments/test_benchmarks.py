@@ -526,14 +526,48 @@ def test_delta_cases_time_the_delta_rule_against_its_scan_and_the_gated_form():
         return {"kind": kind, "pass": "forward+backward", "n": 64, "time_ms": time_ms, "status": "ok"}
 
     rows = [row("gated-step/chunked", 10.0), row("delta-step/chunked", 20.0), row("delta-step/scan", 80.0)]
-    rows.append(row("delta-none/chunked", 30.0))  # no scan, no gated case: not run
+    rows.append(row("delta-none/chunked", 30.0))  # no scan, no gated case of its decay
+    # Timed in turn with the gated per-step form and the scan: those ratios, not the sweep's, count.
+    rows.append(row("delta-feature/chunked", 40.0) | {"over_gated_step": 2.2, "scan_over_chunked": 6.0})
+    rows.append(row("delta-feature/scan", 80.0))
     checks = gated_bench.delta_checks(rows)
     assert [
-        (c["scan / chunked"], c["scan goal"], c["chunked / gated"], c["gated goal"]) for c in checks[:1]
-    ] == [(4.0, "missed", 2.0, "met")]
-    assert (checks[1]["scan goal"], checks[1]["gated goal"]) == ("not run", "not run")
+        (c["scan / chunked"], c["scan goal"], c["chunked / gated, same decay"], c["chunked / gated per step"],
+         c["gated goal"]) for c in checks[:1]
+    ] == [(4.0, "missed", 2.0, 2.0, "met")]  # fmt: skip
+    assert (checks[1]["scan goal"], checks[1]["chunked / gated per step"], checks[1]["gated goal"]) == (
+        "not run", 3.0, "missed",
+    )  # fmt: skip
+    assert math.isnan(checks[1]["chunked / gated, same decay"])
+    columns = ("scan / chunked", "scan goal", "chunked / gated per step", "gated goal")
+    assert [checks[2][c] for c in columns] == [6.0, "met", 2.2, "met"]
     with pytest.raises(ValueError, match="unknown delta impl 'reference'"):
         gated_bench.GatedBenchOptions(delta_impls=("reference",))
+    with pytest.raises(ValueError, match="goal_rounds must be >= 0, got -1"):
+        gated_bench.GatedBenchOptions(goal_rounds=-1)
+
+
+def test_interleaved_times_give_the_median_of_each_rounds_ratio(monkeypatch):
+    """Each round times every call in turn, the second of two runs; the machine's speed drifting
+    between rounds (here tenfold in the third) moves every call of the round alike and no ratio."""
+    clock = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    # Two runs per call and round, the first untimed (here slower: after the other call).
+    costs = {"base": iter([9, 1.0, 9, 1.0, 90, 10.0]), "other": iter([9, 2.0, 9, 2.5, 90, 20.0])}
+
+    def call(name):
+        def run():
+            clock[0] += next(costs[name])
+
+        return run
+
+    times = measure.interleaved_times({"base": call("base"), "other": call("other")}, rounds=3)
+    assert times == {"base": [1.0, 1.0, 10.0], "other": [2.0, 2.5, 20.0]}
+    assert measure.median_ratio(times, "other", "base") == 2.0  # rounds: 2.0, 2.5, 2.0
+    with pytest.raises(ValueError, match=r"'gated' was not timed; timed: \['base', 'other'\]"):
+        measure.median_ratio(times, "other", "gated")
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        measure.interleaved_times({"base": call("base")}, rounds=0)
 
 
 def test_benchmark_gated_script_smoke(tmp_path):
@@ -550,6 +584,7 @@ def test_benchmark_gated_script_smoke(tmp_path):
         "--delta_impls=chunked",
         "--passes=forward+backward",
         "--min_seconds=0",
+        "--goal_rounds=2",
         tmp_path=tmp_path,
     )
     assert "goal: a decay costs at most 1.3x" in stdout and "delta rule, forward+backward" in stdout
@@ -568,6 +603,11 @@ def test_benchmark_gated_script_smoke(tmp_path):
     assert saved["machine"]["jax"] == jax.__version__ and len(saved["rows"]) == 6
     assert [c["decay"] for c in saved["goal"]["checks"]] == ["step", "step"]
     assert [(c["n"], c["scan goal"]) for c in saved["delta"]] == [(64, "not run"), (128, "not run")]
+    # The delta rule over the gated per-step form, timed in turn: that case's rows alone.
+    interleaved = [r["kind"] for r in rows if not math.isnan(float(r["over_gated_step"]))]
+    assert all(math.isnan(float(r["scan_over_chunked"])) for r in rows)  # no scan ran
+    assert interleaved == ["delta-step/chunked"] * 2
+    assert all(c["chunked / gated per step"] > 0 for c in saved["delta"])
 
 
 # --- flags generated from an options dataclass --------------------------------------------------
