@@ -41,9 +41,12 @@ def _randn(seed, *shape):
 
 
 def _decay(kind, seed):
+    """Log decays of a shape (kind), uniform in [-1.5, 0]; "strong feature": in [-40, -10], so
+    that chunks take the exact form of per-feature scores, not the factored one."""
     rng = np.random.default_rng(seed)
     shapes = {"head": (H,), "step": (B, T, H), "feature": (B, T, H, D)}
-    return jnp.asarray(-rng.uniform(0, 1.5, size=shapes[kind]))
+    low, high = (10.0, 40.0) if kind.startswith("strong") else (0.0, 1.5)
+    return jnp.asarray(-rng.uniform(low, high, size=shapes[kind.removeprefix("strong ")]))
 
 
 def _gated(sequence_axis, impl):
@@ -186,7 +189,8 @@ def test_non_causal_linear_segments_over_devices_equal_one_device(x64, p):
 
 
 @pytest.mark.parametrize(
-    "p,impl,decay", [(4, "chunked", "step"), (4, "chunked", "feature"), (8, "scan", None)]
+    "p,impl,decay",
+    [(4, "chunked", "step"), (4, "chunked", "feature"), (2, "chunked", "strong feature"), (8, "scan", None)],
 )
 def test_the_delta_rule_in_shard_map_equals_one_device(x64, p, impl, decay):
     """Each device's block as an affine map of the state entering it, composed over devices:
