@@ -61,6 +61,9 @@ def _pyplot():
     return plt
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
 def plot_series(
     path, panels: list[dict], *, title: str, log_x: bool = True, marker: str | None = "o"
 ) -> pathlib.Path:
@@ -72,11 +75,12 @@ def plot_series(
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        for label, points in panel["series"].items():
+        for i, (label, points) in enumerate(panel["series"].items()):
             pts = [(x, y) for x, y in points if y is not None and not math.isnan(y) and y > 0]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker=marker, label=label)
+                # The default cycle has 10 colours: past them a new line style tells series apart.
+                ax.plot(xs, ys, marker=marker, label=label, linestyle=LINE_STYLES[i // 10 % len(LINE_STYLES)])
         if log_x:
             ax.set_xscale("log", base=2)
         ax.set_yscale("log")
