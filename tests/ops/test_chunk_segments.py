@@ -189,3 +189,10 @@ def test_the_backward_keeps_no_sequence_sized_copy(monkeypatch):
     short, short_bytes = temporaries(1024)
     long, long_bytes = temporaries(4096)
     assert long - short < 2 * (long_bytes - short_bytes)
+
+
+def test_pad_time_appends_zero_steps_and_leaves_a_whole_sequence_as_it_is():
+    x = jnp.arange(6.0).reshape(1, 3, 2)
+    np.testing.assert_array_equal(chunk_segments.pad_time(x, 2), [[[0, 1], [2, 3], [4, 5], [0, 0], [0, 0]]])
+    assert chunk_segments.pad_time(x, 0) is x
+    assert chunk_segments.pad_time(None, 3) is None

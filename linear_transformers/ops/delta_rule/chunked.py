@@ -131,8 +131,7 @@ def fits_factored(g_BTHX, chunk_size: int, segment: int | None):
     S = -(-T // L)
     C = min(chunk_size, L)
     N = -(-L // C)
-    g = g_BTHX if S * L == T else jnp.pad(g_BTHX, [(0, 0), (0, S * L - T), (0, 0), (0, 0)])
-    g = g.reshape(B, S, L, H, X)
+    g = chunk_segments.pad_time(g_BTHX, S * L - T).reshape(B, S, L, H, X)
     if N * C != L:
         g = jnp.pad(g, [(0, 0), (0, 0), (0, N * C - L), (0, 0), (0, 0)])
     g = g.reshape(B, S, N, C, H, X)
@@ -160,7 +159,7 @@ def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_s
     N = -(-T // C)
     pad = N * C - T
     if g_BTHX is not None and g_BTHX.shape[-1] > 1 and factored is None:
-        g_NGCD = _chunks(chunk_segments.pad_time(g_BTHX, pad) if pad else g_BTHX, N, C)
+        g_NGCD = _chunks(chunk_segments.pad_time(g_BTHX, pad), N, C)
         inputs = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM)
         return chunk_scores.in_either_form(functools.partial(form, chunk_size=chunk_size), g_NGCD, *inputs)
     if pad:  # Padded steps write nothing (beta 0) and keep the state (g 0); their outputs are cut.

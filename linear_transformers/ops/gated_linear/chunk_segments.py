@@ -48,9 +48,11 @@ def _sum_over_added_axes(cotangent, primal):
 
 
 def pad_time(x, pad: int):
-    """x [B, T, ...] followed by `pad` steps of zeros (None stays None): a sequence padded to a
-    whole number of segments or chunks."""
-    return None if x is None or not pad else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    """x [B, T, ...] followed by `pad` >= 0 steps of zeros (None stays None; pad 0: x itself): a
+    sequence padded to a whole number of segments or chunks."""
+    if x is None or pad == 0:
+        return x
+    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
 def _slice(x, i, L: int):
