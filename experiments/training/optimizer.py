@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from linear_transformers.attention import NO_WEIGHT_DECAY
+
 SCHEDULES = ("constant", "cosine", "step")
 OPTIMIZERS = ("radam", "adamw")
 
@@ -34,8 +36,20 @@ def make_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
+def weight_decay_mask(params):
+    """True for each parameter weight decay applies to: all but those named in
+    `attention.NO_WEIGHT_DECAY` (the delta rule's decay rates), wherever they sit."""
+
+    def applies(path, _):
+        names = {getattr(key, "key", getattr(key, "name", None)) for key in path}
+        return not names & NO_WEIGHT_DECAY
+
+    return jax.tree_util.tree_map_with_path(applies, params)
+
+
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """Global-norm clipping, then RAdam (the paper's) or Adam, decoupled weight decay, schedule."""
+    """Global-norm clipping, then RAdam (the paper's) or Adam, decoupled weight decay (not of the
+    parameters `weight_decay_mask` leaves out), schedule."""
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"config.optimizer must be one of {OPTIMIZERS}, got {config.optimizer!r}.")
     scale = optax.scale_by_radam() if config.optimizer == "radam" else optax.scale_by_adam()
@@ -44,7 +58,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
         parts.append(optax.clip_by_global_norm(config.grad_clip))
     parts.append(scale)
     if config.weight_decay > 0:
-        parts.append(optax.add_decayed_weights(config.weight_decay))
+        parts.append(optax.add_decayed_weights(config.weight_decay, mask=weight_decay_mask))
     parts.append(optax.scale_by_learning_rate(make_schedule(config)))
     return optax.chain(*parts)
 

@@ -31,6 +31,7 @@ from linear_transformers.attention.base import (
     unregister_attention,
 )
 from linear_transformers.attention.delta import (
+    NO_WEIGHT_DECAY,
     DeltaNet,
     DeltaNetOptions,
     DeltaRuleCore,
@@ -53,6 +54,7 @@ from linear_transformers.attention.retention import Retention, RetentionOptions,
 from linear_transformers.attention.softmax import SoftmaxAttention, SoftmaxMemory, SoftmaxOptions
 
 __all__ = [
+    "NO_WEIGHT_DECAY",
     "AttentionCore",
     "CausalFormOptions",
     "NoOptions",

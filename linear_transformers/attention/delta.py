@@ -39,6 +39,11 @@ from linear_transformers.attention.base import AttentionCore, integer_option, pr
 from linear_transformers.attention.gated import HeadNorm
 from linear_transformers.ops.delta_rule.op import FORMS
 
+# Parameters weight decay leaves alone: the decays' rates, as FLA's layers mark them
+# (`_no_weight_decay`). Pulled toward 0 they move the gates' time constants rather than shrink a
+# weight: dt_bias starts near log(0.001..0.1), and at 0 softplus gives 0.69, a far stronger decay.
+NO_WEIGHT_DECAY = frozenset({"A_log", "dt_bias"})
+
 
 @dataclasses.dataclass(frozen=True)
 class DeltaNetOptions:
