@@ -94,38 +94,31 @@ def _scores(a_xCD, k_xCD, pair_decay_xCC, acc):
 
 def _decays(q, k, g, mask, acc):
     """-> (kk, qk: [N, G, C, C] scores of every pair (`_scores`); q and k decayed from the chunk's
-    start; k decayed to its end; the chunk's decay [N, G, X, 1] or None), each exponent one sum
-    of same-sign log decays: per feature the gated family's exact scores
-    (`chunk_scores.blocked_scores`)."""
+    start; k decayed to its end; the chunk's decay [N, G, X, 1] or None), with no decay or one
+    per head, each exponent one sum of same-sign log decays."""
     if g is None:
         return _scores(k, k, None, acc), _scores(q, k, None, acc), k, q, k, None
-    if g.shape[-1] == 1:  # [N, G, C, C] pair decays exp(Gamma_i - Gamma_j), shared by kk and qk.
-        pair_decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=2)[..., 0], -jnp.inf))
-        kk, qk = _scores(k, k, pair_decay, acc), _scores(q, k, pair_decay, acc)
-    else:  # k's decays shared by kk and qk.
-        kk, qk = chunk_scores.blocked_scores(jnp.stack([k, q]), k, g, acc)
+    # [N, G, C, C] pair decays exp(Gamma_i - Gamma_j), shared by kk and qk.
+    pair_decay = jnp.exp(jnp.where(mask, totals.pair_log_decay(g, time_axis=2)[..., 0], -jnp.inf))
+    kk, qk = _scores(k, k, pair_decay, acc), _scores(q, k, pair_decay, acc)
     from_start = jnp.exp(totals.prefix_sum(g, axis=2))
     k_to_end = jnp.exp(totals.suffix_sum(g, axis=2)) * k
     return kk, qk, from_start * k, from_start * q, k_to_end, jnp.exp(jnp.sum(g, axis=2))[..., None]
 
 
-def _factored_decays(q, k, g, acc):
-    """`_decays` for per-feature decays that fit the factored form (every |u| <= FACTOR_RANGE):
-    every factor from `chunk_scores.midpoint_factors`."""
-    f = chunk_scores.midpoint_factors(g)
-    k_up, q_up, k_down = k * f.up, q * f.up, k * f.down
-    kk, qk = (precision.einsum_in(acc, "...id,...jd->...ij", x, k_down) for x in (k_up, q_up))
-    chunk_decay = jnp.swapaxes(f.start_to_midpoint * f.midpoint_to_end, -1, -2)  # [N, G, D, 1]
-    k_decayed, q_decayed = f.start_to_midpoint * k_up, f.start_to_midpoint * q_up
-    return kk, qk, k_decayed, q_decayed, f.midpoint_to_end * k_down, chunk_decay
+def _feature_decays(q, k, g, acc, factored: bool):
+    """`_decays` for per-feature decays: the gated family's (`chunk_scores.chunk_decays`), k and
+    q scored against k at once."""
+    d = chunk_scores.chunk_decays((k, q), k, g, acc, factored=factored)
+    (kk, qk), (k_decayed, q_decayed) = d.scores, d.queries_from_start
+    return kk, qk, k_decayed, q_decayed, d.k_to_end, jnp.swapaxes(d.chunk_decay, -1, -2)
 
 
 def fits_factored(g_BTHX, chunk_size: int, segment: int | None):
     """Whether every chunk the form sees (chunks of C steps from the start of each segment of
     `segment` steps, None: one of T) fits the factored scores: |u| <= FACTOR_RANGE
-    (`chunk_scores.from_midpoint`). With every g <= 0, u falls from its first step to its last,
-    so its extremes are the sums of the first half after step 0 and of the second half: one
-    reduction over g, no [.., C, X] rescaling. A NaN anywhere chooses the exact form."""
+    (`chunk_scores.chunks_fit`: two sums per chunk, no [.., C, X] rescaling). A NaN anywhere
+    chooses the exact form."""
     B, T, H, X = g_BTHX.shape
     L = T if segment is None else segment
     S = -(-T // L)
@@ -134,10 +127,7 @@ def fits_factored(g_BTHX, chunk_size: int, segment: int | None):
     g = chunk_segments.pad_time(g_BTHX, S * L - T).reshape(B, S, L, H, X)
     if N * C != L:
         g = jnp.pad(g, [(0, 0), (0, 0), (0, N * C - L), (0, 0), (0, 0)])
-    g = g.reshape(B, S, N, C, H, X)
-    m = C // 2
-    widest = jnp.maximum(-jnp.sum(g[:, :, :, 1 : m + 1], axis=3), -jnp.sum(g[:, :, :, m + 1 :], axis=3))
-    return jnp.max(widest) <= chunk_scores.FACTOR_RANGE
+    return chunk_scores.chunks_fit(g.reshape(B, S, N, C, H, X), axis=3)
 
 
 CHUNK_STATES = "delta_rule_chunk_states"
@@ -177,8 +167,8 @@ def form(q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, reset_BT, s0_BHDM, *, chunk_s
         mask = mask & (runs[..., :, None] == runs[..., None, :])
 
     acc = q.dtype
-    if g is not None and g.shape[-1] > 1 and factored:
-        kk, qk, k_decayed, q_decayed, k_to_end, chunk_decay = _factored_decays(q, k, g, acc)
+    if g is not None and g.shape[-1] > 1:
+        kk, qk, k_decayed, q_decayed, k_to_end, chunk_decay = _feature_decays(q, k, g, acc, factored)
     else:
         kk, qk, k_decayed, q_decayed, k_to_end, chunk_decay = _decays(q, k, g, mask, acc)
     A = beta * jnp.where(mask & ~jnp.eye(C, dtype=bool), kk, 0)

@@ -225,9 +225,8 @@ def delta_rule_attention(
 
     form = FORMS[implementation]
     if implementation == "chunked":
-        form = functools.partial(
-            form, chunk_size=chunked.default_chunk_size() if chunk_size is None else chunk_size
-        )
+        chunk_size = chunked.default_chunk_size() if chunk_size is None else chunk_size
+        form = functools.partial(form, chunk_size=chunk_size)
     scale = D**-0.5 if scale is None else scale
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BTHD, v_BTHM, name=name)
@@ -256,7 +255,7 @@ def delta_rule_attention(
         # alike (the inputs, and the states the segments' loop or `keeping_chunk_states` keeps),
         # and the cond's derivative shares residuals of one type between its branches. (A block
         # of a split sequence chooses per call of the form: `chunk_scores.in_either_form`.)
-        fits = chunked.fits_factored(g_BTHX, form.keywords["chunk_size"], segment)
+        fits = chunked.fits_factored(g_BTHX, chunk_size, segment)
         factored, blocked = (block_of(functools.partial(form, factored=f)) for f in (True, False))
         block = functools.partial(jax.lax.cond, fits, factored, blocked)
     if sequence_axis is None:

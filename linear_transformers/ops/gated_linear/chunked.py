@@ -67,21 +67,14 @@ def _chunks(carry, x, *, eps, acc, factored=None):
         dropped = runs[..., -1] > 0  # [B, 1, N]
 
     # Within a chunk: the masked (decayed) quadratic form on C x C (t, s: query and key in it).
-    q_in, k_out, v_out = q.astype(acc), k.astype(acc), v
-    a = None
     if g is None:
         sim = precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q, k)
-    elif factored:  # Every decay from the chunk's midpoint factors (`chunk_scores.py`).
-        f = chunk_scores.midpoint_factors(g)
-        q_up, k_down = q_in * f.up, k_out * f.down
-        sim = precision.einsum_in(acc, "bhntf,bhnsf->bhnts", q_up, k_down)
-        q_in, k_out = f.start_to_midpoint * q_up, f.midpoint_to_end * k_down
-        a = (f.start_to_midpoint * f.midpoint_to_end)[..., 0, :]
-    else:
-        sim = chunk_scores.blocked_scores(q, k, g, acc)
-        q_in = q_in * jnp.exp(totals.prefix_sum(g, axis=3))
-        k_out = k_out * jnp.exp(totals.suffix_sum(g, axis=3))
-        a = jnp.exp(jnp.sum(g, axis=3))
+        q_in, k_out, a = q.astype(acc), k.astype(acc), None
+    else:  # The decays in the form chosen for the segment (`chunk_scores.py`).
+        d = chunk_scores.chunk_decays((q,), k, g, acc, factored=factored)
+        (sim,), (q_in,) = d.scores, d.queries_from_start
+        k_out, a = d.k_to_end, d.chunk_decay[..., 0, :]
+    v_out = v
     sim = jnp.where(mask, sim, 0)
     num = jnp.einsum("bhnts,bhnsm->bhntm", sim, v.astype(acc))
     den = None if z0 is None else jnp.sum(sim, axis=-1)
