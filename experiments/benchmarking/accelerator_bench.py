@@ -574,14 +574,16 @@ def gated_cases(sizes: Sizes) -> list[Case]:
 
 def kernel_cases(sizes: Sizes) -> list[Case]:
     """What the kernel's goals need first (no decay: the kernel, the copy roof, cuDNN), then the
-    kernel with each decay and its copy, then XLA's chunked form of every decay."""
+    kernel with each decay and its copy, then XLA's chunked form of every decay, then the
+    kernel's other launches (`kernel_bench.TUNINGS`), each decay and pass."""
     opts = sizes.kernel
     gpu = jax.devices()[0].platform == "gpu"
 
-    def case(kind: str, pass_: str, n: int) -> Case:
+    def case(kind: str, pass_: str, n: int, tuning: dict | None = None) -> Case:
+        label = "" if tuning is None else f" [{kernel_bench.tuning_label(tuning)}]"
         return Case(
-            f"{kind} {pass_} N={n}",
-            lambda: [kernel_bench.run_case(opts, kind, pass_, n, opts.budget_bytes())],
+            f"{kind} {pass_} N={n}{label}",
+            lambda: [kernel_bench.run_case(opts, kind, pass_, n, opts.budget_bytes(), tuning=tuning)],
         )
 
     cases = []
@@ -594,13 +596,24 @@ def kernel_cases(sizes: Sizes) -> list[Case]:
                     _sweep_case(attention_bench, _attention_opts(sizes, n), CUDNN, p, n) for p in opts.passes
                 ]
         cases += [case(f"gated-{d}/chunked", p, n) for d in opts.decays for p in opts.passes]
+    for n in opts.lengths:
+        cases += [
+            case(f"gated-{d}/pallas", p, n, tuning)
+            for tuning in kernel_bench.TUNINGS
+            for d in opts.decays
+            for p in opts.passes
+        ]
     if not gpu:
         cases.append(Case(CUDNN, lambda: [{"kind": CUDNN, "status": "skipped: cuDNN needs an NVIDIA GPU"}]))
     return cases
 
 
 def kernel_targets(rows: list[dict]) -> list[dict]:
-    ok = {(r["kind"], r["pass"], r["n"]): r["time_ms"] for r in rows if r.get("status") == "ok" and "n" in r}
+    ok = {
+        (r["kind"], r["pass"], r["n"]): r["time_ms"]
+        for r in rows
+        if r.get("status") == "ok" and "n" in r and kernel_bench.is_default_launch(r)
+    }
     both = "forward+backward"
     out = []
     for n in dict.fromkeys(r["n"] for r in rows if "n" in r):
@@ -665,8 +678,11 @@ PART_SPECS = {
     "kernel": PartSpec(
         "The Pallas kernel of the gated family vs XLA's chunked form, cuDNN and the memory roof",
         kernel_cases,
-        "kind pass n batch dtype chunk_size time_ms bytes gb_per_s peak_mib status".split(),
-        {"pallas, XLA chunked and a copy of the forward's bytes, same run": kernel_bench.comparison},
+        "kind pass n batch dtype chunk_size tuning time_ms bytes gb_per_s peak_mib status".split(),
+        {
+            "pallas, XLA chunked and a copy of the forward's bytes, same run": kernel_bench.comparison,
+            "pallas launches (value blocks, warps, stages) vs the default, same run": kernel_bench.tunings,
+        },
         kernel_targets,
     ),
     "attention": PartSpec(

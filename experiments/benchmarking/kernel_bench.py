@@ -9,6 +9,10 @@ forward's inputs (q, k, v and the log decays) and writes an output of its size, 
 forward must move at least. Every row has `bytes` (what its forward reads and writes) and
 `gb_per_s` (bytes / time: for a forward, the bandwidth it achieved; the copy's is the device's,
 measured). The copy runs forward only.
+
+A kernel row may name a `tuning` (`pallas.Tuning`: value blocks, warps, pipeline stages), the
+launch it was timed with ("default" where it names none); `comparison` and the goals read the
+default launch, `tunings` sets each other launch against it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import functools
 
 from experiments.benchmarking import attention_bench, gated_bench
+from linear_transformers.ops.gated_linear import pallas
 
 DECAYS = ("none", "step", "feature")
 # The goals of the kernel (bf16, N = 16384): the forward within this many times the copy of its
@@ -24,6 +29,20 @@ DECAYS = ("none", "step", "feature")
 ROOF_GOAL = 3.0
 CUDNN_GOAL = 10.0
 DECAY_GOAL = 1.3
+# Launches to try beside the default (`pallas.Tuning`): value blocks give M / value_block
+# programs per (batch, head), where B * H = 64 at the goals' shape leaves an H100's 132 SMs
+# half idle; fewer warps or more pipeline stages trade registers for latency hiding.
+TUNINGS = ({"value_block": 32}, {"value_block": 16}, {"num_warps": 4}, {"num_stages": 3})
+DEFAULT_TUNING = "default"
+
+
+def tuning_label(tuning: dict | None) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted((tuning or {}).items())) or DEFAULT_TUNING
+
+
+def is_default_launch(row: dict) -> bool:
+    """The row is not the kernel at one of `TUNINGS` (a CSV's empty cell included)."""
+    return (row.get("tuning") or DEFAULT_TUNING) == DEFAULT_TUNING
 
 
 def copy_kind(decay: str) -> str:
@@ -47,8 +66,17 @@ def _copy(q, k, v, *rest):
     return out
 
 
-def run_case(opts: gated_bench.GatedBenchOptions, kind: str, pass_: str, n: int, budget: int) -> dict:
-    """One case: a gated kind as `gated_bench` defines it, or the copy of its decay's bytes."""
+def run_case(
+    opts: gated_bench.GatedBenchOptions,
+    kind: str,
+    pass_: str,
+    n: int,
+    budget: int,
+    *,
+    tuning: dict | None = None,
+) -> dict:
+    """One case: a gated kind as `gated_bench` defines it, or the copy of its decay's bytes;
+    a pallas kind launched as `tuning` says (None: the default)."""
     batch = opts.batch_for(n)
     copy = kind.startswith("copy-")
     gated_kind = f"gated-{kind.removeprefix('copy-')}/pallas" if copy else kind
@@ -65,7 +93,12 @@ def run_case(opts: gated_bench.GatedBenchOptions, kind: str, pass_: str, n: int,
     else:
         fn = attention_bench.pass_fn(gated_bench.attention_fn(kind, opts.chunk_size), pass_)
     inputs = functools.partial(gated_bench.random_inputs, opts, gated_kind, batch, n)
-    row = attention_bench.time_case(opts, row, fn, specs, inputs, budget)
+    if tuning is not None:
+        if impl != "pallas" or copy:
+            raise ValueError(f"a tuning is a launch of the pallas kernel; {kind} has none.")
+        row["tuning"] = tuning_label(tuning)
+    with pallas.tuning(**(tuning or {})):  # read when the case is traced, inside time_case
+        row = attention_bench.time_case(opts, row, fn, specs, inputs, budget)
     row["gb_per_s"] = row["bytes"] / (row["time_ms"] * 1e6) if row["status"] == "ok" else float("nan")
     return row
 
@@ -73,7 +106,7 @@ def run_case(opts: gated_bench.GatedBenchOptions, kind: str, pass_: str, n: int,
 def comparison(rows: list[dict]) -> list[dict]:
     """Per (N, decay, pass): the kernel's, XLA's and the copy's ms, the kernel's GB/s and its
     time over the copy's (forward) and XLA's over the kernel's."""
-    ran = {(r["n"], r["kind"], r["pass"]): r for r in rows if r.get("status") == "ok" and "kind" in r}
+    ran = _default_launches(rows)
     nan = float("nan")
 
     def field(row, name):
@@ -103,4 +136,37 @@ def comparison(rows: list[dict]) -> list[dict]:
                         "xla_over_pallas": xla_ms / kernel_ms,
                     }
                 )
+    return out
+
+
+def _default_launches(rows: list[dict]) -> dict:
+    """{(n, kind, pass): row} of the rows that ran, at the kernel's default launch."""
+    return {
+        (r["n"], r["kind"], r["pass"]): r
+        for r in rows
+        if r.get("status") == "ok" and "kind" in r and is_default_launch(r)
+    }
+
+
+def tunings(rows: list[dict]) -> list[dict]:
+    """Per launch the kernel was tried with: its ms and the default launch's (same N, decay and
+    pass), and default / it (> 1: the launch is faster)."""
+    default = _default_launches(rows)
+    out = []
+    for r in rows:
+        if r.get("status") != "ok" or is_default_launch(r):
+            continue
+        base = default.get((r["n"], r["kind"], r["pass"]))
+        base_ms = base["time_ms"] if base else float("nan")
+        out.append(
+            {
+                "n": r["n"],
+                "decay": r["decay"],
+                "pass": r["pass"],
+                "tuning": r["tuning"],
+                "pallas_ms": r["time_ms"],
+                "default_ms": base_ms,
+                "default_over_tuned": base_ms / r["time_ms"],
+            }
+        )
     return out

@@ -26,6 +26,10 @@ class FeatureMap:
     per-query positive factor cancels in the attention normaliser.
     """
 
+    # True where phi(x)[..., i] is a function of x[..., i] alone, the same for queries and keys
+    # (F = D): a kernel may then apply it to any block of its inputs (`gated_linear/pallas.py`).
+    pointwise = False
+
     def __call__(self, x):
         raise NotImplementedError
 
@@ -46,9 +50,10 @@ class FeatureMap:
 class CallableFeatureMap(FeatureMap):
     """Wraps a plain function `x[..., D] -> phi[..., F]`, the same for queries and keys."""
 
-    def __init__(self, fn: Callable, name: str):
+    def __init__(self, fn: Callable, name: str, *, pointwise: bool = False):
         self._fn = fn
         self._name = name
+        self.pointwise = pointwise
 
     def __call__(self, x):
         return self._fn(x)
@@ -168,12 +173,12 @@ def register_feature_map(name: str):
 
 @register_feature_map("elu")
 def _make_elu():
-    return CallableFeatureMap(elu_plus_one, "elu")
+    return CallableFeatureMap(elu_plus_one, "elu", pointwise=True)
 
 
 @register_feature_map("relu")
 def _make_relu():
-    return CallableFeatureMap(jax.nn.relu, "relu")
+    return CallableFeatureMap(jax.nn.relu, "relu", pointwise=True)
 
 
 def identity(x):
@@ -184,7 +189,7 @@ def identity(x):
 
 @register_feature_map("identity")
 def _make_identity():
-    return CallableFeatureMap(identity, "identity")
+    return CallableFeatureMap(identity, "identity", pointwise=True)
 
 
 @register_feature_map("favor")

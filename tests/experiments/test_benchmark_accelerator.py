@@ -13,7 +13,7 @@ import types
 import jax
 import pytest
 
-from experiments.benchmarking import accelerator_bench, gated_bench
+from experiments.benchmarking import accelerator_bench, gated_bench, kernel_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -67,6 +67,11 @@ def test_every_part_at_tiny_sizes_and_a_failing_part_is_skipped(tmp_path, monkey
     assert verdicts["pallas forward <= 3x the copy of its bytes, no decay, N=64"] in ("met", "missed")
     kernel = [r for r in rows if r["part"] == "kernel" and r["kind"] == "gated-none/pallas"]
     assert kernel and float(kernel[0]["gb_per_s"]) > 0 and int(kernel[0]["bytes"]) == 4 * 2 * 64 * 2 * 8 * 2
+    # Its other launches, each set against the default launch of the same case.
+    assert "| 64 | none | forward | value_block=32 | " in markdown
+    launches = kernel_bench.tunings([r | {"n": int(r["n"]), "time_ms": float(r["time_ms"])} for r in kernel])
+    assert {t["tuning"] for t in launches} == {kernel_bench.tuning_label(t) for t in kernel_bench.TUNINGS}
+    assert all(t["default_over_tuned"] > 0 for t in launches)
 
 
 def test_the_entry_point_writes_the_report_of_the_selected_parts(tmp_path):

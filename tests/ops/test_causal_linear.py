@@ -161,8 +161,10 @@ def test_impl_matches_quadratic_eagerly(x64, impl):
     chex.assert_trees_all_close(out, _quadratic_expected(1, T, "elu"), rtol=1e-10, atol=1e-10)
 
 
-FM_CASES = [(impl, "favor") for impl in ("associative_scan", "chunked", "scan")] + [
-    ("chunked", fm) for fm in ("relu", "softplus")
+# The pallas kernel prepares its inputs itself with a pointwise map (relu), XLA does before it
+# with any other (favor, and softplus, a plain callable).
+FM_CASES = [(impl, "favor") for impl in ("associative_scan", "chunked", "scan", "pallas")] + [
+    (impl, fm) for impl in ("chunked", "pallas") for fm in ("relu", "softplus")
 ]
 
 
@@ -180,7 +182,7 @@ def test_impl_matches_quadratic_feature_maps(x64, impl, fm_name):
 GRAD_CASES = (
     [("chunked", T, c, "elu") for T, c in [(1, 4), (13, 1), (13, 4)]]
     + [(impl, 13, 4, "elu") for impl in ("associative_scan", "scan")]
-    + [("chunked", 13, 4, fm) for fm in ("favor", "relu")]
+    + [(impl, 13, 4, fm) for impl in ("chunked", "pallas") for fm in ("favor", "relu")]
 )
 
 

@@ -10,7 +10,8 @@ Every form is one function with one interface,
 
   q, k, v, g  raw inputs: q, k [B, T, H, D], v [B, T, H, M], log decays g <= 0 [B, T, H, X] or
               None (no decay); `prepare(q, k, v, g, valid_BT)` -> (phi(q) * scale, phi(k), v, g)
-              with the keys that do not count zeroed (`inputs.prepare`). prepare None: the inputs
+              with the keys that do not count zeroed (an `inputs.Preparation`: the pallas form
+              applies it inside its kernel where the feature map is pointwise). prepare None: the inputs
               are prepared already (phi(q) and phi(k) [B, T, H, F]), as on a device of a
               sequence axis, which needs them prepared for its totals.
   valid_BT    bool, the keys that count (None: all); read only by `prepare`.
@@ -24,8 +25,10 @@ and computes, with a_t = exp(g_t) and the state dropped at a reset,
   s_t = a_t * s_{t-1} + phi(k_t) v_t^T,   z_t = a_t * z_{t-1} + phi(k_t),
   out_t = phi(q_t) . s_t  (/ (phi(q_t) . z_t + eps) with a normaliser),
 
-returning the outputs and the state after the last step. The chunked and pallas forms also take
-`chunk_size`, which the caller binds.
+returning the outputs and the state after the last step. The pallas form returns a third
+value: whether every raw v is finite and every raw log decay <= 0, which its kernel sees as it
+loads them (None where XLA prepared them before it), so that the guard need not read them
+again. The chunked and pallas forms also take `chunk_size`, which the caller binds.
 
 - "reference": the dense decay matrix (`reference.py`).
 - "associative_scan": `lax.associative_scan` of every step's totals (`associative_scan.py`).

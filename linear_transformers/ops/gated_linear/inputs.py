@@ -1,5 +1,5 @@
-"""The gated linear op's inputs: the checks of its decays and state, and `prepare`, which turns
-raw inputs into what the recurrence reads.
+"""The gated linear op's inputs: the checks of its decays and state, and `Preparation`, which
+turns raw inputs into what the recurrence reads.
 
 Legend: B batch, T time, H heads, D key/query features, F feature-map features (F = D but for
 FAVOR+), M value features, X decay features (1 or F).
@@ -7,10 +7,14 @@ FAVOR+), M value features, X decay features (1 or F).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 
-from linear_transformers.ops import input_checks
+from linear_transformers.ops import _nonfinite, input_checks
+from linear_transformers.ops.feature_maps import FeatureMap
 from linear_transformers.ops.linear_state import LinearState
 
 
@@ -86,6 +90,12 @@ def check_linear_state(state, expected_BHFM, *, normalize: bool, name: str) -> L
 LOG_DECAY_FLOOR = -1e4
 
 
+def along_time(valid, x):
+    """`valid` ([..., T]) broadcastable against x ([..., T, ...]): [B, T] against [B, T, H, D],
+    or a kernel's [C] against its [C, D] block."""
+    return jnp.expand_dims(valid, tuple(range(valid.ndim, x.ndim)))
+
+
 def prepare_log_decay(g_BTHX, valid_BT, acc):
     """The log decays the forms read: in `acc`; -inf (a decay of 0, a reset) and anything below
     as LOG_DECAY_FLOOR (the same decay, exactly); a positive value, which only an eager call can
@@ -93,19 +103,47 @@ def prepare_log_decay(g_BTHX, valid_BT, acc):
     (`valid_BT` False), whatever it held."""
     g = g_BTHX.astype(acc)
     g = jnp.where(g > 0, jnp.asarray(jnp.nan, acc), jnp.maximum(g, LOG_DECAY_FLOOR))
-    return g if valid_BT is None else jnp.where(valid_BT[:, :, None, None], g, 0)
+    return g if valid_BT is None else jnp.where(along_time(valid_BT, g), g, 0)
 
 
-def prepare(q_BTHD, k_BTHD, v_BTHM, g_BTHX, valid_BT, *, fm, scale, acc):
-    """(phi(q) * scale, phi(k), v, g) for any stretch of steps, phi(k) and v zeroed where a key
-    does not count (`valid_BT` False; None: every key counts), g as `prepare_log_decay` makes it.
-    `where`, not a product: padded values may hold inf or NaN."""
-    phi_q, phi_k = fm.query(q_BTHD), fm.key(k_BTHD)
-    if scale != 1.0:
-        phi_q = phi_q * jnp.asarray(scale, phi_q.dtype)
-    v, g = v_BTHM, None if g_BTHX is None else prepare_log_decay(g_BTHX, valid_BT, acc)
-    if valid_BT is not None:
-        valid_BT11 = valid_BT[:, :, None, None]
-        phi_k = jnp.where(valid_BT11, phi_k, 0)
-        v = jnp.where(valid_BT11, v, 0)
-    return phi_q, phi_k, v, g
+@dataclasses.dataclass(frozen=True, eq=False)
+class Preparation:
+    """What the recurrence reads, from raw inputs: `prepare(q, k, v, g, valid)` -> (phi(q) *
+    scale, phi(k), v, g), phi(k) and v zeroed where a key does not count (`valid` False; None:
+    every key counts), g as `prepare_log_decay` makes it; with `finite`, also the finite part of
+    v and g (the non-finite guard's, `nonfinite.py`). `where`, not a product: padded values may
+    hold inf or NaN.
+
+    Every part is elementwise along time, so it serves any stretch of steps; with a pointwise
+    feature map (`pointwise`) it serves any block of features too, as a kernel loads them."""
+
+    fm: FeatureMap
+    scale: float
+    acc: Any
+    finite: bool = False
+
+    @property
+    def pointwise(self) -> bool:
+        return self.fm.pointwise
+
+    def queries(self, q):
+        phi_q = self.fm.query(q)
+        return phi_q if self.scale == 1.0 else phi_q * jnp.asarray(self.scale, phi_q.dtype)
+
+    def keys(self, k, valid):
+        phi_k = self.fm.key(k)
+        return phi_k if valid is None else jnp.where(along_time(valid, phi_k), phi_k, 0)
+
+    def values(self, v, valid):
+        if valid is not None:
+            v = jnp.where(along_time(valid, v), v, 0)
+        return _nonfinite.finite_part(v) if self.finite else v
+
+    def log_decays(self, g, valid):
+        if g is None:
+            return None
+        g = prepare_log_decay(g, valid, self.acc)
+        return _nonfinite.finite_part(g) if self.finite else g
+
+    def __call__(self, q, k, v, g, valid):
+        return self.queries(q), self.keys(k, valid), self.values(v, valid), self.log_decays(g, valid)

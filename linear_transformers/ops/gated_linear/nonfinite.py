@@ -22,37 +22,48 @@ gradients through them, are those of the finite inputs in every form.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from linear_transformers.ops import _nonfinite
+from linear_transformers.ops.feature_maps import make_feature_map
 from linear_transformers.ops.gated_linear import inputs
 
 
 def guarded(form):
-    """`form` (the interface of `forms.py`) with the guard. v and g are made finite inside
-    `prepare`, so the chunked form does that a segment at a time too."""
+    """`form` (the interface of `forms.py`) with the guard; a form that checks its inputs as
+    it reads them (pallas) returns that check third, else the guard reads v and g for it. v and
+    g are made finite by the
+    `Preparation` the form is given, so the chunked form does that a segment at a time too, and
+    the pallas kernel a chunk at a time. Inputs prepared already (prepare None) are only made
+    finite: the identity map, no scale, and log decays prepared twice are the same."""
 
     @functools.wraps(form)
     def guarded(q, k, v_BTHM, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, acc, **kwargs):
-        def prepare_finite(q, k, v, g, valid):
-            if prepare is not None:
-                q, k, v, g = prepare(q, k, v, g, valid)
-            return q, k, _nonfinite.finite_part(v), None if g is None else _nonfinite.finite_part(g)
-
-        result = form(
+        if prepare is None:
+            prepare_finite = inputs.Preparation(make_feature_map("identity"), 1.0, acc, finite=True)
+        else:
+            prepare_finite = dataclasses.replace(prepare, finite=True)
+        out, state, *seen = form(
             q, k, v_BTHM, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, prepare=prepare_finite, acc=acc, **kwargs
         )
-        clean = jnp.all(jnp.isfinite(v_BTHM))
-        if g is not None:  # NaN, and a positive value (read as NaN), fail `<= 0`; -inf passes
-            clean &= jnp.all(g <= 0)
+        result = out, state
+        clean = seen[0] if seen and seen[0] is not None else _clean(v_BTHM, g)
         mark = functools.partial(_mark_seen, v_BTHM, g, reset_BT, valid_BT, prepare, acc)
         # `lax.cond`: the decays are prepared again and the marks found only when needed.
         return jax.lax.cond(clean, lambda r: r, mark, result)
 
     return guarded
+
+
+def _clean(v_BTHM, g_BTHX):
+    """Every v is finite and every log decay <= 0 (NaN, and a positive value, which a jitted
+    call reads as NaN, fail; -inf passes)."""
+    clean = jnp.all(jnp.isfinite(v_BTHM))
+    return clean if g_BTHX is None else clean & jnp.all(g_BTHX <= 0)
 
 
 def seen_decay_BTHX(g_BTHX, reset_BT):

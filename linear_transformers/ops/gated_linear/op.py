@@ -177,7 +177,7 @@ def attend(
     elif implementation == "pallas":
         form = functools.partial(form, chunk_size=chunk_size)
     scale = D**-0.5 if scale is None else scale
-    prepare = functools.partial(inputs.prepare, fm=fm, scale=scale, acc=acc)
+    prepare = inputs.Preparation(fm, scale, acc)
     options = dict(form=form, prepare=prepare, eps=eps, acc=acc)
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BTHD, v_BTHM, name=name)

@@ -12,15 +12,21 @@ every operation in them has a Triton lowering. JAX deprecates `pl.pallas_call` f
 in favour of `plgpu.kernel`, a different program (warpgroups, explicit shared memory); the
 Triton path is selected by its `CompilerParams`.
 
+What the kernels read: the caller's q, k, v and log decays, each chunk prepared as it is loaded
+(the `inputs.Preparation`: feature map, scale, the keys that do not count, the finite part of v
+and g), where the feature map is pointwise (elu, relu, identity); with any other (FAVOR+) XLA
+prepares the inputs first. Their gradients go back through the same preparation, in the kernel.
+
 What the kernels do not do, and this wrapper does in XLA around them:
-- `prepare` (feature maps, the scale, the keys that do not count) and padding: T to a whole
-  number of chunks; D and M to a power of two >= 16 (Triton's block shapes), with zeros;
+- padding: T to a whole number of chunks (the padding steps are keys that do not count); D and
+  M to a power of two >= 16 (Triton's block shapes), with zeros;
 - the normaliser: a second kernel call whose values are ones and whose state is z (16 columns,
   Triton's smallest matmul);
-- the decays' cotangent: with q, k and the dq, dk the backward kernel returns, d G[t] = q[t] *
-  dq[t] - k[t] * dk[t] (+ d S_T * S_T at the last step) is the cotangent of the log decays
-  summed up to t, and each g's is the sum of those at and after it in its segment (0 at a
-  segment's first step, whose decay meets a dropped state).
+- the decays' cotangent: the backward kernel returns q[t] . dq[t] and k[t] . dk[t] of the
+  prepared q and k (per feature, or summed over them with a decay per step); their difference
+  d G[t] (+ d S_T * S_T at the last step) is the cotangent of the log decays summed up to t, and
+  each g's is the sum of those at and after it in its segment (0 at a segment's first step,
+  whose decay meets a dropped state), taken back through the decays' preparation.
 
 The kernels compute in float32 (float64 for float64 inputs) whatever the input dtype; their
 matrix products follow `jax.default_matmul_precision` as XLA's do (TF32 for float32 on an NVIDIA
@@ -31,7 +37,11 @@ The form interface is in `forms.py`; the caller binds `chunk_size`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +50,52 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from linear_transformers.ops import sequence_parallel as sp
-from linear_transformers.ops.gated_linear import pallas_kernels, totals
+from linear_transformers.ops.gated_linear import inputs, pallas_kernels, totals
 
 # The chunk length when the caller gives none: 64 (the family's), and 16 with a decay per
 # feature, whose exact form for strong decays holds [C, C, D] pair decays.
 DEFAULT_CHUNK_SIZE, DEFAULT_CHUNK_SIZE_PER_FEATURE = 64, 16
 _MIN_BLOCK = 16  # Triton's smallest matmul dimension
-# Eight warps: a program holds some ten [64, 64] float32 tensors at once (the scores, their
-# decays, q, k, v, the state and, backward, their cotangents), or [16, 16, D] pair decays per
-# feature: 16 registers a thread each at 256 threads. Not tuned on a GPU yet.
-TRITON_PARAMS = dict(num_warps=8, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How the kernels are launched; not what they compute (every choice gives the same result).
+
+    value_block: the value features one program computes (a power of two >= 16; None: all M).
+      Smaller blocks launch M / value_block programs per (batch, head), each recomputing the
+      chunk's scores: more programs where B * H alone leaves the GPU's SMs idle, as FLA's grid
+      over value blocks. Backward, each program then gives a part of dq and dk, summed after it.
+    num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
+      tensors at once (the scores, their decays, q, k, v, the state and, backward, their
+      cotangents), or [16, 16, D] pair decays per feature: 16 registers a thread each at 256
+      threads.
+
+    The defaults are chosen, not yet tuned on a GPU; `tuning` changes them for the calls traced
+    inside it (the accelerator benchmark's sweep)."""
+
+    value_block: int | None = None
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        block = self.value_block
+        if block is not None and (block < _MIN_BLOCK or block & (block - 1)):
+            raise ValueError(f"value_block must be a power of two >= {_MIN_BLOCK} or None, got {block}.")
+
+
+_TUNING = contextvars.ContextVar("pallas_tuning", default=Tuning())
+
+
+@contextlib.contextmanager
+def tuning(**options):
+    """The kernels launched as `Tuning(**options)` says (unnamed options keep their values) for
+    the calls traced inside the block; a `jax.jit` function traced before keeps its own."""
+    token = _TUNING.set(dataclasses.replace(_TUNING.get(), **options))
+    try:
+        yield
+    finally:
+        _TUNING.reset(token)
 
 
 def kernel_mode(platform: str | None = None) -> str:
@@ -79,7 +125,11 @@ def _pad_axis(x, axis: int, size: int):
 
 
 def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, chunk_size):
-    q, k, v, g = (q, k, v, g) if prepare is None else prepare(q, k, v, g, valid_BT)
+    # With a pointwise feature map the kernels prepare each chunk as they load it: they read the
+    # caller's arrays, with no prepared copy of q, k, v and g written and read again.
+    in_kernel = prepare is not None and prepare.pointwise
+    if not in_kernel:
+        q, k, v, g = (q, k, v, g) if prepare is None else prepare(q, k, v, g, valid_BT)
     B, T, H, F = q.shape
     M = v.shape[-1]
     per_feature = g is not None and g.shape[-1] > 1
@@ -93,49 +143,96 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
     C = min(chunk_size, _block_size(T))
     Tp, Fp, Mp = -(-T // C) * C, _block_size(F), _block_size(M)
     if g is not None:
-        g = g.astype(acc)
         g = _pad_axis(_pad_axis(g, 3, Fp) if per_feature else g[..., 0], 1, Tp)
+        g = g if in_kernel else g.astype(acc)
     q, k = (_pad_axis(_pad_axis(x, 3, Fp), 1, Tp) for x in (q, k))
+    valid = None
+    if in_kernel and (valid_BT is not None or Tp > T):  # padding steps are keys that do not count
+        valid = jnp.ones((B, T), jnp.int32) if valid_BT is None else valid_BT.astype(jnp.int32)
+        valid = _pad_axis(valid, 1, Tp)
     runs = before = None
     if reset_BT is not None:
         reset = _pad_axis(reset_BT.astype(jnp.int32), 1, Tp)
         runs = totals.runs(reset)
         before = runs - reset
-    config = dict(C=C, per_feature=per_feature, mode=kernel_mode(), acc=jnp.dtype(acc))
+    config = Config(
+        C=C,
+        per_feature=per_feature,
+        mode=kernel_mode(),
+        acc=jnp.dtype(acc),
+        prepare=prepare if in_kernel else None,
+        features=F,
+        tuning=_TUNING.get(),
+    )
     s0 = _pad_axis(_pad_axis(s0_BHFM.astype(acc), 2, Fp), 3, Mp)
     normalize = z0_BHF is not None
     out_dtype = jnp.dtype(acc) if normalize else v.dtype
     v = _pad_axis(_pad_axis(v, 3, Mp), 1, Tp)
-    num, s = _attend(config, out_dtype, q, k, v, g, runs, before, s0)
+    num, s, clean = _attend(config, out_dtype, q, k, v, g, valid, runs, before, s0)
     num, s = num[:, :T, :, :M], s[:, :, :F, :M]
+    # What the non-finite guard checks, as the kernel saw the raw v and g (prepared before it,
+    # they are finite already: then the guard checks them itself).
+    clean = jnp.all(clean != 0) if in_kernel else None
     if not normalize:
-        return num, (s, None)
+        return num, (s, None), clean
     ones = jnp.ones((B, Tp, H, _MIN_BLOCK), v.dtype)
     z0 = jnp.broadcast_to(_pad_axis(z0_BHF.astype(acc), 2, Fp)[..., None], (B, H, Fp, _MIN_BLOCK))
-    den, z = _attend(config, out_dtype, q, k, ones, g, runs, before, z0)
-    return totals.finish(num, den[:, :T, :, 0], eps, v.dtype), (s, z[:, :, :F, 0])
+    den, z, _ = _attend(config, out_dtype, q, k, ones, g, valid, runs, before, z0)
+    return totals.finish(num, den[:, :T, :, 0], eps, v.dtype), (s, z[:, :, :F, 0]), clean
 
 
-def _call(kernel, config, inputs, outputs):
-    """`kernel` (bound to its options) over a (B, H) grid, one program per sequence, every array
-    whole in its block but for the batch and head axes (squeezed). `inputs`: (array,
-    time_major); `outputs`: (shape and dtype, time_major), the first [B, T, H, M]."""
-    B, _, H, _ = outputs[0][0].shape
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The kernels' static options: chunk length C; a decay per feature; the kernel mode; the
+    accumulation dtype; the `inputs.Preparation` the kernels apply to each chunk (None: the
+    inputs come prepared); the feature count before padding (the padding features, which a
+    feature map may not keep at 0, are zeroed after it); the launch's `Tuning`."""
 
-    def spec(shape, time_major: bool):
-        if len(shape) == 2:  # [B, T]: segment counts
-            return pl.BlockSpec((None, shape[1]), lambda b, h: (b, 0))
-        if time_major:  # [B, T, H(, X)]
-            return pl.BlockSpec(
-                (None, shape[1], None, *shape[3:]), lambda b, h: (b, 0, h) + (0,) * (len(shape) - 3)
+    C: int
+    per_feature: bool
+    mode: str
+    acc: Any
+    prepare: inputs.Preparation | None
+    features: int
+    tuning: Tuning
+
+    def value_block(self, M: int) -> int:
+        """The value features of one program, for M (padded) value features."""
+        return min(self.tuning.value_block or M, M)
+
+
+def _call(kernel, config, value_block: int, operands, outputs):
+    """`kernel` (bound to its options) over a (B, H, value blocks) grid: one program per
+    sequence and block of `value_block` value features. `operands`, `outputs`: (array, or shape
+    and dtype; layout), the first operand q [B, T, H, D], the third v [B, T, H, M]. Layouts:
+    "time" [B, T, H(, X)] and "counts" [B, T], whole in every program; "values" [B, T, H, M]
+    and "state" [B, H, D, M], a value block each; "part" [M / value_block, B, T, H(, X)], each
+    program's part of a sum; "flags" [B, H, M / value_block], an entry per program."""
+    B, _, H, _ = operands[0][0].shape
+    M = operands[2][0].shape[-1]
+
+    def spec(shape, layout: str):
+        if layout == "counts":
+            return pl.BlockSpec((None, shape[1]), lambda b, h, j: (b, 0))
+        if layout == "flags":  # [B, H, value blocks]: one entry per program
+            return pl.BlockSpec((None, None, None), lambda b, h, j: (b, h, j))
+        if layout == "state":
+            return pl.BlockSpec((None, None, shape[2], value_block), lambda b, h, j: (b, h, 0, j))
+        if layout == "values":
+            return pl.BlockSpec((None, shape[1], None, value_block), lambda b, h, j: (b, 0, h, j))
+        rest = tuple(shape[4:] if layout == "part" else shape[3:])
+        block, index = (None, shape[1], None, *rest), lambda b, h, j: (b, 0, h) + (0,) * len(rest)
+        if layout == "part":
+            block, index = (
+                (None, None, shape[2], None, *rest),
+                lambda b, h, j: (j, b, 0, h) + (0,) * len(rest),
             )
-        return pl.BlockSpec((None, None, *shape[2:]), lambda b, h: (b, h, 0, 0))  # [B, H, D, M]
+        return pl.BlockSpec(block, index)
 
-    mode = config["mode"]
     # Inside `shard_map` (a device's block of a sequence axis) every input and output varies
     # over the axes any input varies over.
-    axes = sp.varying_axes([x for x, _ in inputs])
-    if mode == "interpret" and axes:
+    axes = sp.varying_axes([x for x, _ in operands])
+    if config.mode == "interpret" and axes:
         # Pallas's interpreter (jax 0.10) evaluates the kernel as traced, with types that vary
         # over no mesh axis, and `shard_map` refuses to mix them with its inputs' types.
         raise NotImplementedError(
@@ -144,80 +241,115 @@ def _call(kernel, config, inputs, outputs):
             'kernel: Pallas\'s CPU interpreter cannot run it there. Use implementation="chunked" '
             "on a CPU."
         )
-    arrays = sp.vary([x for x, _ in inputs], axes)
+    arrays = sp.vary([x for x, _ in operands], axes)
     axis_type = jax.typeof(arrays[0]).manual_axis_type
+    triton = dict(num_warps=config.tuning.num_warps, num_stages=config.tuning.num_stages)
     return pl.pallas_call(
         kernel,
-        grid=(B, H),
-        in_specs=[spec(x.shape, time_major) for x, time_major in inputs],
-        out_specs=[spec(x.shape, time_major) for x, time_major in outputs],
+        grid=(B, H, M // value_block),
+        in_specs=[spec(x.shape, layout) for x, layout in operands],
+        out_specs=[spec(x.shape, layout) for x, layout in outputs],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype, manual_axis_type=axis_type) for x, _ in outputs],
-        interpret=mode == "interpret",
-        compiler_params=pltriton.CompilerParams(**TRITON_PARAMS) if mode == "triton" else None,
+        interpret=config.mode == "interpret",
+        compiler_params=pltriton.CompilerParams(**triton) if config.mode == "triton" else None,
     )(*arrays)
 
 
-def _kernel_options(config, q, g, runs):
-    T = q.shape[1]
-    return dict(
-        C=config["C"],
-        num_chunks=T // config["C"],
+def _kernel(kernel, config, q, g, valid, runs):
+    return functools.partial(
+        kernel,
+        C=config.C,
+        num_chunks=q.shape[1] // config.C,
         has_decay=g is not None,
+        has_valid=valid is not None,
         has_segments=runs is not None,
-        per_feature=config["per_feature"],
-        acc=config["acc"],
+        per_feature=config.per_feature,
+        acc=config.acc,
+        prepare=config.prepare,
+        features=config.features,
     )
 
 
-def _time_inputs(q, k, v, g, runs, before):
-    return [(x, True) for x in (q, k, v, g, runs, before) if x is not None]
+def _operands(q, k, v, g, valid, runs, before, s0):
+    return [
+        (x, layout)
+        for x, layout in zip(
+            (q, k, v, g, valid, runs, before, s0),
+            ("time", "time", "values", "time", "counts", "counts", "counts", "state"),
+        )
+        if x is not None
+    ]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(config, out_dtype, q, k, v, g, runs, before, s0):
-    """(out [B, T, H, M] in `out_dtype`, s [B, H, D, M]) of padded, prepared inputs."""
-    return _forward(config, out_dtype, q, k, v, g, runs, before, s0)
+def _attend(config, out_dtype, q, k, v, g, valid, runs, before, s0):
+    """(out [B, T, H, M] in `out_dtype`, s [B, H, D, M], clean [B, H, value blocks]) of padded
+    inputs, prepared by the kernels (`config.prepare`) or before them; clean (int32): 1 where
+    the program's raw v were finite and log decays <= 0 (`pallas_kernels._Chunk.clean`)."""
+    return _forward(config, out_dtype, q, k, v, g, valid, runs, before, s0)
 
 
-def _forward(config, out_dtype, q, k, v, g, runs, before, s0):
-    kernel = functools.partial(pallas_kernels.forward_kernel, **_kernel_options(config, q, g, runs))
-    B, T, H, _ = q.shape
-    out = jax.ShapeDtypeStruct((B, T, H, v.shape[-1]), out_dtype)
-    inputs = _time_inputs(q, k, v, g, runs, before) + [(s0, False)]
-    return tuple(_call(kernel, config, inputs, [(out, True), (s0, False)]))
+def _forward(config, out_dtype, q, k, v, g, valid, runs, before, s0):
+    B, T, H, M = v.shape
+    value_block = config.value_block(M)
+    out = jax.ShapeDtypeStruct((B, T, H, M), out_dtype)
+    clean = jax.ShapeDtypeStruct((B, H, M // value_block), jnp.int32)
+    kernel = _kernel(pallas_kernels.forward_kernel, config, q, g, valid, runs)
+    operands = _operands(q, k, v, g, valid, runs, before, s0)
+    outputs = [(out, "values"), (s0, "state"), (clean, "flags")]
+    return tuple(_call(kernel, config, value_block, operands, outputs))
 
 
-def _attend_fwd(config, out_dtype, q, k, v, g, runs, before, s0):
-    out, s = _forward(config, out_dtype, q, k, v, g, runs, before, s0)
-    return (out, s), (q, k, v, g, runs, before, s0, s)
+def _attend_fwd(config, out_dtype, q, k, v, g, valid, runs, before, s0):
+    out, s, clean = _forward(config, out_dtype, q, k, v, g, valid, runs, before, s0)
+    return (out, s, clean), (q, k, v, g, valid, runs, before, s0, s)
 
 
 def _attend_bwd(config, out_dtype, residuals, cotangents):
-    q, k, v, g, runs, before, s0, s = residuals
-    d_out, d_s = cotangents
-    kernel = functools.partial(pallas_kernels.backward_kernel, **_kernel_options(config, q, g, runs))
-    inputs = _time_inputs(q, k, v, g, runs, before) + [
-        (s0, False),
-        (d_out, True),
-        (d_s.astype(s0.dtype), False),
+    q, k, v, g, valid, runs, before, s0, s = residuals
+    d_out, d_s, _ = cotangents  # the third: of the int32 flags, none
+    value_block = config.value_block(v.shape[-1])
+    parts = v.shape[-1] // value_block
+    operands = _operands(q, k, v, g, valid, runs, before, s0) + [
+        (d_out, "values"),
+        (d_s.astype(s0.dtype), "state"),
     ]
-    # With a decay, dq and dk come out in float32: the decays' cotangent is their difference.
-    dqk = q if g is None else jax.ShapeDtypeStruct(q.shape, config["acc"])
-    outputs = [(dqk, True), (dqk, True), (v, True), (s0, False)]
-    dq, dk, dv, ds0 = _call(kernel, config, inputs, outputs)
-    dg = None if g is None else _log_decay_cotangent(q, k, dq, dk, s, d_s, runs, before, g)
-    no_cotangent = tuple(None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in (runs, before))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv, dg, *no_cotangent, ds0
+
+    def summed(x, dtype):
+        """An output of x's shape; with several value blocks, each block's part, summed after."""
+        if parts == 1:
+            return jax.ShapeDtypeStruct(x.shape, dtype), "time"
+        return jax.ShapeDtypeStruct((parts, *x.shape), config.acc), "part"
+
+    outputs = [summed(q, q.dtype), summed(k, k.dtype), (v, "values"), (s0, "state")]
+    if g is not None:  # q . dq and k . dk of the prepared q and k: the decays' cotangent
+        outputs += 2 * [summed(g, config.acc)]
+    kernel = _kernel(pallas_kernels.backward_kernel, config, q, g, valid, runs)
+    dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, operands, outputs)
+    if parts > 1:
+        dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
+        dq, dk = dq.astype(q.dtype), dk.astype(k.dtype)
+    dg = None
+    if g is not None:
+        dg = _log_decay_cotangent(dG[0] - dG[1], s, d_s, runs, before)
+        if config.prepare is not None:  # through the preparation the kernels applied
+            _, pullback = jax.vjp(
+                lambda g: config.prepare.log_decays(g, None if valid is None else valid != 0), g
+            )
+            (dg,) = pullback(dg)
+    no_cotangent = tuple(
+        None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in (valid, runs, before)
+    )
+    return dq, dk, dv, dg, *no_cotangent, ds0
 
 
-def _log_decay_cotangent(q, k, dq, dk, s, d_s, runs, before, g):
-    """d g [B, T, H(, D)]: the sum over the steps at and after t in t's segment of d G (the
-    module docstring), 0 at a segment's first step."""
-    acc = g.dtype
-    dG = q.astype(acc) * dq.astype(acc) - k.astype(acc) * dk.astype(acc)  # [B, T, H, D]
-    last = jnp.sum(d_s.astype(acc) * s.astype(acc), axis=-1)  # [B, H, D]
-    if g.ndim == 3:
-        dG, last = jnp.sum(dG, axis=-1), jnp.sum(last, axis=-1)
+def _log_decay_cotangent(dG, s, d_s, runs, before):
+    """d g [B, T, H(, D)] from d G of the same shape (the module docstring) without its term at
+    the last step: the sum over the steps at and after t in t's segment, 0 at a segment's first
+    step."""
+    last = jnp.sum(d_s.astype(dG.dtype) * s.astype(dG.dtype), axis=-1)  # [B, H, D]
+    if dG.ndim == 3:
+        last = jnp.sum(last, axis=-1)
     dG = dG.at[:, -1].add(last)
     if runs is None:
         return jax.lax.cumsum(dG, axis=1, reverse=True)

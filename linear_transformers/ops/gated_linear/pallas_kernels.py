@@ -1,5 +1,7 @@
 """The Pallas kernels of the "pallas" form: the chunked recurrence of one (batch, head) per
-program, its state kept on chip from the first chunk to the last.
+program, its state kept on chip from the first chunk to the last. Each chunk is prepared as it
+is loaded (`inputs.Preparation`: feature map, scale, the keys that do not count, the finite part
+of v and g), where `pallas.py` leaves that to the kernels.
 
 Legend: B batch, T time (a whole number of chunks), H heads, D key/query features (feature-map
 features, after `prepare`), M value features, C chunk length, X decay features (1 or D).
@@ -15,7 +17,8 @@ in float32 (float64 for float64 inputs). Within a chunk, with L[t, s] the log de
 `reads[t]`: no segment began in the chunk up to t (the query reads the state carried in);
 `tail[s]`: s is in the chunk's last segment (it reaches the state carried out); `survives`: no
 segment began in the chunk. Segments come in as two int32 [B, T] counts of segment starts, up to
-and including t (`runs`) and before t (`before`); without segments neither is passed.
+and including t (`runs`) and before t (`before`); without segments neither is passed. The keys
+that count come in as an int32 [B, T] (`valid`, nonzero: counts) where some do not.
 
 Every sum of log decays is a sum of same-sign terms (a cumulative sum, or a product with a 0/1
 matrix at full precision), never the difference of two running sums, and every exponent is <= 0:
@@ -28,8 +31,10 @@ features elementwise (`lax.cond` per chunk); that fallback's size keeps the chun
 
 The backward kernel recomputes what it needs: one pass forward over the chunks (carrying S)
 gives dq; one pass backward (carrying dS, the cotangent of the state) gives dk, dv and the
-initial state's cotangent. Nothing the size of the sequence is kept between the passes. The
-decays' cotangent is formed outside (`pallas.py`) from q * dq - k * dk.
+initial state's cotangent. Nothing the size of the sequence is kept between the passes. Each
+cotangent goes back through the chunk's preparation before it is written. With a decay the
+passes also write q . dq and k . dk of the prepared chunks, from which `pallas.py` forms the
+decays' cotangent.
 
 Only what Pallas lowers to Triton is used here (no value slicing, 2-D matmuls, forward
 `cumsum`); `tests/ops/test_pallas_form.py` lowers both kernels for CUDA on any machine.
@@ -63,20 +68,24 @@ def _chunk_masks(c, runs_ref, before_ref, C: int):
 
 
 class _Chunk:
-    """One chunk's inputs in `acc`, its masks, and the factors that carry its queries to the state
-    entering it (`into`) and its keys to the state leaving it (`out_of`): [C, X] or None (1)."""
+    """One chunk's inputs, prepared (`inputs.Preparation`, where the kernel applies it) and in
+    `acc`, its masks, and the factors that carry its queries to the state entering it (`into`)
+    and its keys to the state leaving it (`out_of`): [C, X] or None (1)."""
 
-    def __init__(self, c, refs, C: int, acc, *, per_feature: bool):
-        q_ref, k_ref, v_ref, g_ref, runs_ref, before_ref = refs
+    def __init__(self, c, refs, C: int, acc, *, per_feature: bool, prepare, features: int):
+        q_ref, k_ref, v_ref, g_ref, valid_ref, runs_ref, before_ref = refs
         rows = pl.ds(c * C, C)
-        self.q = q_ref[rows, :].astype(acc)
-        self.k = k_ref[rows, :].astype(acc)
-        self.v = v_ref[rows, :].astype(acc)
+        valid = None if valid_ref is None else valid_ref[rows] != 0
+        self._raw = {"q": q_ref[rows, :], "k": k_ref[rows, :], "v": v_ref[rows, :]}
+        self._prepare = _chunk_preparation(prepare, valid, features, acc)
+        self.q, self.k, self.v = (self._prepare[name](self._raw[name]) for name in ("q", "k", "v"))
         self.keep, reads, tail, self.survives = _chunk_masks(c, runs_ref, before_ref, C)
         self.per_feature = per_feature
         self.g = self.decay = self.into = self.out_of = self.E = self.u = self.factored = None
         if g_ref is not None:
-            g = (g_ref[rows, :] if per_feature else g_ref[rows][:, None]).astype(acc)  # [C, X]
+            self._raw["g"] = g_ref[rows, :] if per_feature else g_ref[rows][:, None]  # [C, X]
+            g = self._raw["g"]
+            g = g.astype(acc) if prepare is None else prepare.log_decays(g, valid)
             after = _later(C)  # after[s, i]: i > s
             if per_feature:
                 suffix = pltriton.dot(after.astype(acc), g, precision=EXACT)
@@ -96,6 +105,26 @@ class _Chunk:
             self.out_of = jnp.where(tail[:, None], one if self.out_of is None else self.out_of, 0)
         self.q_in = _times(self.q, self.into)
         self.k_out = _times(self.k, self.out_of)
+
+    def clean(self):
+        """1 where every raw v of the chunk is finite and every raw log decay <= 0 (not NaN),
+        else 0: what the non-finite guard checks (`nonfinite.py`), seen as the chunk is loaded."""
+        one, zero = jnp.int32(1), jnp.int32(0)
+        ok = jnp.min(jnp.where(jnp.isfinite(self._raw["v"]), one, zero))
+        if "g" in self._raw:
+            ok = jnp.minimum(ok, jnp.min(jnp.where(self._raw["g"] <= 0, one, zero)))
+        return ok
+
+    def raw_cotangent(self, name: str, cotangent):
+        """The cotangent of the chunk of raw input `name` ("q", "k" or "v"), given that of its
+        prepared chunk: back through the preparation, in the raw input's dtype."""
+        _, pullback = jax.vjp(self._prepare[name], self._raw[name])
+        return pullback(cotangent)[0]
+
+    def log_decay_cotangent(self, x, dx):
+        """x . dx of a prepared chunk and its cotangent: per feature [C, D], or summed over them
+        [C] with a decay per step (`pallas.py` makes the decays' cotangent of it)."""
+        return x * dx if self.per_feature else jnp.sum(x * dx, axis=1)
 
     def _step_pair_decays(self):
         """exp(L[t, s]) where kept, else 0, [C, C], with one decay per step: L[t, s] = sum_i
@@ -197,43 +226,87 @@ def _times(x, factor):
     return x if factor is None else x * factor
 
 
-def _split_refs(refs, has_decay: bool, has_segments: bool):
-    """(q, k, v, g, runs, before) from the kernel's leading refs; None where not passed."""
+def _chunk_preparation(prepare, valid, features: int, acc):
+    """{"q", "k", "v"}: a raw chunk -> the prepared one, in `acc` (Triton has no bfloat16
+    division, which the feature maps' derivatives use), as `prepare` makes it (None: the inputs
+    come prepared), with the features past `features` (padding, which a feature map need not
+    keep at 0) zeroed in q and k."""
+
+    def queries(q):
+        q = q.astype(acc)
+        return _first_features(q if prepare is None else prepare.queries(q), features, prepare)
+
+    def keys(k):
+        k = k.astype(acc)
+        return _first_features(k if prepare is None else prepare.keys(k, valid), features, prepare)
+
+    def values(v):
+        v = v.astype(acc)
+        return v if prepare is None else prepare.values(v, valid)
+
+    return {"q": queries, "k": keys, "v": values}
+
+
+def _first_features(x, features: int, prepare):
+    if prepare is None or x.shape[1] == features:
+        return x
+    kept = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < features
+    return jnp.where(kept, x, 0)
+
+
+def _split_refs(refs, has_decay: bool, has_valid: bool, has_segments: bool):
+    """(q, k, v, g, valid, runs, before) from the kernel's leading refs; None where not passed."""
     q_ref, k_ref, v_ref, *rest = refs
     g_ref = rest.pop(0) if has_decay else None
+    valid_ref = rest.pop(0) if has_valid else None
     runs_ref, before_ref = (rest.pop(0), rest.pop(0)) if has_segments else (None, None)
-    return q_ref, k_ref, v_ref, g_ref, runs_ref, before_ref
+    return q_ref, k_ref, v_ref, g_ref, valid_ref, runs_ref, before_ref
 
 
-def forward_kernel(*refs, C, num_chunks, has_decay, has_segments, per_feature, acc):
-    """refs: q, k, v, [g], [runs, before], s0 -> out, s (the state after the last chunk)."""
-    inputs, (s0_ref, o_ref, s_ref) = _split_refs(refs, has_decay, has_segments), refs[-3:]
+def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, **chunk_options):
+    """refs: q, k, v, [g], [valid], [runs, before], s0 -> out, s (the state after the last
+    chunk), clean (`_Chunk.clean` of every chunk: int32 1 or 0). `chunk_options`: per_feature,
+    acc, prepare, features (`_Chunk`)."""
+    inputs = _split_refs(refs, has_decay, has_valid, has_segments)
+    s0_ref, o_ref, s_ref, clean_ref = refs[-4:]
+    acc = chunk_options["acc"]
 
-    def body(c, S):
-        chunk = _Chunk(c, inputs, C, acc, per_feature=per_feature)
+    def body(c, carry):
+        S, clean = carry
+        chunk = _Chunk(c, inputs, C, **chunk_options)
         A = chunk.scores()
         out = pltriton.dot(A, chunk.v) + pltriton.dot(chunk.q_in, S)
         o_ref[pl.ds(c * C, C), :] = out.astype(o_ref.dtype)
-        return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
+        S = chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
+        return S, jnp.minimum(clean, chunk.clean())
 
-    s_ref[...] = jax.lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(acc)).astype(s_ref.dtype)
+    S, clean = jax.lax.fori_loop(0, num_chunks, body, (s0_ref[...].astype(acc), jnp.int32(1)))
+    s_ref[...] = S.astype(s_ref.dtype)
+    clean_ref[...] = clean
 
 
-def backward_kernel(*refs, C, num_chunks, has_decay, has_segments, per_feature, acc):
-    """refs: q, k, v, [g], [runs, before], s0, d_out, d_s -> dq, dk, dv, d_s0."""
-    inputs = _split_refs(refs, has_decay, has_segments)
-    s0_ref, do_ref, ds_ref, dq_ref, dk_ref, dv_ref, ds0_ref = refs[-7:]
+def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, **chunk_options):
+    """refs: q, k, v, [g], [valid], [runs, before], s0, d_out, d_s -> dq, dk, dv, d_s0, [q . dq,
+    k . dk] (of the prepared chunks, with a decay: `_Chunk.log_decay_cotangent`)."""
+    inputs = _split_refs(refs, has_decay, has_valid, has_segments)
+    num_outputs = 6 if has_decay else 4
+    s0_ref, do_ref, ds_ref = refs[-3 - num_outputs : -num_outputs]
+    dq_ref, dk_ref, dv_ref, ds0_ref, *dG_refs = refs[-num_outputs:]
+    acc = chunk_options["acc"]
 
     def load(c):
-        chunk = _Chunk(c, inputs, C, acc, per_feature=per_feature)
+        chunk = _Chunk(c, inputs, C, **chunk_options)
         do = do_ref[pl.ds(c * C, C), :].astype(acc)
         dA = jnp.where(chunk.keep, pltriton.dot(do, chunk.v, trans_b=True), 0)  # of the scores
         return chunk, do, dA
 
     def forward(c, S):  # dq, from the state entering each chunk
         chunk, do, dA = load(c)
+        rows = pl.ds(c * C, C)
         dq = chunk.query_cotangent(dA) + _times(pltriton.dot(do, S, trans_b=True), chunk.into)
-        dq_ref[pl.ds(c * C, C), :] = dq.astype(dq_ref.dtype)
+        dq_ref[rows, :] = chunk.raw_cotangent("q", dq).astype(dq_ref.dtype)
+        if dG_refs:
+            dG_refs[0][rows] = chunk.log_decay_cotangent(chunk.q, dq)
         return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
 
     jax.lax.fori_loop(0, num_chunks, forward, s0_ref[...].astype(acc))
@@ -244,8 +317,10 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_segments, per_feature, 
         rows = pl.ds(c * C, C)
         dv = pltriton.dot(chunk.scores(), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
         dk = chunk.key_cotangent(dA) + _times(pltriton.dot(chunk.v, dS, trans_b=True), chunk.out_of)
-        dk_ref[rows, :] = dk.astype(dk_ref.dtype)
-        dv_ref[rows, :] = dv.astype(dv_ref.dtype)
+        dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
+        dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
+        if dG_refs:
+            dG_refs[1][rows] = chunk.log_decay_cotangent(chunk.k, dk)
         return chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True)
 
     dS = jax.lax.fori_loop(0, num_chunks, backward, ds_ref[...].astype(acc))
