@@ -36,8 +36,10 @@ cotangent goes back through the chunk's preparation before it is written. With a
 passes also write q . dq and k . dk of the prepared chunks, from which `pallas.py` forms the
 decays' cotangent.
 
-Only what Pallas lowers to Triton is used here (no value slicing, 2-D matmuls, forward
-`cumsum`); `tests/ops/test_pallas_form.py` lowers both kernels for CUDA on any machine.
+Only what Pallas lowers to Triton, and Triton compiles, is used here (no value slicing, 2-D
+matmuls, forward `cumsum` of [C, D] blocks only); `tests/ops/test_pallas_form.py` lowers both
+kernels for CUDA on any machine, and `experiments/kernel_resources.py` compiles them with Triton
+for a GPU on any machine.
 """
 
 from __future__ import annotations
@@ -88,12 +90,14 @@ class _Chunk:
             g = g.astype(acc) if prepare is None else prepare.log_decays(g, valid)
             after = _later(C)  # after[s, i]: i > s
             if per_feature:
+                prefix = jnp.cumsum(g, axis=0)
                 suffix = pltriton.dot(after.astype(acc), g, precision=EXACT)
-            else:
+            else:  # Triton 3.6's scan lowering asserts for a [C, 1] block: sums along rows
+                prefix = jnp.sum(jnp.where(_upto(C), jnp.transpose(g), 0), axis=1, keepdims=True)
                 suffix = jnp.sum(jnp.where(after, jnp.transpose(g), 0), axis=1, keepdims=True)
             gamma = jnp.sum(g, axis=0, keepdims=True)  # [1, X]
             self.g, self.decay = g, jnp.exp(gamma)
-            self.into, self.out_of = jnp.exp(jnp.cumsum(g, axis=0)), jnp.exp(suffix)
+            self.into, self.out_of = jnp.exp(prefix), jnp.exp(suffix)
             if per_feature:
                 self.u = _from_midpoint(g)
                 self.factored = jnp.max(jnp.abs(self.u)) <= FACTOR_RANGE

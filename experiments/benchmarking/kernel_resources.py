@@ -1,0 +1,233 @@
+"""What the Pallas kernels of the gated family cost a GPU before they run: each kernel lowered as
+on a GPU (Triton IR, from this machine, which needs none), compiled by Triton for a GPU
+architecture, and read back from ptxas: registers per thread, bytes spilled to local memory,
+shared memory. A kernel that Triton cannot compile shows here as a failed row.
+
+Legend: N sequence length, D key/query features = value features M.
+
+Cases: every (kernel, decay, launch): kernel "forward" or "backward" (the two `pallas_call`s of
+`ops/gated_linear/pallas.py`), decay none, head, step or feature, launch `pallas.Tuning`'s
+value block, warps and pipeline stages. The kernels take one (batch, head) per program, so B and
+H do not change them; N changes only their loop's bound.
+
+Why here and not on a GPU: a GPU is lent rarely, and for minutes; the registers a program needs
+(255 is a thread's most, past it values spill to local memory) decide how far a kernel is from
+its roof before any timing. These figures are the compiler's, not measurements of speed, and
+the Triton version that compiles here (the `triton` package) need not be the one inside the
+jaxlib that runs the kernel on a GPU.
+
+Needs the `triton` package (the dev extra, Linux); its bundled ptxas reads the resources.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+from typing import Literal
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+from experiments.benchmarking import report
+from linear_transformers import ops
+from linear_transformers.ops.gated_linear import pallas
+
+DECAYS = ("none", "head", "step", "feature")
+COLUMNS = (
+    "kernel decay value_block num_warps num_stages registers spill_stores spill_loads "
+    "stack_bytes smem_bytes status"
+).split()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResourcesOptions:
+    """
+    decays: Log decay shapes: none, head ([H]), step ([B, N, H]) or feature ([B, N, H, D]).
+    value_blocks: Value features per program (`pallas.Tuning.value_block`; 0: all of them).
+    num_warps: Warps per program (Triton's num_warps).
+    num_stages: Triton's software pipeline stages.
+    arch: The GPU's compute capability, as Triton names it: 90 (H100, H200), 80 (A100).
+    n: Sequence length traced (only the kernels' loop bound).
+    head_dim: D = M, the key and value features of a head.
+    dtype: Input dtype.
+    chunk_size: Chunk length (0: the kernel's default, 64, or 16 with a decay per feature).
+    """
+
+    decays: tuple[str, ...] = DECAYS
+    value_blocks: tuple[int, ...] = (0, 32, 16)
+    num_warps: tuple[int, ...] = (4, 8)
+    num_stages: tuple[int, ...] = (2,)
+    arch: int = 90
+    n: int = 1024
+    head_dim: int = 64
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    chunk_size: int = 0
+
+    def __post_init__(self):
+        unknown = [d for d in self.decays if d not in DECAYS]
+        if unknown or not self.decays:
+            raise ValueError(f"unknown or no decays {unknown}; expected some of {DECAYS}.")
+        for block in self.value_blocks:
+            if block:
+                pallas.Tuning(value_block=block)  # its own error for a bad value
+
+
+def triton_modules(decay: str, *, n: int, head_dim: int, dtype, chunk_size: int | None, tuning: dict):
+    """{kernel name: Triton IR text} of the forward and backward kernels of one gated call,
+    traced as on an NVIDIA GPU (lowered for CUDA here: no GPU needed)."""
+    spec = jax.ShapeDtypeStruct
+    shape = {"head": (2,), "step": (1, n, 2), "feature": (1, n, 2, head_dim)}.get(decay)
+    g = None if shape is None else spec(shape, jnp.float32)
+    qkv = spec((1, n, 2, head_dim), jnp.dtype(dtype))
+
+    def value_and_grads(q, k, v, g):
+        def loss(q, k, v, g):
+            out = ops.gated_linear_attention(
+                q, k, v, log_decay=g, implementation="pallas", chunk_size=chunk_size
+            )
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2) if g is None else (0, 1, 2, 3))(q, k, v, g)
+
+    skip_check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with _capturing_triton_ir() as modules, pallas.tuning(**tuning):
+        jax.export.export(jax.jit(value_and_grads), platforms=["cuda"], disabled_checks=[skip_check])(
+            qkv, qkv, qkv, g
+        )
+    return modules
+
+
+@contextlib.contextmanager
+def _capturing_triton_ir():
+    """{kernel name: Triton IR text} of every kernel lowered inside the block, the pallas form
+    traced as on a GPU. JAX has no public way to the Triton IR text of a `pallas_call` (its
+    `debug=True` prints it with locations Triton's parser does not read), so this wraps the
+    function of JAX's Triton lowering that makes the module."""
+    from jax._src.pallas.triton import pallas_call_registration
+
+    lowering = pallas_call_registration.lowering
+    make_module = lowering.lower_jaxpr_to_triton_module
+    modules = {}
+
+    def capture(jaxpr, *args, **kwargs):
+        result = make_module(jaxpr, *args, **kwargs)
+        module = result.module.operation
+        modules[module.attributes["sym_name"].value] = module.get_asm(enable_debug_info=False)
+        return result
+
+    with (
+        mock.patch.object(lowering, "lower_jaxpr_to_triton_module", capture),
+        mock.patch.object(pallas, "kernel_mode", lambda platform=None: "triton"),
+    ):
+        yield modules
+
+
+def compile_resources(ir_text: str, *, arch: int, num_warps: int, num_stages: int) -> dict:
+    """Triton's compilation of one kernel for `arch`, and what ptxas says it uses: registers
+    (per thread), spill stores and loads and the stack frame (bytes per thread), shared memory
+    (bytes per program); status "ok" or why it failed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    row = {"status": "ok"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp, "kernel.ttir")
+        path.write_text(ir_text)
+        try:
+            kernel = triton.compile(
+                str(path),
+                target=GPUTarget("cuda", arch, 32),
+                options=dict(num_warps=num_warps, num_stages=num_stages),
+            )
+        except Exception as e:  # noqa: BLE001 - Triton's failure is the row's finding
+            row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            return row
+        row["smem_bytes"] = kernel.metadata.shared
+        ptx = pathlib.Path(tmp, "kernel.ptx")
+        ptx.write_text(kernel.asm["ptx"])
+        info = subprocess.run(
+            [_ptxas(), "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", str(ptx)]
+            + ["-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    row.update(ptxas_usage(info))
+    return row
+
+
+def ptxas_usage(info: str) -> dict:
+    """Registers, spills and stack frame from `ptxas -v`'s report of one kernel."""
+    found = {
+        "registers": re.search(r"Used (\d+) registers", info),
+        "spill_stores": re.search(r"(\d+) bytes spill stores", info),
+        "spill_loads": re.search(r"(\d+) bytes spill loads", info),
+        "stack_bytes": re.search(r"(\d+) bytes stack frame", info),
+    }
+    missing = [name for name, match in found.items() if match is None]
+    if missing:
+        raise ValueError(f"ptxas -v reported no {missing}: {info!r}")
+    return {name: int(match[1]) for name, match in found.items()}
+
+
+def _ptxas() -> str:
+    """The ptxas Triton ships (its PTX version), else one on the PATH."""
+    import triton.backends.nvidia
+
+    bundled = pathlib.Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
+    found = str(bundled) if bundled.exists() else shutil.which("ptxas")
+    if not found:
+        raise FileNotFoundError("no ptxas: neither Triton's (triton/backends/nvidia/bin) nor on the PATH.")
+    return found
+
+
+def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> list[dict]:
+    """Every (decay, value block, kernel, warps, stages) row; with `out_dir`, kernel_resources.csv
+    and .md there."""
+    rows = []
+    for decay, block in itertools.product(opts.decays, opts.value_blocks):
+        modules = triton_modules(
+            decay,
+            n=opts.n,
+            head_dim=opts.head_dim,
+            dtype=opts.dtype,
+            chunk_size=opts.chunk_size or None,
+            tuning={"value_block": block or None},
+        )
+        for (name, ir_text), warps, stages in itertools.product(
+            modules.items(), opts.num_warps, opts.num_stages
+        ):
+            row = {
+                "kernel": name.removesuffix("_kernel"),
+                "decay": decay,
+                "value_block": block or opts.head_dim,
+                "num_warps": warps,
+                "num_stages": stages,
+            }
+            row.update(compile_resources(ir_text, arch=opts.arch, num_warps=warps, num_stages=stages))
+            log(" ".join(f"{k}={row.get(k, '-')}" for k in COLUMNS))
+            rows.append(row)
+    if out_dir is not None:
+        out = pathlib.Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        report.write_csv(out / "kernel_resources.csv", rows)
+        title = f"Pallas kernels compiled by Triton {_triton_version()} for sm_{opts.arch}"
+        shape = f"{opts.dtype}, D = M = {opts.head_dim}, chunk {opts.chunk_size or 'default'}"
+        table = report.markdown_table(rows, COLUMNS)
+        (out / "kernel_resources.md").write_text(f"# {title}\n\n{shape}\n\n{table}\n")
+        log(f"wrote {out / 'kernel_resources.csv'}, {out / 'kernel_resources.md'}")
+    return rows
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__

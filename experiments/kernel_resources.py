@@ -1,0 +1,24 @@
+"""What the Pallas kernels cost a GPU before they run, on any machine: each kernel of the gated
+family compiled by Triton for a GPU (sm_90 by default), with ptxas's registers, spills and shared
+memory per decay and launch (value blocks, warps, stages). Needs the `triton` package (dev extra).
+
+  python -m experiments.kernel_resources                                # every decay and launch
+  python -m experiments.kernel_resources --decays=step --value_blocks=0 --num_warps=8 --arch=80
+
+Writes kernel_resources.csv and .md to --out_dir (experiments/benchmarking/kernel_resources.py).
+"""
+
+from absl import app
+
+from experiments.benchmarking import flags, kernel_resources
+
+main = flags.main(
+    kernel_resources.KernelResourcesOptions,
+    kernel_resources.run,
+    out_dir="benchmark_results/kernel_resources",
+    device=False,
+    announce=False,
+)
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,61 @@
+"""The kernel-resources tool (`experiments/benchmarking/kernel_resources.py`): the Pallas kernels
+lowered as on a GPU give their Triton IR here, and Triton compiles every one of them for an
+H100 (sm_90) with ptxas's figures read back."""
+
+import csv
+
+import pytest
+
+from experiments.benchmarking import kernel_resources
+
+
+def test_both_kernels_give_their_triton_ir_without_a_gpu():
+    modules = kernel_resources.triton_modules(
+        "step", n=32, head_dim=16, dtype="bfloat16", chunk_size=16, tuning={}
+    )
+    assert set(modules) == {"forward_kernel", "backward_kernel"}
+    assert all(text.startswith("module @") and "tt.func public" in text for text in modules.values())
+
+
+def test_triton_compiles_every_decay_for_an_h100(tmp_path):
+    """Each kernel compiles with the installed Triton (Triton 3.6 once failed an assertion in
+    its scan lowering on the step decay's [C, 1] prefix sums), and ptxas says what it uses."""
+    pytest.importorskip("triton")
+    opts = kernel_resources.KernelResourcesOptions(
+        value_blocks=(0,), num_warps=(4,), n=32, head_dim=16, chunk_size=16
+    )
+    rows = kernel_resources.run(opts, tmp_path, log=lambda line: None)
+    assert [(r["kernel"], r["decay"]) for r in rows] == [
+        (kernel, decay) for decay in kernel_resources.DECAYS for kernel in ("forward", "backward")
+    ]
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert 0 < row["registers"] <= 255 and row["smem_bytes"] > 0
+    with open(tmp_path / "kernel_resources.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert "for sm_90" in (tmp_path / "kernel_resources.md").read_text()
+
+
+def test_ptxas_reports_are_read_and_a_short_one_is_refused():
+    info = (
+        "ptxas info    : Function properties for forward_kernel\n"
+        "    40 bytes stack frame, 36 bytes spill stores, 32 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers, 40 bytes cumulative stack size\n"
+    )
+    assert kernel_resources.ptxas_usage(info) == {
+        "registers": 255,
+        "spill_stores": 36,
+        "spill_loads": 32,
+        "stack_bytes": 40,
+    }
+    with pytest.raises(
+        ValueError, match=r"ptxas -v reported no \['spill_stores', 'spill_loads', 'stack_bytes'\]"
+    ):
+        kernel_resources.ptxas_usage("ptxas info    : Used 12 registers")
+
+
+def test_options_refuse_unknown_decays_and_bad_value_blocks():
+    with pytest.raises(ValueError, match=r"unknown or no decays \['gate'\]"):
+        kernel_resources.KernelResourcesOptions(decays=("gate",))
+    with pytest.raises(ValueError, match="value_block must be a power of two >= 16 or None, got 24"):
+        kernel_resources.KernelResourcesOptions(value_blocks=(24,))
