@@ -14,8 +14,9 @@ import tomllib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIRST_PARTY = {"linear_transformers", "experiments", "configs"}
 # Imported only inside a function, for an optional feature that says how to install it: torch
-# (the `torch` extra), the authors' library (peers in benchmarks, live tests), tensorboardX.
-OPTIONAL = {"torch", "fast_transformers", "tensorboardX"}
+# (the `torch` extra), the authors' library (peers in benchmarks, live tests), tensorboardX,
+# triton (the kernels' compilation for a GPU, `experiments/kernel_resources.py`; dev extra).
+OPTIONAL = {"torch", "fast_transformers", "tensorboardX", "triton"}
 
 
 def _imports(folder: str, *, first_party: bool = False) -> set[str]:

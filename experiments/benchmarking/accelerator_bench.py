@@ -601,6 +601,7 @@ def kernel_cases(sizes: Sizes) -> list[Case]:
             case(f"gated-{d}/pallas", p, n, tuning)
             for tuning in kernel_bench.TUNINGS
             for d in opts.decays
+            if tuning in kernel_bench.tunings_for(d)
             for p in opts.passes
         ]
     if not gpu:

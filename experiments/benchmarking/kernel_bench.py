@@ -29,11 +29,27 @@ DECAYS = ("none", "step", "feature")
 ROOF_GOAL = 3.0
 CUDNN_GOAL = 10.0
 DECAY_GOAL = 1.3
-# Launches to try beside the default (`pallas.Tuning`): value blocks give M / value_block
-# programs per (batch, head), where B * H = 64 at the goals' shape leaves an H100's 132 SMs
-# half idle; fewer warps or more pipeline stages trade registers for latency hiding.
-TUNINGS = ({"value_block": 32}, {"value_block": 16}, {"num_warps": 4}, {"num_stages": 3})
+# Launches to try beside the default (`pallas.Tuning`, and the op's chunk length): value
+# blocks give M / value_block programs per (batch, head), where B * H = 64 at the goals' shape
+# leaves an H100's 132 SMs half idle; the backward's passes in one program; fewer warps or more
+# pipeline stages trade registers for latency hiding; chunks of 64 halve the steps of a
+# program's loop but spill registers (`experiments/kernel_resources.py`).
+TUNINGS = (
+    {"chunk_size": 64},
+    {"value_block": 32},
+    {"value_block": 16},
+    {"split_backward": False},
+    {"num_warps": 4},
+    {"num_stages": 3},
+)
 DEFAULT_TUNING = "default"
+
+
+def tunings_for(decay: str) -> tuple[dict, ...]:
+    """`TUNINGS` a decay takes: with a decay per feature, chunks of at most
+    `pallas.MAX_CHUNK_SIZE_PER_FEATURE`."""
+    limit = pallas.MAX_CHUNK_SIZE_PER_FEATURE if decay == "feature" else None
+    return tuple(t for t in TUNINGS if limit is None or t.get("chunk_size", 0) <= limit)
 
 
 def tuning_label(tuning: dict | None) -> str:
@@ -76,12 +92,15 @@ def run_case(
     tuning: dict | None = None,
 ) -> dict:
     """One case: a gated kind as `gated_bench` defines it, or the copy of its decay's bytes;
-    a pallas kind launched as `tuning` says (None: the default)."""
+    a pallas kind launched as `tuning` says (None: the default), whose "chunk_size", if any, is
+    the op's chunk length and the rest `pallas.Tuning`'s."""
     batch = opts.batch_for(n)
     copy = kind.startswith("copy-")
     gated_kind = f"gated-{kind.removeprefix('copy-')}/pallas" if copy else kind
     decay, impl = gated_bench.parse_kind(gated_kind)
-    chunk = None if copy else gated_bench.chunk_size_used(kind, opts.chunk_size)
+    launch = dict(tuning or {})
+    chunk_size = launch.pop("chunk_size", opts.chunk_size)
+    chunk = None if copy else gated_bench.chunk_size_used(kind, chunk_size)
     labels = {"decay": decay, "impl": "copy" if copy else impl}
     row = attention_bench.case_row(opts, kind, pass_, n, batch, chunk, labels, per_sample_peak=False)
     specs = gated_bench.input_specs(opts, gated_kind, batch, n)
@@ -91,13 +110,13 @@ def run_case(
             raise ValueError(f"{kind} is the forward's roof: it has no {pass_!r} pass.")
         fn = _copy
     else:
-        fn = attention_bench.pass_fn(gated_bench.attention_fn(kind, opts.chunk_size), pass_)
+        fn = attention_bench.pass_fn(gated_bench.attention_fn(kind, chunk_size), pass_)
     inputs = functools.partial(gated_bench.random_inputs, opts, gated_kind, batch, n)
     if tuning is not None:
         if impl != "pallas" or copy:
             raise ValueError(f"a tuning is a launch of the pallas kernel; {kind} has none.")
         row["tuning"] = tuning_label(tuning)
-    with pallas.tuning(**(tuning or {})):  # read when the case is traced, inside time_case
+    with pallas.tuning(**launch):  # read when the case is traced, inside time_case
         row = attention_bench.time_case(opts, row, fn, specs, inputs, budget)
     row["gb_per_s"] = row["bytes"] / (row["time_ms"] * 1e6) if row["status"] == "ok" else float("nan")
     return row

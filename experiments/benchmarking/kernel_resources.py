@@ -16,7 +16,8 @@ its roof before any timing. These figures are the compiler's, not measurements o
 the Triton version that compiles here (the `triton` package) need not be the one inside the
 jaxlib that runs the kernel on a GPU.
 
-Needs the `triton` package (the dev extra, Linux); its bundled ptxas reads the resources.
+Needs the `triton` package (the dev extra, Linux); the ptxas it assembles with reads the
+resources.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import itertools
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import tempfile
 from typing import Literal
@@ -42,7 +42,7 @@ from linear_transformers.ops.gated_linear import pallas
 
 DECAYS = ("none", "head", "step", "feature")
 COLUMNS = (
-    "kernel decay value_block num_warps num_stages registers spill_stores spill_loads "
+    "kernel decay chunk_size value_block num_warps num_stages registers spill_stores spill_loads "
     "stack_bytes smem_bytes status"
 ).split()
 
@@ -134,8 +134,11 @@ def compile_resources(ir_text: str, *, arch: int, num_warps: int, num_stages: in
     """Triton's compilation of one kernel for `arch`, and what ptxas says it uses: registers
     (per thread), spill stores and loads and the stack frame (bytes per thread), shared memory
     (bytes per program); status "ok" or why it failed."""
-    import triton
+    # Triton 3.9 warns that fused multiply-adds stop being its default in 3.10: keep them.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    triton = _triton()
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia import compiler as nvidia
 
     row = {"status": "ok"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,14 +156,15 @@ def compile_resources(ir_text: str, *, arch: int, num_warps: int, num_stages: in
         row["smem_bytes"] = kernel.metadata.shared
         ptx = pathlib.Path(tmp, "kernel.ptx")
         ptx.write_text(kernel.asm["ptx"])
-        info = subprocess.run(
-            [_ptxas(), "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", str(ptx)]
-            + ["-o", os.devnull],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
-    row.update(ptxas_usage(info))
+        # The ptxas Triton itself assembles this architecture's PTX with (Triton 3.9 ships two).
+        ptxas = nvidia.get_ptxas(arch).path
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        done = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={gpu}", str(ptx), "-o", os.devnull], capture_output=True, text=True
+        )
+        if done.returncode:
+            raise RuntimeError(f"{ptxas} -v failed ({done.returncode}): {done.stderr.strip()[-400:]}")
+    row.update(ptxas_usage(done.stderr))
     return row
 
 
@@ -178,15 +182,22 @@ def ptxas_usage(info: str) -> dict:
     return {name: int(match[1]) for name, match in found.items()}
 
 
-def _ptxas() -> str:
-    """The ptxas Triton ships (its PTX version), else one on the PATH."""
-    import triton.backends.nvidia
+def _triton():
+    try:
+        import triton
+    except ImportError as e:
+        raise ImportError(
+            "experiments.kernel_resources compiles with Triton: pip install triton (in the dev extra, "
+            'pip install -e ".[dev]", on Linux).'
+        ) from e
+    return triton
 
-    bundled = pathlib.Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
-    found = str(bundled) if bundled.exists() else shutil.which("ptxas")
-    if not found:
-        raise FileNotFoundError("no ptxas: neither Triton's (triton/backends/nvidia/bin) nor on the PATH.")
-    return found
+
+def chunk_size(decay: str, given: int) -> int:
+    """The chunk length the kernels run with (`given`, or the pallas form's default: 0)."""
+    if given:
+        return given
+    return pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE if decay == "feature" else pallas.DEFAULT_CHUNK_SIZE
 
 
 def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> list[dict]:
@@ -208,6 +219,7 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
             row = {
                 "kernel": name.removesuffix("_kernel"),
                 "decay": decay,
+                "chunk_size": chunk_size(decay, opts.chunk_size),
                 "value_block": block or opts.head_dim,
                 "num_warps": warps,
                 "num_stages": stages,
@@ -220,7 +232,7 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
         out.mkdir(parents=True, exist_ok=True)
         report.write_csv(out / "kernel_resources.csv", rows)
         title = f"Pallas kernels compiled by Triton {_triton_version()} for sm_{opts.arch}"
-        shape = f"{opts.dtype}, D = M = {opts.head_dim}, chunk {opts.chunk_size or 'default'}"
+        shape = f"{opts.dtype}, D = M = {opts.head_dim}"
         table = report.markdown_table(rows, COLUMNS)
         (out / "kernel_resources.md").write_text(f"# {title}\n\n{shape}\n\n{table}\n")
         log(f"wrote {out / 'kernel_resources.csv'}, {out / 'kernel_resources.md'}")
@@ -228,6 +240,4 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
 
 
 def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
+    return _triton().__version__

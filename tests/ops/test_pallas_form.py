@@ -84,11 +84,12 @@ def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, p
     chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("decay", ["none", "feature"])
-def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay):
+@pytest.mark.parametrize("decay,split_backward", [("none", False), ("feature", True)])
+def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, split_backward):
     """With programs of 16 value features (M = 20: two blocks, the second mostly padding), each
-    backward program's part of dq, dk and the decays' cotangent sums to the whole: values and
-    gradients equal the dense reference in float64."""
+    backward program's part of dq, dk and the decays' cotangent sums to the whole, with the
+    backward's two passes in one program or two (the default, which every other test runs):
+    values and gradients equal the dense reference in float64."""
     rng = np.random.default_rng(5)
     q, k = (jnp.asarray(rng.standard_normal((1, 40, 2, 3))) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((1, 40, 2, 20)))
@@ -103,7 +104,7 @@ def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay):
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2) if g is None else (0, 1, 2, 3))
     want = grad(q, k, v, g, "reference")
-    with pallas.tuning(value_block=16):
+    with pallas.tuning(value_block=16, split_backward=split_backward):
         got = grad(q, k, v, g, "pallas")
     chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
 
@@ -279,6 +280,15 @@ def test_chunk_sizes_must_be_powers_of_two_from_16(chunk_size):
         ValueError, match=rf"chunk_size must be a power of two >= 16 \(a Triton block\), got {chunk_size}"
     ):
         ops.gated_linear_attention(q, q, q, implementation="pallas", chunk_size=chunk_size)
+
+
+def test_a_decay_per_feature_takes_chunks_of_at_most_32():
+    q = jnp.ones((1, 4, 1, 2))
+    with pytest.raises(
+        ValueError,
+        match=r"a decay per feature: chunk_size must be 16 or 32 \(its \[C, C, D\] pair decays\), got 64",
+    ):
+        ops.gated_linear_attention(q, q, q, log_decay=-q, implementation="pallas", chunk_size=64)
 
 
 def test_inside_shard_map_the_interpreter_refuses_and_the_gpu_kernel_runs():

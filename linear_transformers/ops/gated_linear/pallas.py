@@ -52,9 +52,14 @@ from jax.experimental.pallas import triton as pltriton
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.gated_linear import inputs, pallas_kernels, totals
 
-# The chunk length when the caller gives none: 64 (the family's), and 16 with a decay per
-# feature, whose exact form for strong decays holds [C, C, D] pair decays.
-DEFAULT_CHUNK_SIZE, DEFAULT_CHUNK_SIZE_PER_FEATURE = 64, 16
+# The chunk length when the caller gives none: the longest whose kernels spill few registers
+# when compiled for an H100 (bf16, D = M = 64, eight warps; Triton 3.9: BENCHMARKS.md, "The Pallas
+# kernel", `experiments/kernel_resources.py`). With a decay per step or head, chunks of 64 spill
+# 1.0 and 2.4 KB a thread forward and backward, chunks of 32 nothing forward and 0.1 KB
+# backward. With a decay per feature 16, at most 32: its exact form for strong decays holds
+# [C, C, D] pair decays (at 32 they spill 8 and 23 KB; at 64 Triton's compilation does not end
+# in ten minutes).
+DEFAULT_CHUNK_SIZE, DEFAULT_CHUNK_SIZE_PER_FEATURE, MAX_CHUNK_SIZE_PER_FEATURE = 32, 16, 32
 _MIN_BLOCK = 16  # Triton's smallest matmul dimension
 
 
@@ -66,6 +71,9 @@ class Tuning:
       Smaller blocks launch M / value_block programs per (batch, head), each recomputing the
       chunk's scores: more programs where B * H alone leaves the GPU's SMs idle, as FLA's grid
       over value blocks. Backward, each program then gives a part of dq and dk, summed after it.
+    split_backward: the backward's two passes (the one that gives dq, forward in time; the one
+      that gives dk and dv, backward) in programs of their own: twice the programs, each with
+      half the work, reading the same bytes.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
       cotangents), or [16, 16, D] pair decays per feature: 16 registers a thread each at 256
@@ -75,6 +83,7 @@ class Tuning:
     inside it (the accelerator benchmark's sweep)."""
 
     value_block: int | None = None
+    split_backward: bool = True
     num_warps: int = 8
     num_stages: int = 2
 
@@ -140,6 +149,11 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
             f'implementation="pallas": chunk_size must be a power of two >= {_MIN_BLOCK} (a Triton '
             f"block), got {chunk_size}."
         )
+    elif per_feature and chunk_size > MAX_CHUNK_SIZE_PER_FEATURE:
+        raise ValueError(
+            f'implementation="pallas" with a decay per feature: chunk_size must be 16 or '
+            f"{MAX_CHUNK_SIZE_PER_FEATURE} (its [C, C, D] pair decays), got {chunk_size}."
+        )
     C = min(chunk_size, _block_size(T))
     Tp, Fp, Mp = -(-T // C) * C, _block_size(F), _block_size(M)
     if g is not None:
@@ -201,9 +215,9 @@ class Config:
         return min(self.tuning.value_block or M, M)
 
 
-def _call(kernel, config, value_block: int, operands, outputs):
-    """`kernel` (bound to its options) over a (B, H, value blocks) grid: one program per
-    sequence and block of `value_block` value features. `operands`, `outputs`: (array, or shape
+def _call(kernel, config, value_block: int, operands, outputs, *, passes: int = 1):
+    """`kernel` (bound to its options) over a (B, H, value blocks, passes) grid: one program per
+    sequence, block of `value_block` value features and pass. `operands`, `outputs`: (array, or shape
     and dtype; layout), the first operand q [B, T, H, D], the third v [B, T, H, M]. Layouts:
     "time" [B, T, H(, X)] and "counts" [B, T], whole in every program; "values" [B, T, H, M]
     and "state" [B, H, D, M], a value block each; "part" [M / value_block, B, T, H(, X)], each
@@ -213,19 +227,19 @@ def _call(kernel, config, value_block: int, operands, outputs):
 
     def spec(shape, layout: str):
         if layout == "counts":
-            return pl.BlockSpec((None, shape[1]), lambda b, h, j: (b, 0))
+            return pl.BlockSpec((None, shape[1]), lambda b, h, j, p: (b, 0))
         if layout == "flags":  # [B, H, value blocks]: one entry per program
-            return pl.BlockSpec((None, None, None), lambda b, h, j: (b, h, j))
+            return pl.BlockSpec((None, None, None), lambda b, h, j, p: (b, h, j))
         if layout == "state":
-            return pl.BlockSpec((None, None, shape[2], value_block), lambda b, h, j: (b, h, 0, j))
+            return pl.BlockSpec((None, None, shape[2], value_block), lambda b, h, j, p: (b, h, 0, j))
         if layout == "values":
-            return pl.BlockSpec((None, shape[1], None, value_block), lambda b, h, j: (b, 0, h, j))
+            return pl.BlockSpec((None, shape[1], None, value_block), lambda b, h, j, p: (b, 0, h, j))
         rest = tuple(shape[4:] if layout == "part" else shape[3:])
-        block, index = (None, shape[1], None, *rest), lambda b, h, j: (b, 0, h) + (0,) * len(rest)
+        block, index = (None, shape[1], None, *rest), lambda b, h, j, p: (b, 0, h) + (0,) * len(rest)
         if layout == "part":
             block, index = (
                 (None, None, shape[2], None, *rest),
-                lambda b, h, j: (j, b, 0, h) + (0,) * len(rest),
+                lambda b, h, j, p: (j, b, 0, h) + (0,) * len(rest),
             )
         return pl.BlockSpec(block, index)
 
@@ -246,7 +260,7 @@ def _call(kernel, config, value_block: int, operands, outputs):
     triton = dict(num_warps=config.tuning.num_warps, num_stages=config.tuning.num_stages)
     return pl.pallas_call(
         kernel,
-        grid=(B, H, M // value_block),
+        grid=(B, H, M // value_block, passes),
         in_specs=[spec(x.shape, layout) for x, layout in operands],
         out_specs=[spec(x.shape, layout) for x, layout in outputs],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype, manual_axis_type=axis_type) for x, _ in outputs],
@@ -324,8 +338,11 @@ def _attend_bwd(config, out_dtype, residuals, cotangents):
     outputs = [summed(q, q.dtype), summed(k, k.dtype), (v, "values"), (s0, "state")]
     if g is not None:  # q . dq and k . dk of the prepared q and k: the decays' cotangent
         outputs += 2 * [summed(g, config.acc)]
-    kernel = _kernel(pallas_kernels.backward_kernel, config, q, g, valid, runs)
-    dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, operands, outputs)
+    split = config.tuning.split_backward
+    kernel = functools.partial(
+        _kernel(pallas_kernels.backward_kernel, config, q, g, valid, runs), split=split
+    )
+    dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, operands, outputs, passes=2 if split else 1)
     if parts > 1:
         dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
         dq, dk = dq.astype(q.dtype), dk.astype(k.dtype)

@@ -31,8 +31,10 @@ features elementwise (`lax.cond` per chunk); that fallback's size keeps the chun
 
 The backward kernel recomputes what it needs: one pass forward over the chunks (carrying S)
 gives dq; one pass backward (carrying dS, the cotangent of the state) gives dk, dv and the
-initial state's cotangent. Nothing the size of the sequence is kept between the passes. Each
-cotangent goes back through the chunk's preparation before it is written. With a decay the
+initial state's cotangent. Nothing the size of the sequence is kept between the passes, which
+share nothing but their inputs, so they may run in programs of their own
+(`pallas.Tuning.split_backward`). Each cotangent goes back through the chunk's preparation
+before it is written. With a decay the
 passes also write q . dq and k . dk of the prepared chunks, from which `pallas.py` forms the
 decays' cotangent.
 
@@ -289,9 +291,11 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, **c
     clean_ref[...] = clean
 
 
-def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, **chunk_options):
+def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, split, **chunk_options):
     """refs: q, k, v, [g], [valid], [runs, before], s0, d_out, d_s -> dq, dk, dv, d_s0, [q . dq,
-    k . dk] (of the prepared chunks, with a decay: `_Chunk.log_decay_cotangent`)."""
+    k . dk] (of the prepared chunks, with a decay: `_Chunk.log_decay_cotangent`). With `split`
+    the grid's last axis has two programs per sequence: the first runs the pass that gives dq,
+    the second the one that gives the rest."""
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
     num_outputs = 6 if has_decay else 4
     s0_ref, do_ref, ds_ref = refs[-3 - num_outputs : -num_outputs]
@@ -313,8 +317,6 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, **
             dG_refs[0][rows] = chunk.log_decay_cotangent(chunk.q, dq)
         return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
 
-    jax.lax.fori_loop(0, num_chunks, forward, s0_ref[...].astype(acc))
-
     def backward(i, dS):  # dk, dv and the state's cotangent, from the last chunk to the first
         c = num_chunks - 1 - i
         chunk, do, dA = load(c)
@@ -327,5 +329,16 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, **
             dG_refs[1][rows] = chunk.log_decay_cotangent(chunk.k, dk)
         return chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True)
 
-    dS = jax.lax.fori_loop(0, num_chunks, backward, ds_ref[...].astype(acc))
-    ds0_ref[...] = dS.astype(ds0_ref.dtype)
+    def query_pass():
+        jax.lax.fori_loop(0, num_chunks, forward, s0_ref[...].astype(acc))
+
+    def key_value_pass():
+        dS = jax.lax.fori_loop(0, num_chunks, backward, ds_ref[...].astype(acc))
+        ds0_ref[...] = dS.astype(ds0_ref.dtype)
+
+    if not split:
+        query_pass()
+        key_value_pass()
+        return
+    pl.when(pl.program_id(3) == 0)(query_pass)
+    pl.when(pl.program_id(3) == 1)(key_value_pass)
