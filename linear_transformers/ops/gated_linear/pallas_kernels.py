@@ -34,9 +34,8 @@ gives dq; one pass backward (carrying dS, the cotangent of the state) gives dk, 
 initial state's cotangent. Nothing the size of the sequence is kept between the passes, which
 share nothing but their inputs, so they may run in programs of their own
 (`pallas.Tuning.split_backward`). Each cotangent goes back through the chunk's preparation
-before it is written. With a decay the
-passes also write q . dq and k . dk of the prepared chunks, from which `pallas.py` forms the
-decays' cotangent.
+before it is written. With a decay the passes also write q . dq and k . dk of the prepared
+chunks, from which `pallas.py` forms the decays' cotangent.
 
 Only what Pallas lowers to Triton, and Triton compiles, is used here (no value slicing, 2-D
 matmuls, forward `cumsum` of [C, D] blocks only); `tests/ops/test_pallas_form.py` lowers both
