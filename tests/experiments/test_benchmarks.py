@@ -17,6 +17,7 @@ import pytest
 from experiments.benchmarking import attention_bench, generation_bench, measure, peers, report
 from linear_transformers import ops
 from linear_transformers.ops.delta_rule import chunked as delta_rule_chunked
+from linear_transformers.ops.gated_linear import pallas
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -479,8 +480,8 @@ def test_gated_cases_time_the_decayed_op_and_its_reference():
     np.testing.assert_allclose(chunked, dense, atol=1e-5, rtol=1e-4)
     assert gated_bench.chunk_size_used("gated-feature/chunked", None) == ops.DEFAULT_CHUNK_SIZE
     assert gated_bench.chunk_size_used("gated-step/reference", 32) is None
-    assert gated_bench.chunk_size_used("gated-feature/pallas", None) == 16  # the kernel's per-feature chunk
-    assert gated_bench.chunk_size_used("gated-step/pallas", None) == 64
+    assert gated_bench.chunk_size_used("gated-feature/pallas", None) == pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE
+    assert gated_bench.chunk_size_used("gated-step/pallas", None) == pallas.DEFAULT_CHUNK_SIZE
     row = gated_bench.run_case(opts, "gated-step/reference", "forward", 64, budget=0)
     assert row["status"].startswith("skipped: needs") and math.isnan(row["time_ms"]) and row["peak_mib"] > 0
 
