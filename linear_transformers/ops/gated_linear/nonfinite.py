@@ -36,10 +36,10 @@ from linear_transformers.ops.gated_linear import inputs
 def guarded(form):
     """`form` (the interface of `forms.py`) with the guard; a form that checks its inputs as
     it reads them (pallas) returns that check third, else the guard reads v and g for it. v and
-    g are made finite by the
-    `Preparation` the form is given, so the chunked form does that a segment at a time too, and
-    the pallas kernel a chunk at a time. Inputs prepared already (prepare None) are only made
-    finite: the identity map, no scale, and log decays prepared twice are the same."""
+    g are made finite by the `Preparation` the form is given, so the chunked form does that a
+    segment at a time too, and the pallas kernel a chunk at a time. Inputs prepared already
+    (prepare None) are only made finite: the identity map, no scale, and log decays prepared
+    twice are the same."""
 
     @functools.wraps(form)
     def guarded(q, k, v_BTHM, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, acc, **kwargs):
@@ -47,11 +47,11 @@ def guarded(form):
             prepare_finite = inputs.Preparation(make_feature_map("identity"), 1.0, acc, finite=True)
         else:
             prepare_finite = dataclasses.replace(prepare, finite=True)
-        out, state, *seen = form(
+        out, state, *checked = form(
             q, k, v_BTHM, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, prepare=prepare_finite, acc=acc, **kwargs
         )
         result = out, state
-        clean = seen[0] if seen and seen[0] is not None else _clean(v_BTHM, g)
+        clean = checked[0] if checked and checked[0] is not None else _clean(v_BTHM, g)
         mark = functools.partial(_mark_seen, v_BTHM, g, reset_BT, valid_BT, prepare, acc)
         # `lax.cond`: the decays are prepared again and the marks found only when needed.
         return jax.lax.cond(clean, lambda r: r, mark, result)
