@@ -610,9 +610,7 @@ def kernel_cases(sizes: Sizes) -> list[Case]:
 
 def kernel_targets(rows: list[dict]) -> list[dict]:
     ok = {
-        (r["kind"], r["pass"], r["n"]): r["time_ms"]
-        for r in rows
-        if r.get("status") == "ok" and "n" in r and kernel_bench.is_default_launch(r)
+        (kind, pass_, n): r["time_ms"] for (n, kind, pass_), r in kernel_bench.default_launches(rows).items()
     }
     both = "forward+backward"
     out = []

@@ -125,7 +125,7 @@ def run_case(
 def comparison(rows: list[dict]) -> list[dict]:
     """Per (N, decay, pass): the kernel's, XLA's and the copy's ms, the kernel's GB/s and its
     time over the copy's (forward) and XLA's over the kernel's."""
-    ran = _default_launches(rows)
+    ran = default_launches(rows)
     nan = float("nan")
 
     def field(row, name):
@@ -158,19 +158,19 @@ def comparison(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _default_launches(rows: list[dict]) -> dict:
+def default_launches(rows: list[dict]) -> dict:
     """{(n, kind, pass): row} of the rows that ran, at the kernel's default launch."""
     return {
         (r["n"], r["kind"], r["pass"]): r
         for r in rows
-        if r.get("status") == "ok" and "kind" in r and is_default_launch(r)
+        if r.get("status") == "ok" and "kind" in r and "n" in r and is_default_launch(r)
     }
 
 
 def tunings(rows: list[dict]) -> list[dict]:
     """Per launch the kernel was tried with: its ms and the default launch's (same N, decay and
     pass), and default / it (> 1: the launch is faster)."""
-    default = _default_launches(rows)
+    default = default_launches(rows)
     out = []
     for r in rows:
         if r.get("status") != "ok" or is_default_launch(r):
