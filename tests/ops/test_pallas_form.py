@@ -109,12 +109,18 @@ def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, split_backwa
     chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("value_block", [8, 48])
-def test_value_blocks_must_be_powers_of_two_from_16(value_block):
-    with pytest.raises(
-        ValueError, match=rf"value_block must be a power of two >= 16 or None, got {value_block}"
-    ):
-        with pallas.tuning(value_block=value_block):
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"value_block": 8}, "value_block must be a power of two >= 16 or None, got 8"),
+        ({"value_block": 48}, "value_block must be a power of two >= 16 or None, got 48"),
+        ({"num_warps": 6}, r"num_warps must be a power of two from 1 to 32 \(Triton's\), got 6"),
+        ({"num_stages": 0}, "num_stages must be >= 1, got 0"),
+    ],
+)
+def test_launch_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=message):
+        with pallas.tuning(**options):
             pass
 
 

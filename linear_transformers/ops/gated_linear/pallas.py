@@ -91,6 +91,12 @@ class Tuning:
         block = self.value_block
         if block is not None and (block < _MIN_BLOCK or block & (block - 1)):
             raise ValueError(f"value_block must be a power of two >= {_MIN_BLOCK} or None, got {block}.")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(
+                f"num_warps must be a power of two from 1 to 32 (Triton's), got {self.num_warps}."
+            )
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
 
 
 _TUNING = contextvars.ContextVar("pallas_tuning", default=Tuning())
