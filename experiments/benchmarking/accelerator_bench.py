@@ -276,13 +276,18 @@ class PartResult:
 
 
 def attention_cases(sizes: Sizes) -> list[Case]:
-    """The targets' pair (chunked, cuDNN) at every N first, then XLA's softmax: if the budget
-    runs out, what it costs is the least needed figure."""
+    """The targets' pair (chunked, cuDNN) at every N first, then on a GPU the Pallas kernel (the
+    paper's attention: elu, normalised), then XLA's softmax: if the budget runs out, what it
+    costs is the least needed figure."""
     gpu = jax.devices()[0].platform == "gpu"
     opts = sizes.attention
     cases = [
         _sweep_case(attention_bench, _attention_opts(sizes, n), kind, pass_, n)
-        for kinds in ([CHUNKED, CUDNN] if gpu else [CHUNKED], ["softmax"])
+        for kinds in (
+            [CHUNKED, CUDNN] if gpu else [CHUNKED],
+            [attention_bench.PALLAS] if gpu else [],
+            ["softmax"],
+        )
         for n in opts.lengths
         for kind in kinds
         for pass_ in opts.passes

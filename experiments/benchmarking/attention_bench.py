@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from experiments.benchmarking import measure, peers, report
 from linear_transformers import ops
+from linear_transformers.ops.gated_linear import pallas
 
 KINDS = (
     "softmax",
@@ -28,12 +29,15 @@ KINDS = (
     "causal-linear/chunked",
     "causal-linear/associative_scan",
     "causal-linear/scan",
+    "causal-linear/pallas",
     "linear",
     "lsh-1",
     "lsh-4",
     "lsh-8",
 )
 BASELINE = "causal-linear/chunked"
+# The Pallas kernel (a GPU's: Pallas's interpreter on a CPU, which no timing should read).
+PALLAS = "causal-linear/pallas"
 # The paper's Reformer baselines (causal LSH, R rounds, chunks of 32, 8 buckets: the cost does
 # not depend on the bucket count); opt-in with --kinds, so the default run stays as documented.
 LSH_CHUNK, LSH_BUCKETS = 32, 8
@@ -94,8 +98,10 @@ class AttentionBenchOptions(SweepOptions):
 
 
 def default_kinds(platform: str) -> tuple[str, ...]:
-    """cuDNN flash attention exists only on NVIDIA GPUs."""
-    return tuple(k for k in KINDS if not k.startswith("lsh-") and (k != "softmax-cudnn" or platform == "gpu"))
+    """cuDNN flash attention exists only on NVIDIA GPUs, the Pallas kernel only runs compiled
+    there."""
+    gpu_only = ("softmax-cudnn", PALLAS)
+    return tuple(k for k in KINDS if not k.startswith("lsh-") and (k not in gpu_only or platform == "gpu"))
 
 
 def attention_fn(kind: str, chunk_size: int):
@@ -118,6 +124,7 @@ def attention_fn(kind: str, chunk_size: int):
         )
     if kind.startswith("causal-linear/"):
         impl = kind.split("/", 1)[1]
+        chunk_size = None if impl == "pallas" else chunk_size  # the kernel's own default launch
         return lambda q, k, v: ops.causal_linear_attention(
             q, k, v, implementation=impl, chunk_size=chunk_size
         )
@@ -197,7 +204,7 @@ def run_case(
 ) -> dict:
     """One (kind, pass, N) case (`time_case`)."""
     batch = max(1, opts.tokens // n)
-    chunk = opts.chunk_size if kind == BASELINE else None
+    chunk = {BASELINE: opts.chunk_size, PALLAS: pallas.DEFAULT_CHUNK_SIZE}.get(kind)
     row = case_row(opts, kind, pass_, n, batch, chunk)
     fn = pass_fn(attention_fn(kind, opts.chunk_size), pass_)
     specs = input_specs(opts, batch, n)

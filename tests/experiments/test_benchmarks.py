@@ -52,7 +52,12 @@ def test_attention_cases_agree_with_each_other():
     )
     outs = {
         kind: attention_bench.attention_fn(kind, 16)(q, k, v)
-        for kind in ("causal-linear/chunked", "causal-linear/associative_scan", "causal-linear/scan")
+        for kind in (
+            "causal-linear/chunked",
+            "causal-linear/associative_scan",
+            "causal-linear/scan",
+            "causal-linear/pallas",
+        )
     }
     for kind, out in outs.items():
         np.testing.assert_allclose(out, outs["causal-linear/chunked"], atol=1e-5, rtol=1e-4, err_msg=kind)
@@ -60,6 +65,10 @@ def test_attention_cases_agree_with_each_other():
 
 def test_lsh_baselines_are_opt_in_and_time_causal_lsh():
     assert not any(k.startswith("lsh-") for k in attention_bench.default_kinds("gpu"))
+    # The Pallas kernel and cuDNN run by default only where they run compiled.
+    gpu_only = {attention_bench.PALLAS, "softmax-cudnn"}
+    assert gpu_only <= set(attention_bench.default_kinds("gpu"))
+    assert not gpu_only & set(attention_bench.default_kinds("cpu"))
     q, k, v, _ = attention_bench.random_inputs(
         attention_bench.AttentionBenchOptions(heads=2, head_dim=8, value_dim=8), 2, 70
     )

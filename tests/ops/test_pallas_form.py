@@ -84,23 +84,36 @@ def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, p
     chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("decay,split_backward", [("none", False), ("feature", True)])
-def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, split_backward):
+@pytest.mark.parametrize(
+    "decay,split_backward,normalize", [("none", False, False), ("feature", True, False), ("step", True, True)]
+)
+def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, split_backward, normalize):
     """With programs of 16 value features (M = 20: two blocks, the second mostly padding), each
-    backward program's part of dq, dk and the decays' cotangent sums to the whole, with the
-    backward's two passes in one program or two (the default, which every other test runs):
-    values and gradients equal the dense reference in float64."""
+    backward program's part of dq, dk and the decays' cotangent sums to the whole, the
+    normaliser's part counted once, with the backward's two passes in one program or two (the
+    default, which every other test runs): values and gradients equal the dense reference in
+    float64."""
     rng = np.random.default_rng(5)
     q, k = (jnp.asarray(rng.standard_normal((1, 40, 2, 3))) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((1, 40, 2, 20)))
-    g = None if decay == "none" else jnp.asarray(-rng.uniform(0, 1, size=(1, 40, 2, 3)))
+    g = {"none": None, "step": (1, 40, 2), "feature": (1, 40, 2, 3)}[decay]
+    g = None if g is None else jnp.asarray(-rng.uniform(0, 1, size=g))
     segments = jnp.asarray(SEGMENTS[:1])
 
     def loss(q, k, v, g, implementation):
         out, state = ops.gated_linear_attention(
-            q, k, v, log_decay=g, implementation=implementation, segment_ids=segments, return_state=True
+            q,
+            k,
+            v,
+            log_decay=g,
+            normalize=normalize,
+            feature_map="elu" if normalize else None,
+            implementation=implementation,
+            segment_ids=segments,
+            return_state=True,
         )
-        return jnp.sum(jnp.sin(out)) + jnp.sum(state.s_BHFM**2)
+        z_term = 0.0 if state.z_BHF is None else jnp.sum(jnp.cos(state.z_BHF))
+        return jnp.sum(jnp.sin(out)) + jnp.sum(state.s_BHFM**2) + z_term
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2) if g is None else (0, 1, 2, 3))
     want = grad(q, k, v, g, "reference")
@@ -217,11 +230,12 @@ def triton(monkeypatch):
     monkeypatch.setattr(pallas, "kernel_mode", lambda platform=None: "triton")
 
 
-@pytest.mark.parametrize("decay", ["none", "step", "feature"])
-def test_both_kernels_lower_to_triton_for_cuda(triton, decay):
+@pytest.mark.parametrize("decay,normalize", [("none", False), ("step", True), ("feature", False)])
+def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize):
     """Every operation of the forward and backward kernels, the preparation they apply (elu,
-    the scale, key lengths, the finite part) included, has a Triton lowering: lowered for CUDA
-    here, without a GPU (what Triton then compiles is checked on a GPU)."""
+    the scale, key lengths, the finite part) and the normaliser included, has a Triton
+    lowering: lowered for CUDA here, without a GPU (what Triton then compiles is checked on a
+    GPU). One kernel a pass: the normaliser runs in the values' programs."""
     n, d = 80, 16  # five chunks of 16, not a power of two
     spec = jax.ShapeDtypeStruct
     g = {"none": None, "step": spec((1, n, 2), jnp.float32), "feature": spec((1, n, 2, d), jnp.float32)}[
@@ -236,6 +250,7 @@ def test_both_kernels_lower_to_triton_for_cuda(triton, decay):
                 v,
                 log_decay=g,
                 feature_map="elu",
+                normalize=normalize,
                 implementation="pallas",
                 chunk_size=16,
                 segment_ids=segment_ids,
@@ -252,16 +267,26 @@ def test_both_kernels_lower_to_triton_for_cuda(triton, decay):
     assert module.count("xla.gpu.triton(") == 2  # forward and backward
 
 
-def test_the_forward_reads_the_callers_arrays_once(triton):
-    """No prepared copy of q, k, v or the decays is written before the forward kernel, and the
-    non-finite guard does not read v and g again: up to the guard's marking branch (a
-    `lax.cond`, run only when something is not finite) the kernel, given the function's own
-    arguments, is the only operation that reads them."""
+@pytest.mark.parametrize("normalize", [False, True])
+def test_the_forward_reads_the_callers_arrays_once(triton, normalize):
+    """No prepared copy of q, k, v or the decays is written before the forward kernel, the
+    normaliser does not read q, k and the decays again, and the non-finite guard does not read
+    v and g again: up to the guard's marking branch (a `lax.cond`, run only when something is
+    not finite) the kernel, given the function's own arguments, is the only operation that
+    reads them."""
     spec = jax.ShapeDtypeStruct
     qkv = spec((1, 64, 2, 16), jnp.bfloat16)
 
     def forward(q, k, v, g):
-        return ops.gated_linear_attention(q, k, v, log_decay=g, implementation="pallas")
+        return ops.gated_linear_attention(
+            q,
+            k,
+            v,
+            log_decay=g,
+            normalize=normalize,
+            feature_map="elu" if normalize else None,
+            implementation="pallas",
+        )
 
     module = _export_for_cuda(forward, qkv, qkv, qkv, spec((1, 64, 2, 16), jnp.float32))
     main = module[module.index("func.func public @main") :]
@@ -317,3 +342,17 @@ def test_inside_shard_map_the_interpreter_refuses_and_the_gpu_kernel_runs():
             split("pallas")(q)
     else:
         np.testing.assert_allclose(split("pallas")(q), split("chunked")(q), rtol=1e-2, atol=1e-2)  # TF32
+
+
+def test_a_traced_eps_is_refused_with_a_clear_error():
+    """eps is a static option of the kernels: a traced one is named, not misread."""
+    q = jnp.ones((1, 16, 1, 4))
+
+    @jax.jit
+    def run(eps):
+        return ops.gated_linear_attention(
+            q, q, q, normalize=True, feature_map="elu", implementation="pallas", eps=eps
+        )
+
+    with pytest.raises(TypeError, match='implementation="pallas" takes eps as a number known when'):
+        run(1e-6)

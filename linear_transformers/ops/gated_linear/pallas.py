@@ -12,6 +12,9 @@ every operation in them has a Triton lowering. JAX deprecates `pl.pallas_call` f
 in favour of `plgpu.kernel`, a different program (warpgroups, explicit shared memory); the
 Triton path is selected by its `CompilerParams`.
 
+The normaliser runs in the same programs as the values, as an implicit column of ones in v
+(`pallas_kernels.forward_kernel`): q and k are read once for both.
+
 What the kernels read: the caller's q, k, v and log decays, each chunk prepared as it is loaded
 (the `inputs.Preparation`: feature map, scale, the keys that do not count, the finite part of v
 and g), where the feature map is pointwise (elu, relu, identity); with any other (FAVOR+) XLA
@@ -20,11 +23,11 @@ prepares the inputs first. Their gradients go back through the same preparation,
 What the kernels do not do, and this wrapper does in XLA around them:
 - padding: T to a whole number of chunks (the padding steps are keys that do not count); D and
   M to a power of two >= 16 (Triton's block shapes), with zeros;
-- the normaliser: a second kernel call whose values are ones and whose state is z (16 columns,
-  Triton's smallest matmul);
+- the normaliser's cotangent: d den = -sum_m d out * out / (den + eps), a reduction over all
+  value features, which a program of one value block does not see;
 - the decays' cotangent: the backward kernel returns q[t] . dq[t] and k[t] . dk[t] of the
   prepared q and k (per feature, or summed over them with a decay per step); their difference
-  d G[t] (+ d S_T * S_T at the last step) is the cotangent of the log decays summed up to t, and
+  d G[t] (+ d S_T * S_T + d z_T * z_T at the last step) is the cotangent of the log decays summed up to t, and
   each g's is the sum of those at and after it in its segment (0 at a segment's first step,
   whose decay meets a dropped state), taken back through the decays' preparation.
 
@@ -183,22 +186,27 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
         prepare=prepare if in_kernel else None,
         features=F,
         tuning=_TUNING.get(),
+        eps=None if z0_BHF is None else _static_eps(eps),
     )
     s0 = _pad_axis(_pad_axis(s0_BHFM.astype(acc), 2, Fp), 3, Mp)
-    normalize = z0_BHF is not None
-    out_dtype = jnp.dtype(acc) if normalize else v.dtype
+    z0 = None if z0_BHF is None else _pad_axis(z0_BHF.astype(acc), 2, Fp)
     v = _pad_axis(_pad_axis(v, 3, Mp), 1, Tp)
-    num, s, clean = _attend(config, out_dtype, q, k, v, g, valid, runs, before, s0)
-    num, s = num[:, :T, :, :M], s[:, :, :F, :M]
+    out, s, z, clean = _attend(config, q, k, v, g, valid, runs, before, s0, z0)
+    out, s, z = out[:, :T, :, :M], s[:, :, :F, :M], None if z is None else z[:, :, :F]
     # What the non-finite guard checks, as the kernel saw the raw v and g (prepared before it,
     # they are finite already: then the guard checks them itself).
     clean = jnp.all(clean != 0) if in_kernel else None
-    if not normalize:
-        return num, (s, None), clean
-    ones = jnp.ones((B, Tp, H, _MIN_BLOCK), v.dtype)
-    z0 = jnp.broadcast_to(_pad_axis(z0_BHF.astype(acc), 2, Fp)[..., None], (B, H, Fp, _MIN_BLOCK))
-    den, z, _ = _attend(config, out_dtype, q, k, ones, g, valid, runs, before, z0)
-    return totals.finish(num, den[:, :T, :, 0], eps, v.dtype), (s, z[:, :, :F, 0]), clean
+    return out, (s, z), clean
+
+
+def _static_eps(eps) -> float:
+    try:
+        return float(eps)
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError(
+            'implementation="pallas" takes eps as a number known when the call is traced (its '
+            f"kernels' static option), got the traced {eps!r}; pass a Python float."
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +214,8 @@ class Config:
     """The kernels' static options: chunk length C; a decay per feature; the kernel mode; the
     accumulation dtype; the `inputs.Preparation` the kernels apply to each chunk (None: the
     inputs come prepared); the feature count before padding (the padding features, which a
-    feature map may not keep at 0, are zeroed after it); the launch's `Tuning`."""
+    feature map may not keep at 0, are zeroed after it); the launch's `Tuning`; the
+    normaliser's eps (None: no normaliser)."""
 
     C: int
     per_feature: bool
@@ -215,6 +224,7 @@ class Config:
     prepare: inputs.Preparation | None
     features: int
     tuning: Tuning
+    eps: float | None
 
     def value_block(self, M: int) -> int:
         """The value features of one program, for M (padded) value features."""
@@ -225,15 +235,18 @@ def _call(kernel, config, value_block: int, operands, outputs, *, passes: int = 
     """`kernel` (bound to its options) over a (B, H, value blocks, passes) grid: one program per
     sequence, block of `value_block` value features and pass. `operands`, `outputs`: (array, or shape
     and dtype; layout), the first operand q [B, T, H, D], the third v [B, T, H, M]. Layouts:
-    "time" [B, T, H(, X)] and "counts" [B, T], whole in every program; "values" [B, T, H, M]
-    and "state" [B, H, D, M], a value block each; "part" [M / value_block, B, T, H(, X)], each
-    program's part of a sum; "flags" [B, H, M / value_block], an entry per program."""
+    "time" [B, T, H(, X)], "counts" [B, T] and "row" [B, H, D] (the normaliser's state), whole
+    in every program; "values" [B, T, H, M] and "state" [B, H, D, M], a value block each;
+    "part" [M / value_block, B, T, H(, X)], each program's part of a sum; "flags" [B, H,
+    M / value_block], an entry per program."""
     B, _, H, _ = operands[0][0].shape
     M = operands[2][0].shape[-1]
 
     def spec(shape, layout: str):
         if layout == "counts":
             return pl.BlockSpec((None, shape[1]), lambda b, h, j, p: (b, 0))
+        if layout == "row":
+            return pl.BlockSpec((None, None, shape[2]), lambda b, h, j, p: (b, h, 0))
         if layout == "flags":  # [B, H, value blocks]: one entry per program
             return pl.BlockSpec((None, None, None), lambda b, h, j, p: (b, h, j))
         if layout == "state":
@@ -287,53 +300,69 @@ def _kernel(kernel, config, q, g, valid, runs):
         acc=config.acc,
         prepare=config.prepare,
         features=config.features,
+        eps=config.eps,
     )
 
 
-def _operands(q, k, v, g, valid, runs, before, s0):
+def _operands(q, k, v, g, valid, runs, before, s0, z0):
     return [
         (x, layout)
         for x, layout in zip(
-            (q, k, v, g, valid, runs, before, s0),
-            ("time", "time", "values", "time", "counts", "counts", "counts", "state"),
+            (q, k, v, g, valid, runs, before, s0, z0),
+            ("time", "time", "values", "time", "counts", "counts", "counts", "state", "row"),
         )
         if x is not None
     ]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(config, out_dtype, q, k, v, g, valid, runs, before, s0):
-    """(out [B, T, H, M] in `out_dtype`, s [B, H, D, M], clean [B, H, value blocks]) of padded
-    inputs, prepared by the kernels (`config.prepare`) or before them; clean (int32): 1 where
-    the program's raw v were finite and log decays <= 0 (`pallas_kernels._Chunk.clean`)."""
-    return _forward(config, out_dtype, q, k, v, g, valid, runs, before, s0)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(config, q, k, v, g, valid, runs, before, s0, z0):
+    """(out [B, T, H, M] in v's dtype, s [B, H, D, M], z [B, H, D] or None, clean [B, H, value
+    blocks]) of padded inputs, prepared by the kernels (`config.prepare`) or before them; z0
+    None: no normaliser; clean (int32): 1 where the program's raw v were finite and log decays
+    <= 0 (`pallas_kernels._Chunk.clean`)."""
+    out, s, z, _, clean = _forward(config, q, k, v, g, valid, runs, before, s0, z0)
+    return out, s, z, clean
 
 
-def _forward(config, out_dtype, q, k, v, g, valid, runs, before, s0):
+def _forward(config, q, k, v, g, valid, runs, before, s0, z0):
+    """`_attend`'s outputs, with the normaliser's den [B, T, H] (float32) before clean (None
+    without a normaliser)."""
     B, T, H, M = v.shape
     value_block = config.value_block(M)
-    out = jax.ShapeDtypeStruct((B, T, H, M), out_dtype)
+    out = jax.ShapeDtypeStruct((B, T, H, M), v.dtype)
     clean = jax.ShapeDtypeStruct((B, H, M // value_block), jnp.int32)
     kernel = _kernel(pallas_kernels.forward_kernel, config, q, g, valid, runs)
-    operands = _operands(q, k, v, g, valid, runs, before, s0)
-    outputs = [(out, "values"), (s0, "state"), (clean, "flags")]
-    return tuple(_call(kernel, config, value_block, operands, outputs))
+    operands = _operands(q, k, v, g, valid, runs, before, s0, z0)
+    outputs = [(out, "values"), (s0, "state")]
+    if z0 is not None:
+        outputs += [(z0, "row"), (jax.ShapeDtypeStruct((B, T, H), config.acc), "time")]
+    outputs += [(clean, "flags")]
+    results = list(_call(kernel, config, value_block, operands, outputs))
+    if z0 is None:
+        results = results[:2] + [None, None] + results[2:]
+    return tuple(results)
 
 
-def _attend_fwd(config, out_dtype, q, k, v, g, valid, runs, before, s0):
-    out, s, clean = _forward(config, out_dtype, q, k, v, g, valid, runs, before, s0)
-    return (out, s, clean), (q, k, v, g, valid, runs, before, s0, s)
+def _attend_fwd(config, q, k, v, g, valid, runs, before, s0, z0):
+    out, s, z, den, clean = _forward(config, q, k, v, g, valid, runs, before, s0, z0)
+    return (out, s, z, clean), (q, k, v, g, valid, runs, before, s0, z0, s, z, out, den)
 
 
-def _attend_bwd(config, out_dtype, residuals, cotangents):
-    q, k, v, g, valid, runs, before, s0, s = residuals
-    d_out, d_s, _ = cotangents  # the third: of the int32 flags, none
+def _attend_bwd(config, residuals, cotangents):
+    q, k, v, g, valid, runs, before, s0, z0, s, z, out, den = residuals
+    d_out, d_s, d_z, _ = cotangents  # the last: of the int32 flags, none
     value_block = config.value_block(v.shape[-1])
     parts = v.shape[-1] // value_block
-    operands = _operands(q, k, v, g, valid, runs, before, s0) + [
+    operands = _operands(q, k, v, g, valid, runs, before, s0, z0) + [
         (d_out, "values"),
         (d_s.astype(s0.dtype), "state"),
     ]
+    if z0 is not None:
+        # den's cotangent, a sum over every value feature: -sum_m d out * num / (den + eps)**2
+        # (FlashAttention's backward reads its stored output the same way).
+        d_den = -jnp.sum(d_out.astype(den.dtype) * out.astype(den.dtype), axis=-1) / (den + config.eps)
+        operands += [(den, "time"), (d_den, "time"), (d_z.astype(z0.dtype), "row")]
 
     def summed(x, dtype):
         """An output of x's shape; with several value blocks, each block's part, summed after."""
@@ -342,6 +371,8 @@ def _attend_bwd(config, out_dtype, residuals, cotangents):
         return jax.ShapeDtypeStruct((parts, *x.shape), config.acc), "part"
 
     outputs = [summed(q, q.dtype), summed(k, k.dtype), (v, "values"), (s0, "state")]
+    if z0 is not None:
+        outputs += [(z0, "row")]
     if g is not None:  # q . dq and k . dk of the prepared q and k: the decays' cotangent
         outputs += 2 * [summed(g, config.acc)]
     split = config.tuning.split_backward
@@ -349,12 +380,13 @@ def _attend_bwd(config, out_dtype, residuals, cotangents):
         _kernel(pallas_kernels.backward_kernel, config, q, g, valid, runs), split=split
     )
     dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, operands, outputs, passes=2 if split else 1)
+    dz0 = dG.pop(0) if z0 is not None else None
     if parts > 1:
         dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
         dq, dk = dq.astype(q.dtype), dk.astype(k.dtype)
     dg = None
     if g is not None:
-        dg = _log_decay_cotangent(dG[0] - dG[1], s, d_s, runs, before)
+        dg = _log_decay_cotangent(dG[0] - dG[1], (s, z), (d_s, d_z), runs, before)
         if config.prepare is not None:  # through the preparation the kernels applied
             _, pullback = jax.vjp(
                 lambda g: config.prepare.log_decays(g, None if valid is None else valid != 0), g
@@ -363,14 +395,17 @@ def _attend_bwd(config, out_dtype, residuals, cotangents):
     no_cotangent = tuple(
         None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in (valid, runs, before)
     )
-    return dq, dk, dv, dg, *no_cotangent, ds0
+    return dq, dk, dv, dg, *no_cotangent, ds0, dz0
 
 
-def _log_decay_cotangent(dG, s, d_s, runs, before):
+def _log_decay_cotangent(dG, state, d_state, runs, before):
     """d g [B, T, H(, D)] from d G of the same shape (the module docstring) without its term at
-    the last step: the sum over the steps at and after t in t's segment, 0 at a segment's first
-    step."""
+    the last step (of the final state (s, z), z None without a normaliser, and its cotangent):
+    the sum over the steps at and after t in t's segment, 0 at a segment's first step."""
+    (s, z), (d_s, d_z) = state, d_state
     last = jnp.sum(d_s.astype(dG.dtype) * s.astype(dG.dtype), axis=-1)  # [B, H, D]
+    if z is not None:
+        last = last + d_z.astype(dG.dtype) * z.astype(dG.dtype)
     if dG.ndim == 3:
         last = jnp.sum(last, axis=-1)
     dG = dG.at[:, -1].add(last)

@@ -204,6 +204,12 @@ class _Chunk:
             S = S * jnp.transpose(self.decay)  # [X, 1] against S's rows
         return S if self.survives is None else jnp.where(self.survives, S, 0)
 
+    def carry_over_normaliser(self, z):
+        """The same for the normaliser's state z [1, D] (or its cotangent): a row."""
+        if self.decay is not None:
+            z = z * self.decay
+        return z if self.survives is None else jnp.where(self.survives, z, 0)
+
 
 def _later(C: int):
     """[C, C] bool: [s, i] is i > s."""
@@ -260,80 +266,138 @@ def _first_features(x, features: int, prepare):
 
 
 def _split_refs(refs, has_decay: bool, has_valid: bool, has_segments: bool):
-    """(q, k, v, g, valid, runs, before) from the kernel's leading refs; None where not passed."""
-    q_ref, k_ref, v_ref, *rest = refs
-    g_ref = rest.pop(0) if has_decay else None
-    valid_ref = rest.pop(0) if has_valid else None
-    runs_ref, before_ref = (rest.pop(0), rest.pop(0)) if has_segments else (None, None)
+    """(q, k, v, g, valid, runs, before), taken from the iterator `refs` of the kernel's refs;
+    None where not passed."""
+    q_ref, k_ref, v_ref = next(refs), next(refs), next(refs)
+    g_ref = next(refs) if has_decay else None
+    valid_ref = next(refs) if has_valid else None
+    runs_ref, before_ref = (next(refs), next(refs)) if has_segments else (None, None)
     return q_ref, k_ref, v_ref, g_ref, valid_ref, runs_ref, before_ref
 
 
-def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, **chunk_options):
-    """refs: q, k, v, [g], [valid], [runs, before], s0 -> out, s (the state after the last
-    chunk), clean (`_Chunk.clean` of every chunk: int32 1 or 0). `chunk_options`: per_feature,
-    acc, prepare, features (`_Chunk`)."""
+def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
+    """refs: q, k, v, [g], [valid], [runs, before], s0, [z0] -> out, s (the state after the
+    last chunk), [z, den], clean (`_Chunk.clean` of every chunk: int32 1 or 0).
+
+    eps None: no normaliser. Else the normaliser runs in the same program, its state z [1, D]
+    carried beside S as an implicit column of ones in v: den[t] = the scores' row sum +
+    q_in[t] . z, and out = num / (den + eps), written in out's dtype; den (float32 [T]) is
+    kept for the backward. Programs of other value blocks compute the same z and den and write
+    the same values. `chunk_options`: per_feature, acc, prepare, features (`_Chunk`)."""
+    normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
-    s0_ref, o_ref, s_ref, clean_ref = refs[-4:]
+    s0_ref = next(refs)
+    z0_ref = next(refs) if normalize else None
+    o_ref, s_ref = next(refs), next(refs)
+    z_ref, den_ref = (next(refs), next(refs)) if normalize else (None, None)
+    clean_ref = next(refs)
     acc = chunk_options["acc"]
 
     def body(c, carry):
-        S, clean = carry
+        S, z, clean = carry
         chunk = _Chunk(c, inputs, C, **chunk_options)
         A = chunk.scores()
         out = pltriton.dot(A, chunk.v) + pltriton.dot(chunk.q_in, S)
-        o_ref[pl.ds(c * C, C), :] = out.astype(o_ref.dtype)
+        rows = pl.ds(c * C, C)
+        if normalize:
+            den = jnp.sum(A, axis=1) + jnp.sum(chunk.q_in * z, axis=1)
+            den_ref[rows] = den
+            out = out / (den + eps)[:, None]
+            z = chunk.carry_over_normaliser(z) + jnp.sum(chunk.k_out, axis=0, keepdims=True)
+        o_ref[rows, :] = out.astype(o_ref.dtype)
         S = chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
-        return S, jnp.minimum(clean, chunk.clean())
+        return S, z, jnp.minimum(clean, chunk.clean())
 
-    S, clean = jax.lax.fori_loop(0, num_chunks, body, (s0_ref[...].astype(acc), jnp.int32(1)))
+    z0 = z0_ref[...].astype(acc)[None, :] if normalize else jnp.zeros((), acc)
+    S, z, clean = jax.lax.fori_loop(0, num_chunks, body, (s0_ref[...].astype(acc), z0, jnp.int32(1)))
     s_ref[...] = S.astype(s_ref.dtype)
+    if normalize:
+        z_ref[...] = z[0].astype(z_ref.dtype)
     clean_ref[...] = clean
 
 
-def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, split, **chunk_options):
-    """refs: q, k, v, [g], [valid], [runs, before], s0, d_out, d_s -> dq, dk, dv, d_s0, [q . dq,
-    k . dk] (of the prepared chunks, with a decay: `_Chunk.log_decay_cotangent`). With `split`
-    the grid's last axis has two programs per sequence: the first runs the pass that gives dq,
-    the second the one that gives the rest."""
+def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, split, **chunk_options):
+    """refs: q, k, v, [g], [valid], [runs, before], s0, [z0], d_out, d_s, [den, d_den, d_z]
+    -> dq, dk, dv, d_s0, [d_z0], [q . dq, k . dk] (of the prepared chunks, with a decay:
+    `_Chunk.log_decay_cotangent`). With `split` the grid's last axis has two programs per
+    sequence: the first runs the pass that gives dq, the second the one that gives the rest.
+
+    eps None: no normaliser. Else d_out is the normalised output's cotangent, den the
+    forward's, and d_den that of den (-sum_m d_out * out / (den + eps), made by `pallas.py`):
+    num's cotangent is d_out / (den + eps), and den's, an implicit column of ones in v, adds
+    d_den[t] to every kept score's cotangent and d_den[t] * z to q[t]'s state term; z's
+    cotangent dz is carried beside dS. Only the first value block's programs take den's part
+    of dq and dk (they are summed over the blocks); each computes the same d_z0."""
+    normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
-    num_outputs = 6 if has_decay else 4
-    s0_ref, do_ref, ds_ref = refs[-3 - num_outputs : -num_outputs]
-    dq_ref, dk_ref, dv_ref, ds0_ref, *dG_refs = refs[-num_outputs:]
+    s0_ref = next(refs)
+    z0_ref = next(refs) if normalize else None
+    do_ref, ds_ref = next(refs), next(refs)
+    den_ref, dden_ref, dz_ref = (next(refs), next(refs), next(refs)) if normalize else (None,) * 3
+    dq_ref, dk_ref, dv_ref, ds0_ref = next(refs), next(refs), next(refs), next(refs)
+    dz0_ref = next(refs) if normalize else None
+    dG_refs = list(refs)
     acc = chunk_options["acc"]
+    # den's part of dq and dk, once over the value blocks
+    first_block = (pl.program_id(2) == 0).astype(acc)
 
     def load(c):
         chunk = _Chunk(c, inputs, C, **chunk_options)
-        do = do_ref[pl.ds(c * C, C), :].astype(acc)
-        dA = jnp.where(chunk.keep, pltriton.dot(do, chunk.v, trans_b=True), 0)  # of the scores
-        return chunk, do, dA
-
-    def forward(c, S):  # dq, from the state entering each chunk
-        chunk, do, dA = load(c)
         rows = pl.ds(c * C, C)
-        dq = chunk.query_cotangent(dA) + _times(pltriton.dot(do, S, trans_b=True), chunk.into)
+        do = do_ref[rows, :].astype(acc)
+        d_den = None
+        if normalize:
+            do = do / (den_ref[rows] + eps)[:, None]
+            d_den = dden_ref[rows][:, None] * first_block  # [C, 1]
+        dA = pltriton.dot(do, chunk.v, trans_b=True)
+        dA = jnp.where(chunk.keep, dA if d_den is None else dA + d_den, 0)  # of the scores
+        return chunk, do, dA, d_den
+
+    def forward(c, carry):  # dq, from the state entering each chunk
+        S, z = carry
+        chunk, do, dA, d_den = load(c)
+        rows = pl.ds(c * C, C)
+        entering = pltriton.dot(do, S, trans_b=True)
+        if normalize:
+            entering = entering + d_den * z
+        dq = chunk.query_cotangent(dA) + _times(entering, chunk.into)
         dq_ref[rows, :] = chunk.raw_cotangent("q", dq).astype(dq_ref.dtype)
         if dG_refs:
             dG_refs[0][rows] = chunk.log_decay_cotangent(chunk.q, dq)
-        return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
+        if normalize:
+            z = chunk.carry_over_normaliser(z) + jnp.sum(chunk.k_out, axis=0, keepdims=True)
+        return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True), z
 
-    def backward(i, dS):  # dk, dv and the state's cotangent, from the last chunk to the first
+    def backward(i, carry):  # dk, dv and the state's cotangent, from the last chunk to the first
+        dS, dz = carry
         c = num_chunks - 1 - i
-        chunk, do, dA = load(c)
+        chunk, do, dA, d_den = load(c)
         rows = pl.ds(c * C, C)
         dv = pltriton.dot(chunk.scores(), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
-        dk = chunk.key_cotangent(dA) + _times(pltriton.dot(chunk.v, dS, trans_b=True), chunk.out_of)
+        leaving = pltriton.dot(chunk.v, dS, trans_b=True)
+        if normalize:
+            leaving = leaving + dz * first_block
+        dk = chunk.key_cotangent(dA) + _times(leaving, chunk.out_of)
         dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
         dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
         if dG_refs:
             dG_refs[1][rows] = chunk.log_decay_cotangent(chunk.k, dk)
-        return chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True)
+        if normalize:
+            d_den_all = dden_ref[rows][:, None]  # z's cotangent, whole in every program
+            dz = chunk.carry_over_normaliser(dz) + jnp.sum(chunk.q_in * d_den_all, axis=0, keepdims=True)
+        return chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True), dz
+
+    def row(ref):
+        return ref[...].astype(acc)[None, :] if normalize else jnp.zeros((), acc)
 
     def query_pass():
-        jax.lax.fori_loop(0, num_chunks, forward, s0_ref[...].astype(acc))
+        jax.lax.fori_loop(0, num_chunks, forward, (s0_ref[...].astype(acc), row(z0_ref)))
 
     def key_value_pass():
-        dS = jax.lax.fori_loop(0, num_chunks, backward, ds_ref[...].astype(acc))
+        dS, dz = jax.lax.fori_loop(0, num_chunks, backward, (ds_ref[...].astype(acc), row(dz_ref)))
         ds0_ref[...] = dS.astype(ds0_ref.dtype)
+        if normalize:
+            dz0_ref[...] = dz[0].astype(dz0_ref.dtype)
 
     if not split:
         query_pass()
