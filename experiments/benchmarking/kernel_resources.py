@@ -41,6 +41,8 @@ from linear_transformers import ops
 from linear_transformers.ops.gated_linear import pallas
 
 DECAYS = ("none", "head", "step", "feature")
+# A GPU of each compute capability (as Triton names them), by the device kind JAX knows it by.
+GPU_KINDS = {80: "NVIDIA A100", 90: "NVIDIA H100", 100: "NVIDIA B200"}
 COLUMNS = (
     "kernel decay chunk_size value_block num_warps num_stages registers spill_stores spill_loads "
     "stack_bytes smem_bytes status"
@@ -54,11 +56,12 @@ class KernelResourcesOptions:
     value_blocks: Value features per program (`pallas.Tuning.value_block`; 0: all of them).
     num_warps: Warps per program (Triton's num_warps).
     num_stages: Triton's software pipeline stages.
-    arch: The GPU's compute capability, as Triton names it: 90 (H100, H200), 80 (A100).
+    arch: The GPU's compute capability, as Triton names it: 80 (A100), 90 (H100, H200) or 100
+      (B200).
     n: Sequence length traced (only the kernels' loop bound).
     head_dim: D = M, the key and value features of a head.
     dtype: Input dtype.
-    chunk_size: Chunk length (0: the kernel's default, 64, or 16 with a decay per feature).
+    chunk_size: Chunk length (0: the kernel's default, 32, or 16 with a decay per feature).
     """
 
     decays: tuple[str, ...] = DECAYS
@@ -78,9 +81,13 @@ class KernelResourcesOptions:
         for block in self.value_blocks:
             if block:
                 pallas.Tuning(value_block=block)  # its own error for a bad value
+        if self.arch not in GPU_KINDS:
+            raise ValueError(f"arch must be one of {sorted(GPU_KINDS)}, got {self.arch}.")
 
 
-def triton_modules(decay: str, *, n: int, head_dim: int, dtype, chunk_size: int | None, tuning: dict):
+def triton_modules(
+    decay: str, *, n: int, head_dim: int, dtype, chunk_size: int | None, tuning: dict, arch: int = 90
+):
     """{kernel name: Triton IR text} of the forward and backward kernels of one gated call,
     traced as on an NVIDIA GPU (lowered for CUDA here: no GPU needed)."""
     spec = jax.ShapeDtypeStruct
@@ -97,12 +104,21 @@ def triton_modules(decay: str, *, n: int, head_dim: int, dtype, chunk_size: int 
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2) if g is None else (0, 1, 2, 3))(q, k, v, g)
 
-    skip_check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     with _capturing_triton_ir() as modules, pallas.tuning(**tuning):
-        jax.export.export(jax.jit(value_and_grads), platforms=["cuda"], disabled_checks=[skip_check])(
-            qkv, qkv, qkv, g
-        )
+        export_for_cuda(value_and_grads, qkv, qkv, qkv, g, arch=arch)
     return modules
+
+
+def export_for_cuda(fn, *specs, arch: int = 90):
+    """`jax.export` of `jax.jit(fn)` for CUDA on any machine, its Triton kernels lowered for a
+    GPU of compute capability `arch` (`GPU_KINDS`). From jax 0.11 the Triton lowering asks the
+    GPU for its compute capability; where the machine has none, an abstract device names it."""
+    if arch not in GPU_KINDS:
+        raise ValueError(f"arch must be one of {sorted(GPU_KINDS)}, got {arch}.")
+    device = jax.sharding.AbstractDevice(device_kind=GPU_KINDS[arch], num_cores=None, platform="gpu")
+    skip_check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[skip_check])(*specs)
 
 
 @contextlib.contextmanager
@@ -212,6 +228,7 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
             dtype=opts.dtype,
             chunk_size=opts.chunk_size or None,
             tuning={"value_block": block or None},
+            arch=opts.arch,
         )
         for (name, ir_text), warps, stages in itertools.product(
             modules.items(), opts.num_warps, opts.num_stages

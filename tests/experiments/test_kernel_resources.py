@@ -54,8 +54,10 @@ def test_ptxas_reports_are_read_and_a_short_one_is_refused():
         kernel_resources.ptxas_usage("ptxas info    : Used 12 registers")
 
 
-def test_options_refuse_unknown_decays_and_bad_value_blocks():
+def test_options_refuse_unknown_decays_bad_value_blocks_and_unknown_gpus():
     with pytest.raises(ValueError, match=r"unknown or no decays \['gate'\]"):
         kernel_resources.KernelResourcesOptions(decays=("gate",))
     with pytest.raises(ValueError, match="value_block must be a power of two >= 16 or None, got 24"):
         kernel_resources.KernelResourcesOptions(value_blocks=(24,))
+    with pytest.raises(ValueError, match=r"arch must be one of \[80, 90, 100\], got 75"):
+        kernel_resources.KernelResourcesOptions(arch=75)

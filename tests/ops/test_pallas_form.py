@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.benchmarking import kernel_resources
 from linear_transformers import ops
 from linear_transformers.ops.gated_linear import pallas
 
@@ -218,10 +219,7 @@ def test_bfloat16_inputs_keep_float32_states(float32_products):
 
 def _export_for_cuda(fn, *specs):
     """The StableHLO text of `fn` lowered for CUDA, here, without a GPU."""
-    skip_check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[skip_check])(
-        *specs
-    ).mlir_module()
+    return kernel_resources.export_for_cuda(fn, *specs).mlir_module()
 
 
 @pytest.fixture
