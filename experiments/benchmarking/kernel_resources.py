@@ -62,6 +62,8 @@ class KernelResourcesOptions:
     head_dim: D = M, the key and value features of a head.
     dtype: Input dtype.
     chunk_size: Chunk length (0: the kernel's default, 32, or 16 with a decay per feature).
+    normalize: The paper's attention: elu features and the normaliser in the same kernels
+      (else the identity, unnormalised, as the gated models use it).
     """
 
     decays: tuple[str, ...] = DECAYS
@@ -73,6 +75,7 @@ class KernelResourcesOptions:
     head_dim: int = 64
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     chunk_size: int = 0
+    normalize: bool = False
 
     def __post_init__(self):
         unknown = [d for d in self.decays if d not in DECAYS]
@@ -86,10 +89,19 @@ class KernelResourcesOptions:
 
 
 def triton_modules(
-    decay: str, *, n: int, head_dim: int, dtype, chunk_size: int | None, tuning: dict, arch: int = 90
+    decay: str,
+    *,
+    n: int,
+    head_dim: int,
+    dtype,
+    chunk_size: int | None,
+    tuning: dict,
+    arch: int = 90,
+    normalize: bool = False,
 ):
-    """{kernel name: Triton IR text} of the forward and backward kernels of one gated call,
-    traced as on an NVIDIA GPU (lowered for CUDA here: no GPU needed)."""
+    """{kernel name: Triton IR text} of the forward and backward kernels of one gated call
+    (normalised with elu features, or unnormalised with the identity), traced as on an NVIDIA
+    GPU (lowered for CUDA here: no GPU needed)."""
     spec = jax.ShapeDtypeStruct
     shape = {"head": (2,), "step": (1, n, 2), "feature": (1, n, 2, head_dim)}.get(decay)
     g = None if shape is None else spec(shape, jnp.float32)
@@ -98,7 +110,14 @@ def triton_modules(
     def value_and_grads(q, k, v, g):
         def loss(q, k, v, g):
             out = ops.gated_linear_attention(
-                q, k, v, log_decay=g, implementation="pallas", chunk_size=chunk_size
+                q,
+                k,
+                v,
+                log_decay=g,
+                normalize=normalize,
+                feature_map="elu" if normalize else None,
+                implementation="pallas",
+                chunk_size=chunk_size,
             )
             return jnp.sum(out.astype(jnp.float32))
 
@@ -229,6 +248,7 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
             chunk_size=opts.chunk_size or None,
             tuning={"value_block": block or None},
             arch=opts.arch,
+            normalize=opts.normalize,
         )
         for (name, ir_text), warps, stages in itertools.product(
             modules.items(), opts.num_warps, opts.num_stages
@@ -249,7 +269,8 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
         out.mkdir(parents=True, exist_ok=True)
         report.write_csv(out / "kernel_resources.csv", rows)
         title = f"Pallas kernels compiled by Triton {_triton_version()} for sm_{opts.arch}"
-        shape = f"{opts.dtype}, D = M = {opts.head_dim}"
+        attention = "elu features, normalised" if opts.normalize else "identity features, unnormalised"
+        shape = f"{opts.dtype}, D = M = {opts.head_dim}, {attention}"
         table = report.markdown_table(rows, COLUMNS)
         (out / "kernel_resources.md").write_text(f"# {title}\n\n{shape}\n\n{table}\n")
         log(f"wrote {out / 'kernel_resources.csv'}, {out / 'kernel_resources.md'}")

@@ -36,6 +36,19 @@ def test_triton_compiles_every_decay_for_an_h100(tmp_path):
     assert "for sm_90" in (tmp_path / "kernel_resources.md").read_text()
 
 
+def test_the_normalised_kernels_compile_too(tmp_path):
+    """The paper's attention (elu, the normaliser in the values' programs) through the same
+    kernels."""
+    pytest.importorskip("triton")
+    opts = kernel_resources.KernelResourcesOptions(
+        decays=("step",), value_blocks=(0,), num_warps=(4,), n=32, head_dim=16, chunk_size=16, normalize=True
+    )
+    rows = kernel_resources.run(opts, tmp_path, log=lambda line: None)
+    assert [r["kernel"] for r in rows] == ["forward", "backward"]
+    assert all(r["status"] == "ok" for r in rows), rows
+    assert "elu features, normalised" in (tmp_path / "kernel_resources.md").read_text()
+
+
 def test_ptxas_reports_are_read_and_a_short_one_is_refused():
     info = (
         "ptxas info    : Function properties for forward_kernel\n"

@@ -10,7 +10,10 @@ Mosaic GPU only Hopper and later; its generic `pl.pallas_call` kernels (refs, `p
 and lower for CUDA on a machine without a GPU (`jax.export`), which is how the tests check that
 every operation in them has a Triton lowering. JAX deprecates `pl.pallas_call` for Mosaic GPU
 in favour of `plgpu.kernel`, a different program (warpgroups, explicit shared memory); the
-Triton path is selected by its `CompilerParams`.
+Triton path is selected by its `CompilerParams`. From jax 0.11 the Triton lowering itself warns
+that it is deprecated and will be removed (for Mosaic GPU, or Triton's own bindings through
+`jax_triton`); these kernels' lowering for CUDA and their interpreted runs pass their tests
+with jax 0.10.2, 0.11.2 and 0.12.0.1.
 
 The normaliser runs in the same programs as the values, as an implicit column of ones in v
 (`pallas_kernels.forward_kernel`): q and k are read once for both.
