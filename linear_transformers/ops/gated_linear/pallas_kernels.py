@@ -275,6 +275,20 @@ def _split_refs(refs, has_decay: bool, has_valid: bool, has_segments: bool):
     return q_ref, k_ref, v_ref, g_ref, valid_ref, runs_ref, before_ref
 
 
+def _row(ref, acc):
+    """The normaliser's state (or its cotangent) [D] from `ref` as a row [1, D]; None: none."""
+    return None if ref is None else ref[...].astype(acc)[None, :]
+
+
+def _pack(S, z):
+    """A loop's carry: S, or (S, z) with a normaliser (no placeholder carried without one)."""
+    return S if z is None else (S, z)
+
+
+def _unpack(carry, normalize: bool):
+    return carry if normalize else (carry, None)
+
+
 def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
     """refs: q, k, v, [g], [valid], [runs, before], s0, [z0] -> out, s (the state after the
     last chunk), [z, den], clean (`_Chunk.clean` of every chunk: int32 1 or 0).
@@ -294,7 +308,7 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps
     acc = chunk_options["acc"]
 
     def body(c, carry):
-        S, z, clean = carry
+        (S, z), clean = _unpack(carry[0], normalize), carry[1]
         chunk = _Chunk(c, inputs, C, **chunk_options)
         A = chunk.scores()
         out = pltriton.dot(A, chunk.v) + pltriton.dot(chunk.q_in, S)
@@ -306,10 +320,11 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps
             z = chunk.carry_over_normaliser(z) + jnp.sum(chunk.k_out, axis=0, keepdims=True)
         o_ref[rows, :] = out.astype(o_ref.dtype)
         S = chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
-        return S, z, jnp.minimum(clean, chunk.clean())
+        return _pack(S, z), jnp.minimum(clean, chunk.clean())
 
-    z0 = z0_ref[...].astype(acc)[None, :] if normalize else jnp.zeros((), acc)
-    S, z, clean = jax.lax.fori_loop(0, num_chunks, body, (s0_ref[...].astype(acc), z0, jnp.int32(1)))
+    states = _pack(s0_ref[...].astype(acc), _row(z0_ref, acc))
+    states, clean = jax.lax.fori_loop(0, num_chunks, body, (states, jnp.int32(1)))
+    S, z = _unpack(states, normalize)
     s_ref[...] = S.astype(s_ref.dtype)
     if normalize:
         z_ref[...] = z[0].astype(z_ref.dtype)
@@ -339,7 +354,7 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
     dG_refs = list(refs)
     acc = chunk_options["acc"]
     # den's part of dq and dk, once over the value blocks
-    first_block = (pl.program_id(2) == 0).astype(acc)
+    first_block = (pl.program_id(2) == 0).astype(acc) if normalize else None
 
     def load(c):
         chunk = _Chunk(c, inputs, C, **chunk_options)
@@ -354,30 +369,32 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
         return chunk, do, dA, d_den
 
     def forward(c, carry):  # dq, from the state entering each chunk
-        S, z = carry
+        S, z = _unpack(carry, normalize)
         chunk, do, dA, d_den = load(c)
         rows = pl.ds(c * C, C)
+        dq = chunk.query_cotangent(dA)  # first: the order Triton schedules in, and spills least
         entering = pltriton.dot(do, S, trans_b=True)
         if normalize:
             entering = entering + d_den * z
-        dq = chunk.query_cotangent(dA) + _times(entering, chunk.into)
+        dq = dq + _times(entering, chunk.into)
         dq_ref[rows, :] = chunk.raw_cotangent("q", dq).astype(dq_ref.dtype)
         if dG_refs:
             dG_refs[0][rows] = chunk.log_decay_cotangent(chunk.q, dq)
         if normalize:
             z = chunk.carry_over_normaliser(z) + jnp.sum(chunk.k_out, axis=0, keepdims=True)
-        return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True), z
+        return _pack(chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True), z)
 
     def backward(i, carry):  # dk, dv and the state's cotangent, from the last chunk to the first
-        dS, dz = carry
+        dS, dz = _unpack(carry, normalize)
         c = num_chunks - 1 - i
         chunk, do, dA, d_den = load(c)
         rows = pl.ds(c * C, C)
         dv = pltriton.dot(chunk.scores(), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
+        dk = chunk.key_cotangent(dA)
         leaving = pltriton.dot(chunk.v, dS, trans_b=True)
         if normalize:
             leaving = leaving + dz * first_block
-        dk = chunk.key_cotangent(dA) + _times(leaving, chunk.out_of)
+        dk = dk + _times(leaving, chunk.out_of)
         dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
         dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
         if dG_refs:
@@ -385,16 +402,14 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
         if normalize:
             d_den_all = dden_ref[rows][:, None]  # z's cotangent, whole in every program
             dz = chunk.carry_over_normaliser(dz) + jnp.sum(chunk.q_in * d_den_all, axis=0, keepdims=True)
-        return chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True), dz
-
-    def row(ref):
-        return ref[...].astype(acc)[None, :] if normalize else jnp.zeros((), acc)
+        return _pack(chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True), dz)
 
     def query_pass():
-        jax.lax.fori_loop(0, num_chunks, forward, (s0_ref[...].astype(acc), row(z0_ref)))
+        jax.lax.fori_loop(0, num_chunks, forward, _pack(s0_ref[...].astype(acc), _row(z0_ref, acc)))
 
     def key_value_pass():
-        dS, dz = jax.lax.fori_loop(0, num_chunks, backward, (ds_ref[...].astype(acc), row(dz_ref)))
+        carry = jax.lax.fori_loop(0, num_chunks, backward, _pack(ds_ref[...].astype(acc), _row(dz_ref, acc)))
+        dS, dz = _unpack(carry, normalize)
         ds0_ref[...] = dS.astype(ds0_ref.dtype)
         if normalize:
             dz0_ref[...] = dz[0].astype(dz0_ref.dtype)
