@@ -23,7 +23,6 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-import jaxlib.version
 import pytest
 import tf32
 
@@ -37,8 +36,9 @@ import experiments  # (sets XLA_FLAGS before the first computation starts JAX's 
 # defaults, as users' runs do; so does every run that may use a GPU or TPU (python -m
 # experiments.check_accelerator runs these tests there), whose compiles the tests check as they are.
 TEST_COMPILER_FLAGS = ("--xla_backend_optimization_level=0",) + (
-    # XLA in jaxlib 0.11 has no other emitters, and aborts the process on a flag it does not know.
-    ("--xla_cpu_use_fusion_emitters=false",) if jaxlib.version.__version_info__ < (0, 11) else ()
+    # XLA in jaxlib 0.11 (jax's own version) has no other emitters, and aborts the process on a
+    # flag it does not know.
+    ("--xla_cpu_use_fusion_emitters=false",) if jax.__version_info__ < (0, 11) else ()
 )
 
 

@@ -85,10 +85,11 @@ def _call(core, q, k, v, x, **kw):
 
 
 def _compiled_call(core, options, q, k, v, x, **kw):
-    """`_call` as one compiled program; eager where the core sows its weights (state jax.jit
-    cannot carry out of the call)."""
+    """`_call` as one compiled program; eager, inside `nnx.capture`, where the core sows its
+    weights (state jax.jit cannot carry out of the call)."""
     if options.get("sow_weights"):
-        return _call(core, q, k, v, x, **kw)
+        out, _ = nnx.capture(lambda core: _call(core, q, k, v, x, **kw), nnx.Intermediate)(core)
+        return out
     return jax.jit(lambda q, k, v, kw: _call(core, q, k, v, x, **kw))(q, k, v, kw)
 
 
