@@ -8,8 +8,9 @@ Why Triton, not Mosaic GPU: the Triton lowering serves every NVIDIA GPU from Amp
 Mosaic GPU only Hopper and later; its generic `pl.pallas_call` kernels (refs, `pl.dot`,
 `lax.fori_loop`) run unchanged in interpret mode, which is how the tests check them on a CPU,
 and lower for CUDA on a machine without a GPU (`jax.export`), which is how the tests check that
-every operation in them has a Triton lowering. JAX deprecates `pl.pallas_call` for Mosaic GPU
-in favour of `plgpu.kernel`, a different program (warpgroups, explicit shared memory); the
+every operation in them has a Triton lowering. For Mosaic GPU JAX deprecated `pl.pallas_call`
+in favour of `plgpu.kernel`, a different program (warpgroups, explicit shared memory), and jax
+0.12 lowers `pl.pallas_call` only to Triton and Mosaic TPU; the
 Triton path is selected by its `CompilerParams`. From jax 0.11 the Triton lowering itself warns
 that it is deprecated and will be removed (for Mosaic GPU, or Triton's own bindings through
 `jax_triton`); these kernels' lowering for CUDA and their interpreted runs pass their tests
