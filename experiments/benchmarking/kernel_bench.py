@@ -33,7 +33,9 @@ DECAY_GOAL = 1.3
 # blocks give M / value_block programs per (batch, head), where B * H = 64 at the goals' shape
 # leaves an H100's 132 SMs half idle; the backward's passes in one program; fewer warps or more
 # pipeline stages trade registers for latency hiding; chunks of 64 halve the steps of a
-# program's loop but spill registers (`experiments/kernel_resources.py`).
+# program's loop but spill registers (`experiments/kernel_resources.py`); the parallel forward
+# writes the state entering every chunk, then makes every chunk's output at once (half the
+# registers, no spills at chunks of 32).
 TUNINGS = (
     {"chunk_size": 64},
     {"value_block": 32},
@@ -41,6 +43,8 @@ TUNINGS = (
     {"split_backward": False},
     {"num_warps": 4},
     {"num_stages": 3},
+    {"parallel_forward": True},
+    {"parallel_forward": True, "chunk_size": 64},
 )
 DEFAULT_TUNING = "default"
 

@@ -86,6 +86,28 @@ def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, p
 
 
 @pytest.mark.parametrize(
+    "decay,normalize,packed", [("none", False, True), ("step", True, False), ("feature", False, True)]
+)
+def test_the_parallel_forward_gives_the_same_result(x64, decay, normalize, packed):
+    """`Tuning.parallel_forward`: the states entering every chunk first, then every chunk's
+    output at once; values, final states and gradients equal the dense reference in float64."""
+    q, k, v, g, s0, z0, w = _inputs(3, decay, normalize=normalize)
+    primals = [x for x in (q, k, v, g) if x is not None]
+
+    def loss(implementation, *args):
+        q, k, v, *g_ = args
+        return _loss(
+            implementation, q, k, v, g_[0] if g_ else None, s0, z0, w, normalize=normalize, packed=packed
+        )
+
+    grad = jax.value_and_grad(loss, argnums=tuple(range(1, len(primals) + 1)), has_aux=True)
+    want = grad("reference", *primals)
+    with pallas.tuning(parallel_forward=True):
+        got = grad("pallas", *primals)
+    chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
     "decay,split_backward,normalize", [("none", False, False), ("feature", True, False), ("step", True, True)]
 )
 def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, split_backward, normalize):
@@ -228,12 +250,16 @@ def triton(monkeypatch):
     monkeypatch.setattr(pallas, "kernel_mode", lambda platform=None: "triton")
 
 
-@pytest.mark.parametrize("decay,normalize", [("none", False), ("step", True), ("feature", False)])
-def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize):
+@pytest.mark.parametrize(
+    "decay,normalize,parallel",
+    [("none", False, False), ("step", True, False), ("step", True, True), ("feature", False, False)],
+)
+def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize, parallel):
     """Every operation of the forward and backward kernels, the preparation they apply (elu,
     the scale, key lengths, the finite part) and the normaliser included, has a Triton
     lowering: lowered for CUDA here, without a GPU (what Triton then compiles is checked on a
-    GPU). One kernel a pass: the normaliser runs in the values' programs."""
+    GPU). One kernel a pass (the normaliser runs in the values' programs), two for the parallel
+    forward."""
     n, d = 80, 16  # five chunks of 16, not a power of two
     spec = jax.ShapeDtypeStruct
     g = {"none": None, "step": spec((1, n, 2), jnp.float32), "feature": spec((1, n, 2, d), jnp.float32)}[
@@ -260,9 +286,9 @@ def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize):
 
     qk, v = spec((1, n, 2, d), jnp.bfloat16), spec((1, n, 2, 2 * d), jnp.bfloat16)
     # With a decay per feature, a grid over two value blocks (`pallas.Tuning`).
-    with pallas.tuning(value_block=16 if decay == "feature" else None):
+    with pallas.tuning(value_block=16 if decay == "feature" else None, parallel_forward=parallel):
         module = _export_for_cuda(grads, qk, qk, v, g, spec((1, n), jnp.int32), spec((1,), jnp.int32))
-    assert module.count("xla.gpu.triton(") == 2  # forward and backward
+    assert module.count("xla.gpu.triton(") == (3 if parallel else 2)  # forward and backward
 
 
 @pytest.mark.parametrize("normalize", [False, True])

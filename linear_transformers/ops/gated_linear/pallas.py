@@ -81,6 +81,12 @@ class Tuning:
     split_backward: the backward's two passes (the one that gives dq, forward in time; the one
       that gives dk and dv, backward) in programs of their own: twice the programs, each with
       half the work, reading the same bytes.
+    parallel_forward: the forward as two kernels: one that walks the chunks carrying only the
+      state and writes the state entering each chunk (float32, [T / C, D, M] per sequence), then
+      one program per chunk that makes its output from that state, all chunks at once. It
+      trades those states' bytes (as many as q, k and v at D = M = 64, C = 32) for parallel
+      work where the one-pass forward's loop, a chunk at a time, may leave the GPU waiting (FLA's
+      `chunk_fwd_h` and `chunk_fwd_o` split the same way). The backward is the same.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
       cotangents), or [16, 16, D] pair decays per feature: 16 registers a thread each at 256
@@ -91,6 +97,7 @@ class Tuning:
 
     value_block: int | None = None
     split_backward: bool = True
+    parallel_forward: bool = False
     num_warps: int = 8
     num_stages: int = 2
 
@@ -332,6 +339,8 @@ def _attend(config, q, k, v, g, valid, runs, before, s0, z0):
 def _forward(config, q, k, v, g, valid, runs, before, s0, z0):
     """`_attend`'s outputs, with the normaliser's den [B, T, H] (float32) before clean (None
     without a normaliser)."""
+    if config.tuning.parallel_forward:
+        return _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0)
     B, T, H, M = v.shape
     value_block = config.value_block(M)
     out = jax.ShapeDtypeStruct((B, T, H, M), v.dtype)
@@ -346,6 +355,35 @@ def _forward(config, q, k, v, g, valid, runs, before, s0, z0):
     if z0 is None:
         results = results[:2] + [None, None] + results[2:]
     return tuple(results)
+
+
+def _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0):
+    """`_forward`'s outputs from `Tuning.parallel_forward`'s two kernels."""
+    B, T, H, M = v.shape
+    D, num_chunks = q.shape[-1], T // config.C
+    value_block = config.value_block(M)
+    normalize = z0 is not None
+    # The states entering each chunk (chunk c's at rows c * D), the final states, the flags.
+    outputs = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.acc), "state")]
+    if normalize:
+        outputs += [(jax.ShapeDtypeStruct((B, H, num_chunks * D), config.acc), "row")]
+    outputs += [(s0, "state")] + ([(z0, "row")] if normalize else [])
+    outputs += [(jax.ShapeDtypeStruct((B, H, M // value_block), jnp.int32), "flags")]
+    kernel = _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs)
+    operands = _operands(q, k, v, g, valid, runs, before, s0, z0)
+    results = list(_call(kernel, config, value_block, operands, outputs))
+    if not normalize:
+        results = [results[0], None, results[1], None, results[2]]
+    states, z_states, s, z, clean = results
+
+    outputs = [(jax.ShapeDtypeStruct((B, T, H, M), v.dtype), "values")]
+    if normalize:
+        outputs += [(jax.ShapeDtypeStruct((B, T, H), config.acc), "time")]
+    kernel = _kernel(pallas_kernels.chunk_outputs_kernel, config, q, g, valid, runs)
+    operands = _operands(q, k, v, g, valid, runs, before, None, None) + [(states, "state")]
+    operands += [(z_states, "row")] if normalize else []
+    out, *den = _call(kernel, config, value_block, operands, outputs, passes=num_chunks)
+    return out, s, z, den[0] if normalize else None, clean
 
 
 def _attend_fwd(config, q, k, v, g, valid, runs, before, s0, z0):

@@ -289,6 +289,26 @@ def _unpack(carry, normalize: bool):
     return carry if normalize else (carry, None)
 
 
+def _write_chunk_output(chunk, c, C: int, S, z, o_ref, den_ref, eps):
+    """Chunk c's output from the state entering it (S, and z with a normaliser: eps not None),
+    written to o_ref, with den (the normaliser) to den_ref."""
+    A = chunk.scores()
+    out = pltriton.dot(A, chunk.v) + pltriton.dot(chunk.q_in, S)
+    rows = pl.ds(c * C, C)
+    if eps is not None:
+        den = jnp.sum(A, axis=1) + jnp.sum(chunk.q_in * z, axis=1)
+        den_ref[rows] = den
+        out = out / (den + eps)[:, None]
+    o_ref[rows, :] = out.astype(o_ref.dtype)
+
+
+def _carry_over_chunk(chunk, S, z):
+    """The states leaving the chunk, from those entering it (z None: no normaliser)."""
+    if z is not None:
+        z = chunk.carry_over_normaliser(z) + jnp.sum(chunk.k_out, axis=0, keepdims=True)
+    return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True), z
+
+
 def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
     """refs: q, k, v, [g], [valid], [runs, before], s0, [z0] -> out, s (the state after the
     last chunk), [z, den], clean (`_Chunk.clean` of every chunk: int32 1 or 0).
@@ -310,17 +330,8 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps
     def body(c, carry):
         (S, z), clean = _unpack(carry[0], normalize), carry[1]
         chunk = _Chunk(c, inputs, C, **chunk_options)
-        A = chunk.scores()
-        out = pltriton.dot(A, chunk.v) + pltriton.dot(chunk.q_in, S)
-        rows = pl.ds(c * C, C)
-        if normalize:
-            den = jnp.sum(A, axis=1) + jnp.sum(chunk.q_in * z, axis=1)
-            den_ref[rows] = den
-            out = out / (den + eps)[:, None]
-            z = chunk.carry_over_normaliser(z) + jnp.sum(chunk.k_out, axis=0, keepdims=True)
-        o_ref[rows, :] = out.astype(o_ref.dtype)
-        S = chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True)
-        return _pack(S, z), jnp.minimum(clean, chunk.clean())
+        _write_chunk_output(chunk, c, C, S, z, o_ref, den_ref, eps)
+        return _pack(*_carry_over_chunk(chunk, S, z)), jnp.minimum(clean, chunk.clean())
 
     states = _pack(s0_ref[...].astype(acc), _row(z0_ref, acc))
     states, clean = jax.lax.fori_loop(0, num_chunks, body, (states, jnp.int32(1)))
@@ -329,6 +340,60 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps
     if normalize:
         z_ref[...] = z[0].astype(z_ref.dtype)
     clean_ref[...] = clean
+
+
+def chunk_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
+    """The parallel forward's first kernel (`pallas.Tuning.parallel_forward`): refs: q, k, v,
+    [g], [valid], [runs, before], s0, [z0] -> states (the state entering each chunk, [num_chunks
+    * D, M]: chunk c's at rows c * D), [z states ([num_chunks * D])], s, [z], clean. The loop
+    over chunks carries the state as `forward_kernel`'s does, but does nothing else: no query,
+    score or output."""
+    normalize, refs = eps is not None, iter(refs)
+    inputs = _split_refs(refs, has_decay, has_valid, has_segments)
+    s0_ref = next(refs)
+    z0_ref = next(refs) if normalize else None
+    states_ref = next(refs)
+    z_states_ref = next(refs) if normalize else None
+    s_ref = next(refs)
+    z_ref = next(refs) if normalize else None
+    clean_ref = next(refs)
+    acc = chunk_options["acc"]
+    D = s0_ref.shape[0]
+
+    def body(c, carry):
+        (S, z), clean = _unpack(carry[0], normalize), carry[1]
+        chunk = _Chunk(c, inputs, C, **chunk_options)
+        states_ref[pl.ds(c * D, D), :] = S
+        if normalize:
+            z_states_ref[pl.ds(c * D, D)] = z[0]
+        return _pack(*_carry_over_chunk(chunk, S, z)), jnp.minimum(clean, chunk.clean())
+
+    states = _pack(s0_ref[...].astype(acc), _row(z0_ref, acc))
+    states, clean = jax.lax.fori_loop(0, num_chunks, body, (states, jnp.int32(1)))
+    S, z = _unpack(states, normalize)
+    s_ref[...] = S.astype(s_ref.dtype)
+    if normalize:
+        z_ref[...] = z[0].astype(z_ref.dtype)
+    clean_ref[...] = clean
+
+
+def chunk_outputs_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
+    """The parallel forward's second kernel: refs: q, k, v, [g], [valid], [runs, before],
+    states, [z states] (`chunk_states_kernel`'s) -> out, [den]. One program a chunk (the
+    grid's last axis): every chunk's output at once, from the state entering it."""
+    del num_chunks
+    normalize, refs = eps is not None, iter(refs)
+    inputs = _split_refs(refs, has_decay, has_valid, has_segments)
+    states_ref = next(refs)
+    z_states_ref = next(refs) if normalize else None
+    o_ref = next(refs)
+    den_ref = next(refs) if normalize else None
+    c = pl.program_id(3)
+    chunk = _Chunk(c, inputs, C, **chunk_options)
+    D = chunk.q.shape[1]
+    S = states_ref[pl.ds(c * D, D), :]
+    z = z_states_ref[pl.ds(c * D, D)][None, :] if normalize else None
+    _write_chunk_output(chunk, c, C, S, z, o_ref, den_ref, eps)
 
 
 def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, split, **chunk_options):
