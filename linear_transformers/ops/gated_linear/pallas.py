@@ -84,9 +84,10 @@ class Tuning:
     parallel_forward: the forward as two kernels: one that walks the chunks carrying only the
       state and writes the state entering each chunk (float32, [T / C, D, M] per sequence), then
       one program per chunk that makes its output from that state, all chunks at once. It
-      trades those states' bytes (as many as q, k and v at D = M = 64, C = 32) for parallel
-      work where the one-pass forward's loop, a chunk at a time, may leave the GPU waiting (FLA's
-      `chunk_fwd_h` and `chunk_fwd_o` split the same way). The backward is the same.
+      trades those states' bytes (written and read: 512 bytes a token each way at D = M = 64,
+      C = 32, where bf16 q, k, v and out are 512 in all) for parallel work where the one-pass
+      forward's loop, a chunk at a time, may leave the GPU waiting (FLA's `chunk_fwd_h` and
+      `chunk_fwd_o` split the same way). The backward is the same.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
       cotangents), or [16, 16, D] pair decays per feature: 16 registers a thread each at 256
