@@ -43,6 +43,15 @@ from linear_transformers.ops.gated_linear import pallas
 DECAYS = ("none", "head", "step", "feature")
 # A GPU of each compute capability (as Triton names them), by the device kind JAX knows it by.
 GPU_KINDS = {80: "NVIDIA A100", 90: "NVIDIA H100", 100: "NVIDIA B200"}
+
+
+def gpu_kind(arch: int) -> str:
+    """The device kind of compute capability `arch`; a clear error for one not in `GPU_KINDS`."""
+    if arch not in GPU_KINDS:
+        raise ValueError(f"arch must be one of {sorted(GPU_KINDS)}, got {arch}.")
+    return GPU_KINDS[arch]
+
+
 COLUMNS = (
     "kernel decay chunk_size value_block num_warps num_stages registers spill_stores spill_loads "
     "stack_bytes smem_bytes status"
@@ -84,8 +93,7 @@ class KernelResourcesOptions:
         for block in self.value_blocks:
             if block:
                 pallas.Tuning(value_block=block)  # its own error for a bad value
-        if self.arch not in GPU_KINDS:
-            raise ValueError(f"arch must be one of {sorted(GPU_KINDS)}, got {self.arch}.")
+        gpu_kind(self.arch)  # its own error for an unknown one
 
 
 def triton_modules(
@@ -132,9 +140,7 @@ def export_for_cuda(fn, *specs, arch: int = 90):
     """`jax.export` of `jax.jit(fn)` for CUDA on any machine, its Triton kernels lowered for a
     GPU of compute capability `arch` (`GPU_KINDS`). From jax 0.11 the Triton lowering asks the
     GPU for its compute capability; where the machine has none, an abstract device names it."""
-    if arch not in GPU_KINDS:
-        raise ValueError(f"arch must be one of {sorted(GPU_KINDS)}, got {arch}.")
-    device = jax.sharding.AbstractDevice(device_kind=GPU_KINDS[arch], num_cores=None, platform="gpu")
+    device = jax.sharding.AbstractDevice(device_kind=gpu_kind(arch), num_cores=None, platform="gpu")
     skip_check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[skip_check])(*specs)

@@ -325,12 +325,25 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps
     o_ref, s_ref = next(refs), next(refs)
     z_ref, den_ref = (next(refs), next(refs)) if normalize else (None, None)
     clean_ref = next(refs)
-    acc = chunk_options["acc"]
+
+    def visit(chunk, c, S, z):
+        _write_chunk_output(chunk, c, C, S, z, o_ref, den_ref, eps)
+
+    _walk_chunks(inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, num_chunks, chunk_options)
+
+
+def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, num_chunks: int, chunk_options):
+    """The forward's loop over the chunks: `visit(chunk, c, S, z)` with the states entering
+    chunk c (z None without a normaliser), carried from (s0, z0) in `initial_refs`; then the
+    states after the last chunk and the guard's flag (`_Chunk.clean` of every chunk) written
+    to (s, z, clean) in `final_refs`."""
+    (s0_ref, z0_ref), (s_ref, z_ref, clean_ref) = initial_refs, final_refs
+    normalize, acc = z0_ref is not None, chunk_options["acc"]
 
     def body(c, carry):
         (S, z), clean = _unpack(carry[0], normalize), carry[1]
         chunk = _Chunk(c, inputs, C, **chunk_options)
-        _write_chunk_output(chunk, c, C, S, z, o_ref, den_ref, eps)
+        visit(chunk, c, S, z)
         return _pack(*_carry_over_chunk(chunk, S, z)), jnp.minimum(clean, chunk.clean())
 
     states = _pack(s0_ref[...].astype(acc), _row(z0_ref, acc))
@@ -357,24 +370,14 @@ def chunk_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments
     s_ref = next(refs)
     z_ref = next(refs) if normalize else None
     clean_ref = next(refs)
-    acc = chunk_options["acc"]
     D = s0_ref.shape[0]
 
-    def body(c, carry):
-        (S, z), clean = _unpack(carry[0], normalize), carry[1]
-        chunk = _Chunk(c, inputs, C, **chunk_options)
+    def visit(chunk, c, S, z):
         states_ref[pl.ds(c * D, D), :] = S
         if normalize:
             z_states_ref[pl.ds(c * D, D)] = z[0]
-        return _pack(*_carry_over_chunk(chunk, S, z)), jnp.minimum(clean, chunk.clean())
 
-    states = _pack(s0_ref[...].astype(acc), _row(z0_ref, acc))
-    states, clean = jax.lax.fori_loop(0, num_chunks, body, (states, jnp.int32(1)))
-    S, z = _unpack(states, normalize)
-    s_ref[...] = S.astype(s_ref.dtype)
-    if normalize:
-        z_ref[...] = z[0].astype(z_ref.dtype)
-    clean_ref[...] = clean
+    _walk_chunks(inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, num_chunks, chunk_options)
 
 
 def chunk_outputs_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
