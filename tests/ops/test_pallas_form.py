@@ -152,6 +152,7 @@ def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, split_backwa
         ({"value_block": 48}, "value_block must be a power of two >= 16 or None, got 48"),
         ({"num_warps": 6}, r"num_warps must be a power of two from 1 to 32 \(Triton's\), got 6"),
         ({"num_stages": 0}, "num_stages must be >= 1, got 0"),
+        ({"parallel_forward": "yes"}, "parallel_forward must be True or False, got 'yes'"),
     ],
 )
 def test_launch_options_are_checked(options, message):

@@ -112,6 +112,9 @@ class Tuning:
             )
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
+        for name in ("split_backward", "parallel_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
 
 
 _TUNING = contextvars.ContextVar("pallas_tuning", default=Tuning())
