@@ -34,8 +34,10 @@ DECAY_GOAL = 1.3
 # leaves an H100's 132 SMs half idle; the backward's passes in one program; fewer warps or more
 # pipeline stages trade registers for latency hiding; chunks of 64 halve the steps of a
 # program's loop but spill registers (`experiments/kernel_resources.py`); the parallel forward
-# writes the state entering every chunk, then makes every chunk's output at once (half the
-# registers, no spills at chunks of 32).
+# and backward write the states entering every chunk (and backward the cotangents of those
+# leaving it), then make every chunk's output or gradients at once (fewer registers, no spills
+# at chunks of 32 without the normaliser). Their forward alone is the parallel forward's time;
+# their backward is the difference.
 TUNINGS = (
     {"chunk_size": 64},
     {"value_block": 32},
@@ -43,8 +45,8 @@ TUNINGS = (
     {"split_backward": False},
     {"num_warps": 4},
     {"num_stages": 3},
-    {"parallel_forward": True},
-    {"parallel_forward": True, "chunk_size": 64},
+    {"parallel_forward": True, "parallel_backward": True},
+    {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64},
 )
 DEFAULT_TUNING = "default"
 

@@ -6,7 +6,8 @@ shared memory. A kernel that Triton cannot compile shows here as a failed row.
 Legend: N sequence length, D key/query features = value features M.
 
 Cases: every (kernel, decay, launch): kernel "forward" or "backward" (the two `pallas_call`s of
-`ops/gated_linear/pallas.py`), decay none, head, step or feature, launch `pallas.Tuning`'s
+`ops/gated_linear/pallas.py`; with `parallel`, "chunk_states" and "chunk_outputs" forward,
+"backward_states" and "chunk_gradients" backward), decay none, head, step or feature, launch `pallas.Tuning`'s
 value block, warps and pipeline stages. The kernels take one (batch, head) per program, so B and
 H do not change them; N changes only their loop's bound.
 
@@ -73,6 +74,8 @@ class KernelResourcesOptions:
     chunk_size: Chunk length (0: the kernel's default, 32, or 16 with a decay per feature).
     normalize: The paper's attention: elu features and the normaliser in the same kernels
       (else the identity, unnormalised, as the gated models use it).
+    parallel: The parallel forward and backward (`pallas.Tuning.parallel_forward` and
+      `parallel_backward`: their states and per-chunk kernels) instead of the one-pass ones.
     """
 
     decays: tuple[str, ...] = DECAYS
@@ -85,6 +88,7 @@ class KernelResourcesOptions:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     chunk_size: int = 0
     normalize: bool = False
+    parallel: bool = False
 
     def __post_init__(self):
         unknown = [d for d in self.decays if d not in DECAYS]
@@ -252,7 +256,11 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
             head_dim=opts.head_dim,
             dtype=opts.dtype,
             chunk_size=opts.chunk_size or None,
-            tuning={"value_block": block or None},
+            tuning={
+                "value_block": block or None,
+                "parallel_forward": opts.parallel,
+                "parallel_backward": opts.parallel,
+            },
             arch=opts.arch,
             normalize=opts.normalize,
         )

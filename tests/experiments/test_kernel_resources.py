@@ -49,6 +49,26 @@ def test_the_normalised_kernels_compile_too(tmp_path):
     assert "elu features, normalised" in (tmp_path / "kernel_resources.md").read_text()
 
 
+def test_the_parallel_kernels_compile_too(tmp_path):
+    """The parallel forward's and backward's kernels (states, then one program a chunk), with a
+    decay per feature (its per-chunk choice of form) and the normaliser."""
+    pytest.importorskip("triton")
+    opts = kernel_resources.KernelResourcesOptions(
+        decays=("feature",),
+        value_blocks=(0,),
+        num_warps=(4,),
+        n=32,
+        head_dim=16,
+        chunk_size=16,
+        normalize=True,
+        parallel=True,
+    )
+    rows = kernel_resources.run(opts, tmp_path, log=lambda line: None)
+    kernels = ["chunk_states", "chunk_outputs", "backward_states", "chunk_gradients"]
+    assert [r["kernel"] for r in rows] == kernels
+    assert all(r["status"] == "ok" for r in rows), rows
+
+
 def test_ptxas_reports_are_read_and_a_short_one_is_refused():
     info = (
         "ptxas info    : Function properties for forward_kernel\n"

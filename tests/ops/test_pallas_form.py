@@ -86,36 +86,48 @@ def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, p
 
 
 @pytest.mark.parametrize(
-    "decay,normalize,packed", [("none", False, True), ("step", True, False), ("feature", False, True)]
+    "decay,normalize,packed,split",
+    [("none", False, True, True), ("step", True, False, True), ("feature", False, True, False)],
 )
-def test_the_parallel_forward_gives_the_same_result(x64, decay, normalize, packed):
+def test_the_parallel_forward_and_backward_give_the_same_result(x64, decay, normalize, packed, split):
     """`Tuning.parallel_forward`: the states entering every chunk first, then every chunk's
-    output at once; values, final states and gradients equal the dense reference in float64."""
+    output at once; `Tuning.parallel_backward`: the states entering every chunk and the
+    cotangents of those leaving it first, then every chunk's gradients at once (dq in programs
+    of their own, or with dk and dv). Values, final states and gradients (the initial states'
+    included) equal the dense reference in float64."""
     q, k, v, g, s0, z0, w = _inputs(3, decay, normalize=normalize)
-    primals = [x for x in (q, k, v, g) if x is not None]
+    primals = [x for x in (q, k, v, g, s0, z0) if x is not None]
 
     def loss(implementation, *args):
-        q, k, v, *g_ = args
-        return _loss(
-            implementation, q, k, v, g_[0] if g_ else None, s0, z0, w, normalize=normalize, packed=packed
-        )
+        it = iter(args)
+        q, k, v = next(it), next(it), next(it)
+        g_ = None if g is None else next(it)
+        s0_, z0_ = next(it), None if z0 is None else next(it)
+        return _loss(implementation, q, k, v, g_, s0_, z0_, w, normalize=normalize, packed=packed)
 
     grad = jax.value_and_grad(loss, argnums=tuple(range(1, len(primals) + 1)), has_aux=True)
     want = grad("reference", *primals)
-    with pallas.tuning(parallel_forward=True):
+    with pallas.tuning(parallel_forward=True, parallel_backward=True, split_backward=split):
         got = grad("pallas", *primals)
     chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize(
-    "decay,split_backward,normalize", [("none", False, False), ("feature", True, False), ("step", True, True)]
+    "decay,launch,normalize",
+    [
+        ("none", {"split_backward": False}, False),
+        ("feature", {}, False),
+        ("step", {}, True),
+        ("step", {"parallel_backward": True}, True),
+    ],
+    ids=["one-program", "two-programs", "two-programs-normalised", "parallel-normalised"],
 )
-def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, split_backward, normalize):
+def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, launch, normalize):
     """With programs of 16 value features (M = 20: two blocks, the second mostly padding), each
     backward program's part of dq, dk and the decays' cotangent sums to the whole, the
-    normaliser's part counted once, with the backward's two passes in one program or two (the
-    default, which every other test runs): values and gradients equal the dense reference in
-    float64."""
+    normaliser's part counted once, with the backward's two passes in one program, in two (the
+    default, which every other test runs) or in parallel: values and gradients equal the dense
+    reference in float64."""
     rng = np.random.default_rng(5)
     q, k = (jnp.asarray(rng.standard_normal((1, 40, 2, 3))) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((1, 40, 2, 20)))
@@ -140,7 +152,7 @@ def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, split_backwa
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2) if g is None else (0, 1, 2, 3))
     want = grad(q, k, v, g, "reference")
-    with pallas.tuning(value_block=16, split_backward=split_backward):
+    with pallas.tuning(value_block=16, **launch):
         got = grad(q, k, v, g, "pallas")
     chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
 
@@ -153,6 +165,7 @@ def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, split_backwa
         ({"num_warps": 6}, r"num_warps must be a power of two from 1 to 32 \(Triton's\), got 6"),
         ({"num_stages": 0}, "num_stages must be >= 1, got 0"),
         ({"parallel_forward": "yes"}, "parallel_forward must be True or False, got 'yes'"),
+        ({"parallel_backward": 1}, "parallel_backward must be True or False, got 1"),
     ],
 )
 def test_launch_options_are_checked(options, message):
@@ -253,14 +266,20 @@ def triton(monkeypatch):
 
 @pytest.mark.parametrize(
     "decay,normalize,parallel",
-    [("none", False, False), ("step", True, False), ("step", True, True), ("feature", False, False)],
+    [
+        ("none", False, False),
+        ("step", True, False),
+        ("step", True, True),
+        ("feature", False, False),
+        ("feature", False, True),
+    ],
 )
 def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize, parallel):
     """Every operation of the forward and backward kernels, the preparation they apply (elu,
     the scale, key lengths, the finite part) and the normaliser included, has a Triton
     lowering: lowered for CUDA here, without a GPU (what Triton then compiles is checked on a
     GPU). One kernel a pass (the normaliser runs in the values' programs), two for the parallel
-    forward."""
+    forward and two for the parallel backward."""
     n, d = 80, 16  # five chunks of 16, not a power of two
     spec = jax.ShapeDtypeStruct
     g = {"none": None, "step": spec((1, n, 2), jnp.float32), "feature": spec((1, n, 2, d), jnp.float32)}[
@@ -287,9 +306,10 @@ def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize, paralle
 
     qk, v = spec((1, n, 2, d), jnp.bfloat16), spec((1, n, 2, 2 * d), jnp.bfloat16)
     # With a decay per feature, a grid over two value blocks (`pallas.Tuning`).
-    with pallas.tuning(value_block=16 if decay == "feature" else None, parallel_forward=parallel):
+    block = 16 if decay == "feature" else None
+    with pallas.tuning(value_block=block, parallel_forward=parallel, parallel_backward=parallel):
         module = _export_for_cuda(grads, qk, qk, v, g, spec((1, n), jnp.int32), spec((1,), jnp.int32))
-    assert module.count("xla.gpu.triton(") == (3 if parallel else 2)  # forward and backward
+    assert module.count("xla.gpu.triton(") == (4 if parallel else 2)  # forward and backward
 
 
 @pytest.mark.parametrize("normalize", [False, True])

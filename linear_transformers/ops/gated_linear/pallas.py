@@ -80,14 +80,22 @@ class Tuning:
       over value blocks. Backward, each program then gives a part of dq and dk, summed after it.
     split_backward: the backward's two passes (the one that gives dq, forward in time; the one
       that gives dk and dv, backward) in programs of their own: twice the programs, each with
-      half the work, reading the same bytes.
+      half the work, reading the same bytes. With `parallel_backward`, a chunk's dq and its dk
+      and dv in programs of their own.
     parallel_forward: the forward as two kernels: one that walks the chunks carrying only the
       state and writes the state entering each chunk (float32, [T / C, D, M] per sequence), then
       one program per chunk that makes its output from that state, all chunks at once. It
       trades those states' bytes (written and read: 512 bytes a token each way at D = M = 64,
       C = 32, where bf16 q, k, v and out are 512 in all) for parallel work where the one-pass
       forward's loop, a chunk at a time, may leave the GPU waiting (FLA's `chunk_fwd_h` and
-      `chunk_fwd_o` split the same way). The backward is the same.
+      `chunk_fwd_o` split the same way).
+    parallel_backward: the backward the same way, as two kernels: one with two programs a
+      sequence, one walking the chunks forward to write the state entering each, the other
+      backward to write the cotangent of the state leaving each (float32, [T / C, D, M] per
+      sequence each, the forward's states made again rather than kept); then one program per
+      chunk that makes its dq, dk and dv from those two (FLA's `chunk_bwd_dh` and
+      `chunk_bwd_dqkwg`). Four [T / C, D, M] float32 passes over memory (each written and
+      read) for the loops' work done in parallel.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
       cotangents), or [16, 16, D] pair decays per feature: 16 registers a thread each at 256
@@ -99,6 +107,7 @@ class Tuning:
     value_block: int | None = None
     split_backward: bool = True
     parallel_forward: bool = False
+    parallel_backward: bool = False
     num_warps: int = 8
     num_stages: int = 2
 
@@ -112,7 +121,7 @@ class Tuning:
             )
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
-        for name in ("split_backward", "parallel_forward"):
+        for name in ("split_backward", "parallel_forward", "parallel_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
 
@@ -400,15 +409,16 @@ def _attend_bwd(config, residuals, cotangents):
     d_out, d_s, d_z, _ = cotangents  # the last: of the int32 flags, none
     value_block = config.value_block(v.shape[-1])
     parts = v.shape[-1] // value_block
-    operands = _operands(q, k, v, g, valid, runs, before, s0, z0) + [
-        (d_out, "values"),
-        (d_s.astype(s0.dtype), "state"),
-    ]
+    inputs = _operands(q, k, v, g, valid, runs, before, None, None)
+    states = [(s0, "state")] + ([(z0, "row")] if z0 is not None else [])
+    output_cotangents = [(d_out, "values")]
+    final_cotangents = [(d_s.astype(s0.dtype), "state")]
     if z0 is not None:
         # den's cotangent, a sum over every value feature: -sum_m d out * num / (den + eps)**2
         # (FlashAttention's backward reads its stored output the same way).
         d_den = -jnp.sum(d_out.astype(den.dtype) * out.astype(den.dtype), axis=-1) / (den + config.eps)
-        operands += [(den, "time"), (d_den, "time"), (d_z.astype(z0.dtype), "row")]
+        output_cotangents += [(den, "time"), (d_den, "time")]
+        final_cotangents += [(d_z.astype(z0.dtype), "row")]
 
     def summed(x, dtype):
         """An output of x's shape; with several value blocks, each block's part, summed after."""
@@ -416,17 +426,31 @@ def _attend_bwd(config, residuals, cotangents):
             return jax.ShapeDtypeStruct(x.shape, dtype), "time"
         return jax.ShapeDtypeStruct((parts, *x.shape), config.acc), "part"
 
-    outputs = [summed(q, q.dtype), summed(k, k.dtype), (v, "values"), (s0, "state")]
-    if z0 is not None:
-        outputs += [(z0, "row")]
+    gradients = [summed(q, q.dtype), summed(k, k.dtype), (v, "values")]
     if g is not None:  # q . dq and k . dk of the prepared q and k: the decays' cotangent
-        outputs += 2 * [summed(g, config.acc)]
-    split = config.tuning.split_backward
-    kernel = functools.partial(
-        _kernel(pallas_kernels.backward_kernel, config, q, g, valid, runs), split=split
-    )
-    dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, operands, outputs, passes=2 if split else 1)
-    dz0 = dG.pop(0) if z0 is not None else None
+        gradients += 2 * [summed(g, config.acc)]
+    # The operands of the walks over the chunks: the inputs, the initial states, the output's
+    # cotangents (d_out, [den, d_den]) and the final states' (d_s, [d_z]).
+    walk_operands = inputs + states + output_cotangents[:1] + final_cotangents[:1]
+    walk_operands += output_cotangents[1:] + final_cotangents[1:]
+    if config.tuning.parallel_backward:
+        states_kernel, gradients_kernel = (
+            _kernel(kernel, config, q, g, valid, runs) for kernel in _PARALLEL_BACKWARD
+        )
+        kernels = states_kernel, functools.partial(gradients_kernel, split=config.tuning.split_backward)
+        dq, dk, dv, *dG, ds0, dz0 = _parallel_backward(
+            config, kernels, value_block, walk_operands, inputs + output_cotangents, gradients, states
+        )
+    else:
+        split = config.tuning.split_backward
+        kernel = functools.partial(
+            _kernel(pallas_kernels.backward_kernel, config, q, g, valid, runs), split=split
+        )
+        outputs = gradients[:3] + states + gradients[3:]
+        dq, dk, dv, ds0, *dG = _call(
+            kernel, config, value_block, walk_operands, outputs, passes=2 if split else 1
+        )
+        dz0 = dG.pop(0) if z0 is not None else None
     if parts > 1:
         dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
         dq, dk = dq.astype(q.dtype), dk.astype(k.dtype)
@@ -442,6 +466,32 @@ def _attend_bwd(config, residuals, cotangents):
         None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in (valid, runs, before)
     )
     return dq, dk, dv, dg, *no_cotangent, ds0, dz0
+
+
+_PARALLEL_BACKWARD = (pallas_kernels.backward_states_kernel, pallas_kernels.chunk_gradients_kernel)
+
+
+def _parallel_backward(config, kernels, value_block: int, walk_operands, chunk_operands, gradients, states):
+    """(dq, dk, dv, [q . dq, k . dk], d_s0, d_z0 or None) from `Tuning.parallel_backward`'s two
+    kernels (`_PARALLEL_BACKWARD`, bound to their options): `walk_operands` those of
+    `backward_kernel`, `chunk_operands` the inputs and the output's cotangents, `gradients` the
+    outputs of dq, dk, dv [and the decays' parts], `states` the initial states (s0, [z0])."""
+    (s0, _), normalize = states[0], len(states) > 1
+    B, H, D, M = s0.shape
+    num_chunks = walk_operands[0][0].shape[1] // config.C
+    rows = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.acc), "state")]
+    if normalize:
+        rows += [(jax.ShapeDtypeStruct((B, H, num_chunks * D), config.acc), "row")]
+    # The states entering each chunk and the cotangents of those leaving it, then the initial
+    # states' cotangents.
+    walked = _call(kernels[0], config, value_block, walk_operands, rows + rows + states, passes=2)
+    n = len(rows)
+    entering, leaving, initial = walked[:n], walked[n : 2 * n], walked[2 * n :]
+    layouts = [layout for _, layout in rows]
+    operands = chunk_operands + list(zip(entering, layouts)) + list(zip(leaving, layouts))
+    passes = num_chunks * (2 if config.tuning.split_backward else 1)  # `chunk_gradients_kernel`
+    grads = _call(kernels[1], config, value_block, operands, gradients, passes=passes)
+    return (*grads, *initial) if normalize else (*grads, *initial, None)
 
 
 def _log_decay_cotangent(dG, state, d_state, runs, before):

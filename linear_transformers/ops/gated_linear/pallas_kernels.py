@@ -37,6 +37,12 @@ share nothing but their inputs, so they may run in programs of their own
 before it is written. With a decay the passes also write q . dq and k . dk of the prepared
 chunks, from which `pallas.py` forms the decays' cotangent.
 
+The parallel forms (`pallas.Tuning.parallel_forward`, `parallel_backward`) cut each loop down
+to the state's update: a loop writes the state entering every chunk (backward, a second loop
+the cotangent of the state leaving every chunk), and then one program per chunk makes its
+output (`chunk_outputs_kernel`) or its gradients (`chunk_gradients_kernel`) from them, with
+the same per-chunk functions as the one-pass kernels.
+
 Only what Pallas lowers to Triton, and Triton compiles, is used here (no value slicing, 2-D
 matmuls, forward `cumsum` of [C, D] blocks only); `tests/ops/test_pallas_form.py` lowers both
 kernels for CUDA on any machine, and `experiments/kernel_resources.py` compiles them with Triton
@@ -336,7 +342,7 @@ def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, num_chunks: in
     """The forward's loop over the chunks: `visit(chunk, c, S, z)` with the states entering
     chunk c (z None without a normaliser), carried from (s0, z0) in `initial_refs`; then the
     states after the last chunk and the guard's flag (`_Chunk.clean` of every chunk) written
-    to (s, z, clean) in `final_refs`."""
+    to (s, z, clean) in `final_refs` (all None: not written)."""
     (s0_ref, z0_ref), (s_ref, z_ref, clean_ref) = initial_refs, final_refs
     normalize, acc = z0_ref is not None, chunk_options["acc"]
 
@@ -348,6 +354,8 @@ def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, num_chunks: in
 
     states = _pack(s0_ref[...].astype(acc), _row(z0_ref, acc))
     states, clean = jax.lax.fori_loop(0, num_chunks, body, (states, jnp.int32(1)))
+    if s_ref is None:
+        return
     S, z = _unpack(states, normalize)
     s_ref[...] = S.astype(s_ref.dtype)
     if normalize:
@@ -370,14 +378,30 @@ def chunk_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments
     s_ref = next(refs)
     z_ref = next(refs) if normalize else None
     clean_ref = next(refs)
-    D = s0_ref.shape[0]
+    visit = _state_writer(states_ref, z_states_ref)
+    _walk_chunks(inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, num_chunks, chunk_options)
+
+
+def _state_writer(states_ref, z_states_ref):
+    """A visit of the chunks (`_walk_chunks`) that writes the states entering chunk c at rows
+    c * D of states_ref [num_chunks * D, M] and z_states_ref [num_chunks * D] (None: no
+    normaliser): the parallel forward's and backward's states (and their cotangents), which
+    `_chunk_state` reads."""
 
     def visit(chunk, c, S, z):
+        D = S.shape[0]
         states_ref[pl.ds(c * D, D), :] = S
-        if normalize:
+        if z_states_ref is not None:
             z_states_ref[pl.ds(c * D, D)] = z[0]
 
-    _walk_chunks(inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, num_chunks, chunk_options)
+    return visit
+
+
+def _chunk_state(states_ref, z_states_ref, c, D: int):
+    """Chunk c's rows of what `_state_writer` wrote, for D features: S [D, M] and z [1, D]
+    (None without a normaliser)."""
+    rows = pl.ds(c * D, D)
+    return states_ref[rows, :], None if z_states_ref is None else z_states_ref[rows][None, :]
 
 
 def chunk_outputs_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
@@ -393,10 +417,118 @@ def chunk_outputs_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segment
     den_ref = next(refs) if normalize else None
     c = pl.program_id(3)
     chunk = _Chunk(c, inputs, C, **chunk_options)
-    D = chunk.q.shape[1]
-    S = states_ref[pl.ds(c * D, D), :]
-    z = z_states_ref[pl.ds(c * D, D)][None, :] if normalize else None
+    S, z = _chunk_state(states_ref, z_states_ref, c, chunk.q.shape[1])
     _write_chunk_output(chunk, c, C, S, z, o_ref, den_ref, eps)
+
+
+class _OutputCotangents:
+    """A backward kernel's refs of the output's cotangent: d_out, and with a normaliser (eps not
+    None) the forward's den and den's cotangent d_den; `load(c)` gives chunk c with them."""
+
+    def __init__(self, refs, inputs, C: int, eps, chunk_options):
+        self.do_ref, self.den_ref, self.dden_ref = refs  # the last two None without a normaliser
+        self.inputs, self.C, self.eps, self.chunk_options = inputs, C, eps, chunk_options
+        acc = chunk_options["acc"]
+        # den's part of dq and dk, once over the value blocks
+        self.first_block = (pl.program_id(2) == 0).astype(acc) if eps is not None else None
+
+    def load(self, c):
+        """(chunk c, num's cotangent [C, M], the scores' cotangent dA [C, C] (zero where not
+        kept), den's cotangent [C, 1] in the first value block's programs (else 0; None without
+        a normaliser))."""
+        C, eps = self.C, self.eps
+        chunk = _Chunk(c, self.inputs, C, **self.chunk_options)
+        rows = pl.ds(c * C, C)
+        do = self.do_ref[rows, :].astype(self.chunk_options["acc"])
+        d_den = None
+        if eps is not None:
+            do = do / (self.den_ref[rows] + eps)[:, None]
+            d_den = self.dden_ref[rows][:, None] * self.first_block  # [C, 1]
+        dA = pltriton.dot(do, chunk.v, trans_b=True)
+        dA = jnp.where(chunk.keep, dA if d_den is None else dA + d_den, 0)  # of the scores
+        return chunk, do, dA, d_den
+
+    def whole_d_den(self, c):
+        """den's cotangent [C, 1] of chunk c in every program (z's cotangent takes it whole);
+        None without a normaliser."""
+        return None if self.eps is None else self.dden_ref[pl.ds(c * self.C, self.C)][:, None]
+
+
+def _write_query_cotangent(chunk, c, C: int, do, dA, d_den, S, z, dq_ref, dG_ref):
+    """Chunk c's dq, from its cotangents (`_OutputCotangents.load`) and the states entering it
+    (z None without a normaliser), written to dq_ref, with q . dq to dG_ref (None: no decay)."""
+    rows = pl.ds(c * C, C)
+    dq = chunk.query_cotangent(dA)  # first: the order Triton schedules in, and spills least
+    entering = pltriton.dot(do, S, trans_b=True)
+    if z is not None:
+        entering = entering + d_den * z
+    dq = dq + _times(entering, chunk.into)
+    dq_ref[rows, :] = chunk.raw_cotangent("q", dq).astype(dq_ref.dtype)
+    if dG_ref is not None:
+        dG_ref[rows] = chunk.log_decay_cotangent(chunk.q, dq)
+
+
+def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, refs):
+    """Chunk c's dk and dv, from its cotangents and those of the states leaving it (dz None
+    without a normaliser; its part of dk taken in the first value block's programs only),
+    written to refs (dk, dv, and k . dk with a decay)."""
+    dk_ref, dv_ref, dG_ref = refs
+    rows = pl.ds(c * C, C)
+    dv = pltriton.dot(chunk.scores(), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
+    dk = chunk.key_cotangent(dA)
+    leaving = pltriton.dot(chunk.v, dS, trans_b=True)
+    if dz is not None:
+        leaving = leaving + dz * first_block
+    dk = dk + _times(leaving, chunk.out_of)
+    dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
+    dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
+    if dG_ref is not None:
+        dG_ref[rows] = chunk.log_decay_cotangent(chunk.k, dk)
+
+
+def _carry_back_chunk(chunk, do, d_den, dS, dz):
+    """The cotangents of the states entering the chunk, from those of the states leaving it
+    (dz None: no normaliser; d_den whole, `_OutputCotangents.whole_d_den`)."""
+    if dz is not None:
+        dz = chunk.carry_over_normaliser(dz) + jnp.sum(chunk.q_in * d_den, axis=0, keepdims=True)
+    return chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True), dz
+
+
+def _walk_chunks_back(cotangents, initial_refs, final_refs, visit, num_chunks: int):
+    """The backward's loop over the chunks, from the last to the first: `visit(chunk, c, do,
+    dA, d_den, dS, dz)` with chunk c's cotangents (`_OutputCotangents.load`) and those of the
+    states leaving it (dz None without a normaliser), carried from (d_s, d_z) in
+    `initial_refs`; then the cotangents of the initial states written to (d_s0, d_z0) in
+    `final_refs`."""
+    (ds_ref, dz_ref), (ds0_ref, dz0_ref) = initial_refs, final_refs
+    normalize, acc = dz_ref is not None, cotangents.chunk_options["acc"]
+
+    def body(i, carry):
+        dS, dz = _unpack(carry, normalize)
+        c = num_chunks - 1 - i
+        chunk, do, dA, d_den = cotangents.load(c)
+        visit(chunk, c, do, dA, d_den, dS, dz)
+        return _pack(*_carry_back_chunk(chunk, do, cotangents.whole_d_den(c), dS, dz))
+
+    carry = jax.lax.fori_loop(0, num_chunks, body, _pack(ds_ref[...].astype(acc), _row(dz_ref, acc)))
+    dS, dz = _unpack(carry, normalize)
+    ds0_ref[...] = dS.astype(ds0_ref.dtype)
+    if normalize:
+        dz0_ref[...] = dz[0].astype(dz0_ref.dtype)
+
+
+def _backward_operands(refs, C: int, has_decay, has_valid, has_segments, eps, chunk_options):
+    """(inputs (`_split_refs`), (s0, z0), (d_s, d_z), `_OutputCotangents`) from the iterator
+    `refs` of a kernel given the backward's operands: q, k, v, [g], [valid], [runs, before],
+    s0, [z0], d_out, d_s, [den, d_den, d_z]; z0 and d_z None without a normaliser."""
+    normalize = eps is not None
+    inputs = _split_refs(refs, has_decay, has_valid, has_segments)
+    s0_ref = next(refs)
+    z0_ref = next(refs) if normalize else None
+    do_ref, ds_ref = next(refs), next(refs)
+    den_ref, dden_ref, dz_ref = (next(refs), next(refs), next(refs)) if normalize else (None,) * 3
+    cotangents = _OutputCotangents((do_ref, den_ref, dden_ref), inputs, C, eps, chunk_options)
+    return inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents
 
 
 def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, split, **chunk_options):
@@ -412,75 +544,29 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
     cotangent dz is carried beside dS. Only the first value block's programs take den's part
     of dq and dk (they are summed over the blocks); each computes the same d_z0."""
     normalize, refs = eps is not None, iter(refs)
-    inputs = _split_refs(refs, has_decay, has_valid, has_segments)
-    s0_ref = next(refs)
-    z0_ref = next(refs) if normalize else None
-    do_ref, ds_ref = next(refs), next(refs)
-    den_ref, dden_ref, dz_ref = (next(refs), next(refs), next(refs)) if normalize else (None,) * 3
+    inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents = _backward_operands(
+        refs, C, has_decay, has_valid, has_segments, eps, chunk_options
+    )
     dq_ref, dk_ref, dv_ref, ds0_ref = next(refs), next(refs), next(refs), next(refs)
     dz0_ref = next(refs) if normalize else None
-    dG_refs = list(refs)
+    dG_refs = list(refs) or [None, None]
     acc = chunk_options["acc"]
-    # den's part of dq and dk, once over the value blocks
-    first_block = (pl.program_id(2) == 0).astype(acc) if normalize else None
-
-    def load(c):
-        chunk = _Chunk(c, inputs, C, **chunk_options)
-        rows = pl.ds(c * C, C)
-        do = do_ref[rows, :].astype(acc)
-        d_den = None
-        if normalize:
-            do = do / (den_ref[rows] + eps)[:, None]
-            d_den = dden_ref[rows][:, None] * first_block  # [C, 1]
-        dA = pltriton.dot(do, chunk.v, trans_b=True)
-        dA = jnp.where(chunk.keep, dA if d_den is None else dA + d_den, 0)  # of the scores
-        return chunk, do, dA, d_den
 
     def forward(c, carry):  # dq, from the state entering each chunk
         S, z = _unpack(carry, normalize)
-        chunk, do, dA, d_den = load(c)
-        rows = pl.ds(c * C, C)
-        dq = chunk.query_cotangent(dA)  # first: the order Triton schedules in, and spills least
-        entering = pltriton.dot(do, S, trans_b=True)
-        if normalize:
-            entering = entering + d_den * z
-        dq = dq + _times(entering, chunk.into)
-        dq_ref[rows, :] = chunk.raw_cotangent("q", dq).astype(dq_ref.dtype)
-        if dG_refs:
-            dG_refs[0][rows] = chunk.log_decay_cotangent(chunk.q, dq)
-        if normalize:
-            z = chunk.carry_over_normaliser(z) + jnp.sum(chunk.k_out, axis=0, keepdims=True)
-        return _pack(chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True), z)
+        chunk, do, dA, d_den = cotangents.load(c)
+        _write_query_cotangent(chunk, c, C, do, dA, d_den, S, z, dq_ref, dG_refs[0])
+        return _pack(*_carry_over_chunk(chunk, S, z))
 
-    def backward(i, carry):  # dk, dv and the state's cotangent, from the last chunk to the first
-        dS, dz = _unpack(carry, normalize)
-        c = num_chunks - 1 - i
-        chunk, do, dA, d_den = load(c)
-        rows = pl.ds(c * C, C)
-        dv = pltriton.dot(chunk.scores(), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
-        dk = chunk.key_cotangent(dA)
-        leaving = pltriton.dot(chunk.v, dS, trans_b=True)
-        if normalize:
-            leaving = leaving + dz * first_block
-        dk = dk + _times(leaving, chunk.out_of)
-        dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
-        dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
-        if dG_refs:
-            dG_refs[1][rows] = chunk.log_decay_cotangent(chunk.k, dk)
-        if normalize:
-            d_den_all = dden_ref[rows][:, None]  # z's cotangent, whole in every program
-            dz = chunk.carry_over_normaliser(dz) + jnp.sum(chunk.q_in * d_den_all, axis=0, keepdims=True)
-        return _pack(chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True), dz)
+    def visit(chunk, c, do, dA, d_den, dS, dz):  # dk and dv, from the last chunk to the first
+        refs = (dk_ref, dv_ref, dG_refs[1])
+        _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs)
 
     def query_pass():
         jax.lax.fori_loop(0, num_chunks, forward, _pack(s0_ref[...].astype(acc), _row(z0_ref, acc)))
 
     def key_value_pass():
-        carry = jax.lax.fori_loop(0, num_chunks, backward, _pack(ds_ref[...].astype(acc), _row(dz_ref, acc)))
-        dS, dz = _unpack(carry, normalize)
-        ds0_ref[...] = dS.astype(ds0_ref.dtype)
-        if normalize:
-            dz0_ref[...] = dz[0].astype(dz0_ref.dtype)
+        _walk_chunks_back(cotangents, (ds_ref, dz_ref), (ds0_ref, dz0_ref), visit, num_chunks)
 
     if not split:
         query_pass()
@@ -488,3 +574,80 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
         return
     pl.when(pl.program_id(3) == 0)(query_pass)
     pl.when(pl.program_id(3) == 1)(key_value_pass)
+
+
+def backward_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
+    """The parallel backward's first kernel (`pallas.Tuning.parallel_backward`), two programs a
+    sequence (the grid's last axis): refs: q, k, v, [g], [valid], [runs, before], s0, [z0],
+    d_out, d_s, [den, d_den, d_z] (`backward_kernel`'s) -> states, [z states] (the states
+    entering each chunk, as `chunk_states_kernel` writes them), d states, [dz states] (the
+    cotangents of the states leaving each chunk, chunk c's at rows c * D), d_s0, [d_z0]. The
+    first program walks the chunks forward carrying the state, the second backward carrying
+    its cotangent; neither makes a score or a gradient of q, k or v."""
+    normalize, refs = eps is not None, iter(refs)
+    inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents = _backward_operands(
+        refs, C, has_decay, has_valid, has_segments, eps, chunk_options
+    )
+    states_ref = next(refs)
+    z_states_ref = next(refs) if normalize else None
+    d_states_ref = next(refs)
+    dz_states_ref = next(refs) if normalize else None
+    ds0_ref = next(refs)
+    dz0_ref = next(refs) if normalize else None
+
+    def states_pass():
+        visit = _state_writer(states_ref, z_states_ref)
+        _walk_chunks(inputs, (s0_ref, z0_ref), (None, None, None), visit, C, num_chunks, chunk_options)
+
+    write = _state_writer(d_states_ref, dz_states_ref)
+
+    def write_cotangents(chunk, c, do, dA, d_den, dS, dz):
+        write(chunk, c, dS, dz)
+
+    def cotangents_pass():
+        _walk_chunks_back(cotangents, (ds_ref, dz_ref), (ds0_ref, dz0_ref), write_cotangents, num_chunks)
+
+    pl.when(pl.program_id(3) == 0)(states_pass)
+    pl.when(pl.program_id(3) == 1)(cotangents_pass)
+
+
+def chunk_gradients_kernel(
+    *refs, C, num_chunks, has_decay, has_valid, has_segments, eps, split, **chunk_options
+):
+    """The parallel backward's second kernel: refs: q, k, v, [g], [valid], [runs, before],
+    d_out, [den, d_den], states, [z states], d states, [dz states] (`backward_states_kernel`'s)
+    -> dq, dk, dv, [q . dq, k . dk] (as `backward_kernel`'s). A program a chunk (the grid's
+    last axis), or with `split` two: one for dq, from the states entering the chunk, one for dk
+    and dv, from the cotangents of those leaving it; every chunk's gradients at once."""
+    del num_chunks
+    normalize, refs = eps is not None, iter(refs)
+    inputs = _split_refs(refs, has_decay, has_valid, has_segments)
+    do_ref = next(refs)
+    den_ref, dden_ref = (next(refs), next(refs)) if normalize else (None, None)
+    cotangents = _OutputCotangents((do_ref, den_ref, dden_ref), inputs, C, eps, chunk_options)
+    states_ref = next(refs)
+    z_states_ref = next(refs) if normalize else None
+    d_states_ref = next(refs)
+    dz_states_ref = next(refs) if normalize else None
+    dq_ref, dk_ref, dv_ref = next(refs), next(refs), next(refs)
+    dG_refs = list(refs) or [None, None]
+    c = pl.program_id(3) // 2 if split else pl.program_id(3)
+    D = inputs[0].shape[1]  # q's features
+
+    def query_part():
+        chunk, do, dA, d_den = cotangents.load(c)
+        S, z = _chunk_state(states_ref, z_states_ref, c, D)
+        _write_query_cotangent(chunk, c, C, do, dA, d_den, S, z, dq_ref, dG_refs[0])
+
+    def key_value_part():
+        chunk, do, dA, _ = cotangents.load(c)
+        dS, dz = _chunk_state(d_states_ref, dz_states_ref, c, D)
+        refs = (dk_ref, dv_ref, dG_refs[1])
+        _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs)
+
+    if not split:
+        query_part()
+        key_value_part()
+        return
+    pl.when(pl.program_id(3) % 2 == 0)(query_part)
+    pl.when(pl.program_id(3) % 2 == 1)(key_value_part)
