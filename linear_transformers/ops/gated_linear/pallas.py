@@ -411,14 +411,16 @@ def _attend_bwd(config, residuals, cotangents):
     parts = v.shape[-1] // value_block
     inputs = _operands(q, k, v, g, valid, runs, before, None, None)
     states = [(s0, "state")] + ([(z0, "row")] if z0 is not None else [])
-    output_cotangents = [(d_out, "values")]
-    final_cotangents = [(d_s.astype(s0.dtype), "state")]
+    # What the loops over the chunks read (`backward_kernel`'s operands), and what a program of
+    # one chunk reads (`chunk_gradients_kernel`'s, before the states).
+    walk_operands = inputs + states + [(d_out, "values"), (d_s.astype(s0.dtype), "state")]
+    chunk_operands = inputs + [(d_out, "values")]
     if z0 is not None:
         # den's cotangent, a sum over every value feature: -sum_m d out * num / (den + eps)**2
         # (FlashAttention's backward reads its stored output the same way).
         d_den = -jnp.sum(d_out.astype(den.dtype) * out.astype(den.dtype), axis=-1) / (den + config.eps)
-        output_cotangents += [(den, "time"), (d_den, "time")]
-        final_cotangents += [(d_z.astype(z0.dtype), "row")]
+        walk_operands += [(den, "time"), (d_den, "time"), (d_z.astype(z0.dtype), "row")]
+        chunk_operands += [(den, "time"), (d_den, "time")]
 
     def summed(x, dtype):
         """An output of x's shape; with several value blocks, each block's part, summed after."""
@@ -429,23 +431,17 @@ def _attend_bwd(config, residuals, cotangents):
     gradients = [summed(q, q.dtype), summed(k, k.dtype), (v, "values")]
     if g is not None:  # q . dq and k . dk of the prepared q and k: the decays' cotangent
         gradients += 2 * [summed(g, config.acc)]
-    # The operands of the walks over the chunks: the inputs, the initial states, the output's
-    # cotangents (d_out, [den, d_den]) and the final states' (d_s, [d_z]).
-    walk_operands = inputs + states + output_cotangents[:1] + final_cotangents[:1]
-    walk_operands += output_cotangents[1:] + final_cotangents[1:]
+
+    def bind(kernel, **options):
+        return functools.partial(_kernel(kernel, config, q, g, valid, runs), **options)
+
     if config.tuning.parallel_backward:
-        states_kernel, gradients_kernel = (
-            _kernel(kernel, config, q, g, valid, runs) for kernel in _PARALLEL_BACKWARD
-        )
-        kernels = states_kernel, functools.partial(gradients_kernel, split=config.tuning.split_backward)
         dq, dk, dv, *dG, ds0, dz0 = _parallel_backward(
-            config, kernels, value_block, walk_operands, inputs + output_cotangents, gradients, states
+            config, bind, value_block, walk_operands, chunk_operands, gradients, states
         )
     else:
         split = config.tuning.split_backward
-        kernel = functools.partial(
-            _kernel(pallas_kernels.backward_kernel, config, q, g, valid, runs), split=split
-        )
+        kernel = bind(pallas_kernels.backward_kernel, split=split)
         outputs = gradients[:3] + states + gradients[3:]
         dq, dk, dv, ds0, *dG = _call(
             kernel, config, value_block, walk_operands, outputs, passes=2 if split else 1
@@ -468,12 +464,9 @@ def _attend_bwd(config, residuals, cotangents):
     return dq, dk, dv, dg, *no_cotangent, ds0, dz0
 
 
-_PARALLEL_BACKWARD = (pallas_kernels.backward_states_kernel, pallas_kernels.chunk_gradients_kernel)
-
-
-def _parallel_backward(config, kernels, value_block: int, walk_operands, chunk_operands, gradients, states):
+def _parallel_backward(config, bind, value_block: int, walk_operands, chunk_operands, gradients, states):
     """(dq, dk, dv, [q . dq, k . dk], d_s0, d_z0 or None) from `Tuning.parallel_backward`'s two
-    kernels (`_PARALLEL_BACKWARD`, bound to their options): `walk_operands` those of
+    kernels, `bind(kernel, **options)` binding each to its options: `walk_operands` those of
     `backward_kernel`, `chunk_operands` the inputs and the output's cotangents, `gradients` the
     outputs of dq, dk, dv [and the decays' parts], `states` the initial states (s0, [z0])."""
     (s0, _), normalize = states[0], len(states) > 1
@@ -484,13 +477,15 @@ def _parallel_backward(config, kernels, value_block: int, walk_operands, chunk_o
         rows += [(jax.ShapeDtypeStruct((B, H, num_chunks * D), config.acc), "row")]
     # The states entering each chunk and the cotangents of those leaving it, then the initial
     # states' cotangents.
-    walked = _call(kernels[0], config, value_block, walk_operands, rows + rows + states, passes=2)
+    kernel = bind(pallas_kernels.backward_states_kernel)
+    walked = _call(kernel, config, value_block, walk_operands, rows + rows + states, passes=2)
     n = len(rows)
     entering, leaving, initial = walked[:n], walked[n : 2 * n], walked[2 * n :]
     layouts = [layout for _, layout in rows]
     operands = chunk_operands + list(zip(entering, layouts)) + list(zip(leaving, layouts))
-    passes = num_chunks * (2 if config.tuning.split_backward else 1)  # `chunk_gradients_kernel`
-    grads = _call(kernels[1], config, value_block, operands, gradients, passes=passes)
+    split = config.tuning.split_backward
+    kernel = bind(pallas_kernels.chunk_gradients_kernel, split=split)
+    grads = _call(kernel, config, value_block, operands, gradients, passes=num_chunks * (2 if split else 1))
     return (*grads, *initial) if normalize else (*grads, *initial, None)
 
 
