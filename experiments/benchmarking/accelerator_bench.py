@@ -605,7 +605,7 @@ def kernel_cases(sizes: Sizes) -> list[Case]:
         cases += [  # no decay first, whose goals come first, every launch of it
             case(f"gated-{d}/pallas", p, n, tuning)
             for d in opts.decays
-            for tuning in kernel_bench.tunings_for(d)
+            for tuning in kernel_bench.TUNINGS
             for p in opts.passes
         ]
     if not gpu:

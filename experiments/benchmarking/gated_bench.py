@@ -141,10 +141,9 @@ def is_delta(kind: str) -> bool:
 
 def chunk_size_used(kind: str, chunk_size: int | None) -> int | None:
     """The chunk length a kind runs with (None for the dense reference and the scan)."""
-    decay, impl = parse_kind(kind)
+    _, impl = parse_kind(kind)
     if impl == "pallas":
-        default = pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE if decay == "feature" else pallas.DEFAULT_CHUNK_SIZE
-        return chunk_size or default
+        return chunk_size or pallas.DEFAULT_CHUNK_SIZE
     if impl != "chunked":
         return None
     if is_delta(kind):

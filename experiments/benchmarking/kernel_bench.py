@@ -35,7 +35,8 @@ DECAY_GOAL = 1.3
 # every chunk's output or gradients at once, FLA's design (fewer registers, no spills at chunks
 # of 32 without the normaliser; their forward alone is the parallel forward's time, their
 # backward the difference); chunks of 64 halve the steps of a program's loop but spill
-# registers (`experiments/kernel_resources.py`); value blocks give M / value_block programs per
+# registers (`experiments/kernel_resources.py`), chunks of 16 double them and spill nothing
+# (the default chunk with a decay per feature was 16); value blocks give M / value_block programs per
 # (batch, head), where B * H = 64 at the goals' shape leaves an H100's 132 SMs half idle; the
 # backward's passes in one program; fewer warps or more pipeline stages trade registers for
 # latency hiding.
@@ -43,6 +44,7 @@ TUNINGS = (
     {"parallel_forward": True, "parallel_backward": True},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64},
     {"chunk_size": 64},
+    {"chunk_size": 16},
     {"value_block": 32},
     {"value_block": 16},
     {"split_backward": False},
@@ -50,13 +52,6 @@ TUNINGS = (
     {"num_stages": 3},
 )
 DEFAULT_TUNING = "default"
-
-
-def tunings_for(decay: str) -> tuple[dict, ...]:
-    """`TUNINGS` a decay takes: with a decay per feature, chunks of at most
-    `pallas.MAX_CHUNK_SIZE_PER_FEATURE`."""
-    limit = pallas.MAX_CHUNK_SIZE_PER_FEATURE if decay == "feature" else None
-    return tuple(t for t in TUNINGS if limit is None or t.get("chunk_size", 0) <= limit)
 
 
 def tuning_label(tuning: dict | None) -> str:

@@ -71,7 +71,7 @@ class KernelResourcesOptions:
     n: Sequence length traced (only the kernels' loop bound).
     head_dim: D = M, the key and value features of a head.
     dtype: Input dtype.
-    chunk_size: Chunk length (0: the kernel's default, 32, or 16 with a decay per feature).
+    chunk_size: Chunk length (0: the kernel's default, 32).
     normalize: The paper's attention: elu features and the normaliser in the same kernels
       (else the identity, unnormalised, as the gated models use it).
     parallel: The parallel forward and backward (`pallas.Tuning.parallel_forward` and
@@ -238,11 +238,9 @@ def _triton():
     return triton
 
 
-def chunk_size(decay: str, given: int) -> int:
+def chunk_size(given: int) -> int:
     """The chunk length the kernels run with (`given`, or the pallas form's default: 0)."""
-    if given:
-        return given
-    return pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE if decay == "feature" else pallas.DEFAULT_CHUNK_SIZE
+    return given or pallas.DEFAULT_CHUNK_SIZE
 
 
 def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> list[dict]:
@@ -270,7 +268,7 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
             row = {
                 "kernel": name.removesuffix("_kernel"),
                 "decay": decay,
-                "chunk_size": chunk_size(decay, opts.chunk_size),
+                "chunk_size": chunk_size(opts.chunk_size),
                 "value_block": block or opts.head_dim,
                 "num_warps": warps,
                 "num_stages": stages,

@@ -489,7 +489,7 @@ def test_gated_cases_time_the_decayed_op_and_its_reference():
     np.testing.assert_allclose(chunked, dense, atol=1e-5, rtol=1e-4)
     assert gated_bench.chunk_size_used("gated-feature/chunked", None) == ops.DEFAULT_CHUNK_SIZE
     assert gated_bench.chunk_size_used("gated-step/reference", 32) is None
-    assert gated_bench.chunk_size_used("gated-feature/pallas", None) == pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE
+    assert gated_bench.chunk_size_used("gated-feature/pallas", None) == pallas.DEFAULT_CHUNK_SIZE
     assert gated_bench.chunk_size_used("gated-step/pallas", None) == pallas.DEFAULT_CHUNK_SIZE
     row = gated_bench.run_case(opts, "gated-step/reference", "forward", 64, budget=0)
     assert row["status"].startswith("skipped: needs") and math.isnan(row["time_ms"]) and row["peak_mib"] > 0

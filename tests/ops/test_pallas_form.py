@@ -177,20 +177,23 @@ def test_launch_options_are_checked(options, message):
 @pytest.mark.parametrize("strength,factored", [(1.0, True), (12.0, False)])
 def test_per_feature_decays_take_either_form_exactly(x64, strength, factored):
     """Per feature, a chunk's scores are one matmul of q and k rescaled from its midpoint where
-    its decays stay within exp(+-30) of it, else every pair's decay on its own: values and
-    gradients equal the reference in float64 either way."""
+    its decays stay within exp(+-30) of it, else every pair's decay on its own (a loop over the
+    chunk's keys): values and gradients equal the reference in float64 either way, with a
+    segment that begins inside a chunk."""
     rng = np.random.default_rng(4)
-    q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 1, 4))) for _ in range(3))
-    g = jnp.asarray(-rng.uniform(0, strength, size=(1, 32, 1, 4)))
-    # The largest sum of log decays from a chunk's midpoint m = 8 (chunks of 16), either way.
-    chunks = np.asarray(g).reshape(2, 16, 4)
-    spread = max(max(np.abs(c[9:].sum(0)).max(), np.abs(c[1:9].sum(0)).max()) for c in chunks)
-    assert (spread <= 30) == factored
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 1, 4))) for _ in range(3))
+    g = jnp.asarray(-rng.uniform(0, strength, size=(1, 64, 1, 4)))
+    segments = jnp.asarray([[1] * 20 + [2] * 44])
+    # The largest sum of log decays from a chunk's midpoint m = 16 (chunks of 32), either way.
+    chunks = np.asarray(g).reshape(2, 32, 4)
+    spread = max(max(np.abs(c[17:].sum(0)).max(), np.abs(c[1:17].sum(0)).max()) for c in chunks)
+    assert pallas.DEFAULT_CHUNK_SIZE == 32 and (spread <= 30) == factored
 
     def loss(q, k, v, g, implementation):
-        return jnp.sum(
-            jnp.sin(ops.gated_linear_attention(q, k, v, log_decay=g, implementation=implementation))
+        out = ops.gated_linear_attention(
+            q, k, v, log_decay=g, implementation=implementation, segment_ids=segments
         )
+        return jnp.sum(jnp.sin(out))
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
     chex.assert_trees_all_close(
@@ -198,7 +201,7 @@ def test_per_feature_decays_take_either_form_exactly(x64, strength, factored):
     )
 
 
-@pytest.mark.parametrize("decay,chunk", [("step", 64), ("feature", 16)])
+@pytest.mark.parametrize("decay,chunk", [("step", 64), ("feature", 64)])
 def test_strong_decays_stay_finite_and_exact(decay, chunk, float32_products):
     """Log decays of -10 per step over whole chunks (sums down to -640 within one): in float32
     as exact as the float64 reference of the same inputs."""
@@ -356,15 +359,6 @@ def test_chunk_sizes_must_be_powers_of_two_from_16(chunk_size):
         ValueError, match=rf"chunk_size must be a power of two >= 16 \(a Triton block\), got {chunk_size}"
     ):
         ops.gated_linear_attention(q, q, q, implementation="pallas", chunk_size=chunk_size)
-
-
-def test_a_decay_per_feature_takes_chunks_of_at_most_32():
-    q = jnp.ones((1, 4, 1, 2))
-    with pytest.raises(
-        ValueError,
-        match=r"a decay per feature: chunk_size must be 16 or 32 \(its \[C, C, D\] pair decays\), got 64",
-    ):
-        ops.gated_linear_attention(q, q, q, log_decay=-q, implementation="pallas", chunk_size=64)
 
 
 def test_inside_shard_map_the_interpreter_refuses_and_the_gpu_kernel_runs():

@@ -83,7 +83,7 @@ def gated_linear_attention(
         "chunked", "scan", "pallas" (the GPU kernel, interpreted on a CPU; `pallas.py`)
         (`forms.py`); all give the same result.
       chunk_size: chunk length C for implementation="chunked" (None: `DEFAULT_CHUNK_SIZE`, 64)
-        or "pallas" (a power of two >= 16; None: 32, 16 with a decay per feature, at most 32).
+        or "pallas" (a power of two >= 16; None: 32).
       eps: added to the normaliser.
       initial_state: an `ops.LinearState` (s [B, H, F, M], z [B, H, F] or None without a
         normaliser) the sequence continues from. None: zeros. Gradients flow into it.

@@ -59,14 +59,13 @@ from jax.experimental.pallas import triton as pltriton
 from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.gated_linear import inputs, pallas_kernels, totals
 
-# The chunk length when the caller gives none: the longest whose kernels spill few registers
-# when compiled for an H100 (bf16, D = M = 64, eight warps; Triton 3.9: BENCHMARKS.md, "The Pallas
-# kernel", `experiments/kernel_resources.py`). With a decay per step or head, chunks of 64 spill
-# 1.0 and 2.4 KB a thread forward and backward, chunks of 32 nothing forward and 0.1 KB
-# backward. With a decay per feature 16, at most 32: its exact form for strong decays holds
-# [C, C, D] pair decays (at 32 they spill 8 and 23 KB; at 64 Triton's compilation does not end
-# in ten minutes).
-DEFAULT_CHUNK_SIZE, DEFAULT_CHUNK_SIZE_PER_FEATURE, MAX_CHUNK_SIZE_PER_FEATURE = 32, 16, 32
+# The chunk length when the caller gives none, for every decay: the longest whose kernels spill
+# few registers when compiled for an H100 (bf16, D = M = 64, eight warps; Triton 3.9:
+# BENCHMARKS.md, "The Pallas kernel", `experiments/kernel_resources.py`). With a decay per step
+# or head, chunks of 64 spill 1.0 and 2.4 KB a thread forward and backward, chunks of 32 nothing
+# forward and 0.1 KB backward; with a decay per feature, at 64 1.6 and 4.7 KB, at 32 nothing
+# forward and 0.6 KB backward.
+DEFAULT_CHUNK_SIZE = 32
 _MIN_BLOCK = 16  # Triton's smallest matmul dimension
 
 
@@ -98,8 +97,7 @@ class Tuning:
       read) for the loops' work done in parallel.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
-      cotangents), or [16, 16, D] pair decays per feature: 16 registers a thread each at 256
-      threads.
+      cotangents): 16 registers a thread each at 256 threads.
 
     The defaults are chosen, not yet tuned on a GPU; `tuning` changes them for the calls traced
     inside it (the accelerator benchmark's sweep)."""
@@ -176,16 +174,11 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
     M = v.shape[-1]
     per_feature = g is not None and g.shape[-1] > 1
     if chunk_size is None:
-        chunk_size = DEFAULT_CHUNK_SIZE_PER_FEATURE if per_feature else DEFAULT_CHUNK_SIZE
+        chunk_size = DEFAULT_CHUNK_SIZE
     elif chunk_size < _MIN_BLOCK or chunk_size & (chunk_size - 1):
         raise ValueError(
             f'implementation="pallas": chunk_size must be a power of two >= {_MIN_BLOCK} (a Triton '
             f"block), got {chunk_size}."
-        )
-    elif per_feature and chunk_size > MAX_CHUNK_SIZE_PER_FEATURE:
-        raise ValueError(
-            f'implementation="pallas" with a decay per feature: chunk_size must be 16 or '
-            f"{MAX_CHUNK_SIZE_PER_FEATURE} (its [C, C, D] pair decays), got {chunk_size}."
         )
     C = min(chunk_size, _block_size(T))
     Tp, Fp, Mp = -(-T // C) * C, _block_size(F), _block_size(M)

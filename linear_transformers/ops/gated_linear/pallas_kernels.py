@@ -25,9 +25,10 @@ matrix at full precision), never the difference of two running sums, and every e
 exact and finite whatever the decays, as the XLA forms are (`totals.py`). With a decay per
 feature a chunk's scores are, as in the chunked form (`chunk_scores.py`), one matmul of q and k
 rescaled from the chunk's midpoint where its decays stay within exp(+-FACTOR_RANGE) of it (exact
-to a relative eps * FACTOR_RANGE), else every pair's decay on its own, [C, C, D] summed over
-features elementwise (`lax.cond` per chunk); that fallback's size keeps the chunk short
-(`pallas.DEFAULT_CHUNK_SIZE_PER_FEATURE`).
+to a relative eps * FACTOR_RANGE), else every pair's decay on its own (`lax.cond` per chunk):
+a loop over the chunk's keys, each with its decays to every later step of the chunk, [C, D] at a
+time, where all the pairs' decays at once would be [C, C, D] (FLA's GLA kernels loop over a
+block's keys the same way); so a decay per feature takes the chunks the others take.
 
 The backward kernel recomputes what it needs: one pass forward over the chunks (carrying S)
 gives dq; one pass backward (carrying dS, the cotangent of the state) gives dk, dv and the
@@ -151,24 +152,25 @@ class _Chunk:
         )
         return jnp.exp(jnp.where(self.keep, L, -jnp.inf))
 
-    def _feature_pair_decays(self):
-        """The same per feature, [C, C, D]: L[(t, s), d] = sum_i [s < i <= t] g[i, d]."""
-        g = self.g
-        C = g.shape[0]
-        pair = jax.lax.broadcasted_iota(jnp.int32, (C * C, C), 0)
-        i = jax.lax.broadcasted_iota(jnp.int32, (C * C, C), 1)
-        between = (pair % C < i) & (i <= pair // C)
-        L = pltriton.dot(between.astype(g.dtype), g, precision=EXACT).reshape(C, C, g.shape[1])
-        return jnp.exp(jnp.where(self.keep[:, :, None], L, -jnp.inf))
+    def _decays_from(self, s):
+        """[C, D]: per feature, the decay from step s to each step t >= s of the chunk, exp of
+        sum_{s < i <= t} g[i] (a cumulative sum of same-sign terms, never a difference of two
+        running sums), and 0 before s."""
+        row = jax.lax.broadcasted_iota(jnp.int32, self.g.shape, 0)
+        L = jnp.cumsum(jnp.where(row > s, self.g, 0), axis=0)
+        return jnp.where(row >= s, jnp.exp(L), 0)
 
-    def _per_feature(self, factored, pairwise):
+    def _per_feature(self, factored, column, init):
         """`factored(exp(u), exp(-u))` where the chunk's decays stay within exp(+-FACTOR_RANGE)
-        of its midpoint (u: the log decays from the midpoint to each step), else
-        `pairwise(pair decays [C, C, D])`: every pair's decay on its own."""
+        of its midpoint (u: the log decays from the midpoint to each step), else every pair's
+        decay on its own: a loop over the chunk's steps s from `init`, `column(s, decays from s
+        [C, D], carry) -> carry` (`_decays_from`), which holds [C, D] values at a time where
+        the pair decays of a chunk would be [C, C, D]."""
+        C = self.g.shape[0]
         return jax.lax.cond(
             self.factored,
             lambda: factored(jnp.exp(self.u), jnp.exp(-self.u)),
-            lambda: pairwise(self._feature_pair_decays()),
+            lambda: jax.lax.fori_loop(0, C, lambda s, carry: column(s, self._decays_from(s), carry), init),
         )
 
     def scores(self):
@@ -177,9 +179,16 @@ class _Chunk:
             return jnp.where(self.keep, pltriton.dot(self.q, self.k, trans_b=True), 0)
         if not self.per_feature:
             return pltriton.dot(self.q, self.k, trans_b=True) * self.E
+        columns = jax.lax.broadcasted_iota(jnp.int32, self.keep.shape, 1)
+
+        def column(s, E, A):  # column s of A
+            a = jnp.sum(self.q * _row_of(self.k, s) * E, axis=1, keepdims=True)
+            return jnp.where(self.keep & (columns == s), a, A)
+
         return self._per_feature(
             lambda up, down: jnp.where(self.keep, pltriton.dot(self.q * up, self.k * down, trans_b=True), 0),
-            lambda E: jnp.sum(self.q[:, None, :] * self.k[None, :, :] * E, axis=2),
+            column,
+            jnp.zeros(self.keep.shape, self.q.dtype),
         )
 
     def query_cotangent(self, dA):
@@ -190,7 +199,8 @@ class _Chunk:
             return pltriton.dot(dA * self.E, self.k)
         return self._per_feature(
             lambda up, down: pltriton.dot(dA, self.k * down) * up,
-            lambda E: jnp.sum(dA[:, :, None] * E * self.k[None, :, :], axis=1),
+            lambda s, E, dq: dq + _column_of(dA, s) * _row_of(self.k, s) * E,  # key s's part
+            jnp.zeros_like(self.q),
         )
 
     def key_cotangent(self, dA):
@@ -199,9 +209,15 @@ class _Chunk:
             return pltriton.dot(dA, self.q, trans_a=True)
         if not self.per_feature:
             return pltriton.dot(dA * self.E, self.q, trans_a=True)
+        rows = jax.lax.broadcasted_iota(jnp.int32, self.k.shape, 0)
+
+        def column(s, E, dk):  # row s of dk
+            return jnp.where(rows == s, jnp.sum(_column_of(dA, s) * self.q * E, axis=0, keepdims=True), dk)
+
         return self._per_feature(
             lambda up, down: pltriton.dot(dA, self.q * up, trans_a=True) * down,
-            lambda E: jnp.sum(dA[:, :, None] * E * self.q[:, None, :], axis=0),
+            column,
+            jnp.zeros_like(self.k),
         )
 
     def carry_over(self, S):
@@ -215,6 +231,20 @@ class _Chunk:
         if self.decay is not None:
             z = z * self.decay
         return z if self.survives is None else jnp.where(self.survives, z, 0)
+
+
+def _row_of(x, s):
+    """Row s of x [R, N], as [1, N] (Triton has no slicing of values)."""
+    return jnp.sum(
+        jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) == s, x, 0), axis=0, keepdims=True
+    )
+
+
+def _column_of(x, s):
+    """Column s of x [N, R], as [N, 1]."""
+    return jnp.sum(
+        jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) == s, x, 0), axis=1, keepdims=True
+    )
 
 
 def _later(C: int):
