@@ -29,11 +29,13 @@ What the kernels do not do, and this wrapper does in XLA around them:
   M to a power of two >= 16 (Triton's block shapes), with zeros;
 - the normaliser's cotangent: d den = -sum_m d out * out / (den + eps), a reduction over all
   value features, which a program of one value block does not see;
-- the decays' cotangent: the backward kernel returns q[t] . dq[t] and k[t] . dk[t] of the
-  prepared q and k (per feature, or summed over them with a decay per step); their difference
-  d G[t] (+ d S_T * S_T + d z_T * z_T at the last step) is the cotangent of the log decays summed up to t, and
-  each g's is the sum of those at and after it in its segment (0 at a segment's first step,
-  whose decay meets a dropped state), taken back through the decays' preparation.
+- the decays' cotangent: with d G[t] = q[t] . dq[t] - k[t] . dk[t] of the prepared q and k
+  (per feature, or summed over them with a decay per step; + d S_T * S_T + d z_T * z_T at the
+  last step) the cotangent of the log decays summed up to t, each g's is the sum of those at and
+  after it in its segment (0 at a segment's first step, whose decay meets a dropped state),
+  taken back through the decays' preparation. The backward kernels return the two terms'
+  sums within each chunk (from each step to the end of its segment there); XLA adds the sums
+  of the later chunks, one value per chunk.
 
 The kernels compute in float32 (float64 for float64 inputs) whatever the input dtype; their
 matrix products follow `jax.default_matmul_precision` as XLA's do (TF32 for float32 on an NVIDIA
@@ -63,8 +65,8 @@ from linear_transformers.ops.gated_linear import inputs, pallas_kernels, totals
 # few registers when compiled for an H100 (bf16, D = M = 64, eight warps; Triton 3.9:
 # BENCHMARKS.md, "The Pallas kernel", `experiments/kernel_resources.py`). With a decay per step
 # or head, chunks of 64 spill 1.0 and 2.4 KB a thread forward and backward, chunks of 32 nothing
-# forward and 0.1 KB backward; with a decay per feature, at 64 1.6 and 4.7 KB, at 32 nothing
-# forward and 0.6 KB backward.
+# forward and 0.2 KB backward; with a decay per feature, at 64 1.6 and 5.6 KB, at 32 nothing
+# forward and 0.5 KB backward.
 DEFAULT_CHUNK_SIZE = 32
 _MIN_BLOCK = 16  # Triton's smallest matmul dimension
 
@@ -445,7 +447,7 @@ def _attend_bwd(config, residuals, cotangents):
         dq, dk = dq.astype(q.dtype), dk.astype(k.dtype)
     dg = None
     if g is not None:
-        dg = _log_decay_cotangent(dG[0] - dG[1], (s, z), (d_s, d_z), runs, before)
+        dg = _log_decay_cotangent(dG[0] - dG[1], config.C, (s, z), (d_s, d_z), runs, before)
         if config.prepare is not None:  # through the preparation the kernels applied
             _, pullback = jax.vjp(
                 lambda g: config.prepare.log_decays(g, None if valid is None else valid != 0), g
@@ -482,30 +484,51 @@ def _parallel_backward(config, bind, value_block: int, walk_operands, chunk_oper
     return (*grads, *initial) if normalize else (*grads, *initial, None)
 
 
-def _log_decay_cotangent(dG, state, d_state, runs, before):
-    """d g [B, T, H(, D)] from d G of the same shape (the module docstring) without its term at
-    the last step (of the final state (s, z), z None without a normaliser, and its cotangent):
-    the sum over the steps at and after t in t's segment, 0 at a segment's first step."""
+def _log_decay_cotangent(local, C: int, state, d_state, runs, before):
+    """d g [B, T, H(, D)] from `local` of the same shape, the kernels' sums of d G within each
+    chunk of C steps (from each step to the end of its segment there; the module docstring),
+    without the term at the last step (of the final state (s, z), z None without a normaliser,
+    and its cotangent): each step's sum gains that of the later chunks its segment reaches, 0 at
+    a segment's first step."""
     (s, z), (d_s, d_z) = state, d_state
-    last = jnp.sum(d_s.astype(dG.dtype) * s.astype(dG.dtype), axis=-1)  # [B, H, D]
+    last = jnp.sum(d_s.astype(local.dtype) * s.astype(local.dtype), axis=-1)  # [B, H, D]
     if z is not None:
-        last = last + d_z.astype(dG.dtype) * z.astype(dG.dtype)
-    if dG.ndim == 3:
+        last = last + d_z.astype(local.dtype) * z.astype(local.dtype)
+    if local.ndim == 3:
         last = jnp.sum(last, axis=-1)
-    dG = dG.at[:, -1].add(last)
+    B, T = local.shape[:2]
+    n, rest = T // C, local.shape[2:]
+    by_chunk = local.reshape(B, n, C, *rest)
+    heads = by_chunk[:, :, 0]  # [B, n, H(, D)]: each chunk's first step's sum
     if runs is None:
-        return jax.lax.cumsum(dG, axis=1, reverse=True)
-    reset = runs != before
-    ends = jnp.concatenate([reset[:, 1:], jnp.zeros_like(reset[:, :1])], axis=1)  # t ends its segment
-    ends = jnp.broadcast_to(ends.reshape(ends.shape + (1,) * (dG.ndim - 2)), dG.shape)
+        # The sum from each chunk's first step to the end, then from the next chunk's.
+        after = jax.lax.cumsum(heads.at[:, -1].add(last), axis=1, reverse=True)
+        after = jnp.concatenate([after[:, 1:], last[:, None]], axis=1)
+        return (by_chunk + after[:, :, None]).reshape(local.shape)
+    # next_runs[c]: the segment count at the next chunk's first step (the last step's, after the
+    # last chunk); a step's segment reaches the next chunk where its count is the same.
+    by_step = runs.reshape(B, n, C)
+    next_runs = jnp.concatenate([by_step[:, 1:, 0], runs[:, -1:]], axis=1)  # [B, n]
+    reaches = by_step == next_runs[:, :, None]  # [B, n, C]
+
+    def expand(x, ndim):
+        return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
+    heads = heads.at[:, -1].add(jnp.where(expand(reaches[:, -1, 0], last.ndim), last, 0))
+    ends = ~expand(reaches[:, :, 0], heads.ndim)  # the chunk's first segment ends in it
 
     def combine(later, earlier):  # reverse scan: `later` in time comes first
         x_later, end_later = later
         x_earlier, end_earlier = earlier
         return jnp.where(end_earlier, x_earlier, x_later + x_earlier), end_later | end_earlier
 
-    sums, _ = jax.lax.associative_scan(combine, (dG, ends), reverse=True, axis=1)
-    return jnp.where(reset.reshape(reset.shape + (1,) * (dG.ndim - 2)), 0, sums)
+    sums, _ = jax.lax.associative_scan(
+        combine, (heads, jnp.broadcast_to(ends, heads.shape)), reverse=True, axis=1
+    )
+    after = jnp.concatenate([sums[:, 1:], last[:, None]], axis=1)  # from the next chunk's first step
+    dg = by_chunk + jnp.where(expand(reaches, by_chunk.ndim), after[:, :, None], 0)
+    reset = expand((runs != before).reshape(B, n, C), by_chunk.ndim)
+    return jnp.where(reset, 0, dg).reshape(local.shape)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

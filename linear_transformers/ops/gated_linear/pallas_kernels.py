@@ -36,7 +36,8 @@ initial state's cotangent. Nothing the size of the sequence is kept between the 
 share nothing but their inputs, so they may run in programs of their own
 (`pallas.Tuning.split_backward`). Each cotangent goes back through the chunk's preparation
 before it is written. With a decay the passes also write q . dq and k . dk of the prepared
-chunks, from which `pallas.py` forms the decays' cotangent.
+chunks, summed within each chunk from each step to the end of its segment there, from which
+`pallas.py` forms the decays' cotangent (adding what the later chunks give: a sum per chunk).
 
 The parallel forms (`pallas.Tuning.parallel_forward`, `parallel_backward`) cut each loop down
 to the state's update: a loop writes the state entering every chunk (backward, a second loop
@@ -134,9 +135,13 @@ class _Chunk:
         return pullback(cotangent)[0]
 
     def log_decay_cotangent(self, x, dx):
-        """x . dx of a prepared chunk and its cotangent: per feature [C, D], or summed over them
-        [C] with a decay per step (`pallas.py` makes the decays' cotangent of it)."""
-        return x * dx if self.per_feature else jnp.sum(x * dx, axis=1)
+        """x . dx of a prepared chunk and its cotangent, summed at and after each step within
+        the chunk and the step's segment: per feature [C, D], or summed over the features too
+        [C] with a decay per step (`pallas.py` adds what the steps after the chunk give)."""
+        keep = self.keep  # [i, t]: i >= t in t's segment
+        if self.per_feature:
+            return pltriton.dot(keep.astype(x.dtype), x * dx, trans_a=True, precision=EXACT)
+        return jnp.sum(jnp.where(keep, jnp.sum(x * dx, axis=1, keepdims=True), 0), axis=0)
 
     def _step_pair_decays(self):
         """exp(L[t, s]) where kept, else 0, [C, C], with one decay per step: L[t, s] = sum_i
