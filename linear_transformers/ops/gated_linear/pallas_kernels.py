@@ -27,8 +27,9 @@ feature a chunk's scores are, as in the chunked form (`chunk_scores.py`), one ma
 rescaled from the chunk's midpoint where its decays stay within exp(+-FACTOR_RANGE) of it (exact
 to a relative eps * FACTOR_RANGE), else every pair's decay on its own (`lax.cond` per chunk):
 a loop over the chunk's keys, each with its decays to every later step of the chunk, [C, D] at a
-time, where all the pairs' decays at once would be [C, C, D] (FLA's GLA kernels loop over a
-block's keys the same way); so a decay per feature takes the chunks the others take.
+time, where all the pairs' decays at once would be [C, C, D] (FLA's GLA kernels loop over the
+keys of a chunk's diagonal blocks the same way); so a decay per feature takes the chunks the
+others take.
 
 The backward kernel recomputes what it needs: one pass forward over the chunks (carrying S)
 gives dq; one pass backward (carrying dS, the cotangent of the state) gives dk, dv and the
