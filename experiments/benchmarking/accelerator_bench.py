@@ -681,7 +681,7 @@ PART_SPECS = {
     "kernel": PartSpec(
         "The Pallas kernel of the gated family vs XLA's chunked form, cuDNN and the memory roof",
         kernel_cases,
-        "kind pass n batch dtype chunk_size tuning time_ms bytes gb_per_s peak_mib status".split(),
+        "kind pass n batch dtype chunk_size tuning time_ms bytes gb_per_s rel_err peak_mib status".split(),
         {
             "pallas, XLA chunked and a copy of the forward's bytes, same run": kernel_bench.comparison,
             "pallas launches (value blocks, warps, stages) vs the default, same run": kernel_bench.tunings,

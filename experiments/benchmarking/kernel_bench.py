@@ -13,11 +13,20 @@ measured). The copy runs forward only.
 A kernel row may name a `tuning` (`pallas.Tuning`: value blocks, warps, pipeline stages), the
 launch it was timed with ("default" where it names none); `comparison` and the goals read the
 default launch, `tunings` sets each other launch against it.
+
+Every kernel row that ran is checked before its time counts: `rel_err`, its result (the output,
+or every gradient) against XLA's chunked form on the same inputs upcast to float32 with
+full-precision products, max over the results of |got - want| / |want|. Past `REL_ERR_LIMIT`
+(or NaN) the row's status says "wrong" and no table or goal reads its time.
 """
 
 from __future__ import annotations
 
 import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from experiments.benchmarking import attention_bench, gated_bench
 from linear_transformers.ops.gated_linear import pallas
@@ -52,6 +61,8 @@ TUNINGS = (
     {"num_stages": 3},
 )
 DEFAULT_TUNING = "default"
+# bf16 operands land between 1e-3 and 1e-2 of a float32 result, TF32 products near 3e-4.
+REL_ERR_LIMIT = 2e-2
 
 
 def tuning_label(tuning: dict | None) -> str:
@@ -120,8 +131,41 @@ def run_case(
         row["tuning"] = tuning_label(tuning)
     with pallas.tuning(**launch):  # read when the case is traced, inside time_case
         row = attention_bench.time_case(opts, row, fn, specs, inputs, budget)
+        if impl == "pallas" and not copy and row["status"] == "ok":
+            got = jax.jit(fn)(*inputs())
+            row["rel_err"] = relative_error(got, _reference(opts, decay, pass_, n, inputs))
+            if not row["rel_err"] <= REL_ERR_LIMIT:  # NaN too
+                limit = f"{REL_ERR_LIMIT:g} against the float32 chunked form"
+                row["status"] = f"wrong: rel_err {row['rel_err']:.3g} > {limit}"
     row["gb_per_s"] = row["bytes"] / (row["time_ms"] * 1e6) if row["status"] == "ok" else float("nan")
     return row
+
+
+def relative_error(got, want) -> float:
+    """max over the leaves of |got - want| / |want| (Frobenius norms, float32); NaN where any
+    leaf has a NaN or infinity."""
+    errors = []
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = (jnp.ravel(x).astype(jnp.float32) for x in (g, w))
+        errors.append(float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)))
+    return float("nan") if not np.all(np.isfinite(errors)) else max(errors)
+
+
+# The reference results of the last cases (a kernel's launches of one decay and pass share one).
+_REFERENCES: dict = {}
+
+
+def _reference(opts, decay: str, pass_: str, n: int, inputs):
+    """XLA's chunked form of `decay` on `inputs()` upcast to float32, products at full
+    precision: the pass's result (`attention_bench.pass_fn`)."""
+    key = (opts, decay, pass_, n)
+    if key not in _REFERENCES:
+        if len(_REFERENCES) >= 2:
+            del _REFERENCES[next(iter(_REFERENCES))]
+        fn = attention_bench.pass_fn(gated_bench.attention_fn(f"gated-{decay}/chunked", None), pass_)
+        with jax.default_matmul_precision("highest"):
+            _REFERENCES[key] = jax.jit(fn)(*(x.astype(jnp.float32) for x in inputs()))
+    return _REFERENCES[key]
 
 
 def comparison(rows: list[dict]) -> list[dict]:

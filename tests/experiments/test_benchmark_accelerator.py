@@ -67,11 +67,32 @@ def test_every_part_at_tiny_sizes_and_a_failing_part_is_skipped(tmp_path, monkey
     assert verdicts["pallas forward <= 3x the copy of its bytes, no decay, N=64"] in ("met", "missed")
     kernel = [r for r in rows if r["part"] == "kernel" and r["kind"] == "gated-none/pallas"]
     assert kernel and float(kernel[0]["gb_per_s"]) > 0 and int(kernel[0]["bytes"]) == 4 * 2 * 64 * 2 * 8 * 2
+    assert all(float(r["rel_err"]) <= kernel_bench.REL_ERR_LIMIT for r in kernel)  # every launch checked
     # Its other launches, each set against the default launch of the same case.
     assert "| 64 | none | forward | value_block=32 | " in markdown
     launches = kernel_bench.tunings([r | {"n": int(r["n"]), "time_ms": float(r["time_ms"])} for r in kernel])
     assert {t["tuning"] for t in launches} == {kernel_bench.tuning_label(t) for t in kernel_bench.TUNINGS}
     assert all(t["default_over_tuned"] > 0 for t in launches)
+
+
+def test_a_kernel_row_is_checked_against_the_float32_chunked_form(monkeypatch):
+    """A kernel that gives a wrong result is marked wrong, and no table or goal reads its time."""
+    opts = accelerator_bench._sizes("tiny").kernel
+    n, budget = opts.lengths[0], opts.budget_bytes()
+    right = kernel_bench.run_case(opts, "gated-step/pallas", "forward+backward", n, budget)
+    assert right["status"] == "ok" and right["rel_err"] <= kernel_bench.REL_ERR_LIMIT
+    attention_fn = gated_bench.attention_fn
+
+    def half_again(kind, chunk_size):  # the kernel's result 1.5 times what it should be
+        fn = attention_fn(kind, chunk_size)
+        return fn if kind.endswith("/chunked") else lambda *args: 1.5 * fn(*args)
+
+    monkeypatch.setattr(gated_bench, "attention_fn", half_again)
+    wrong = kernel_bench.run_case(opts, "gated-step/pallas", "forward", n, budget)
+    assert wrong["status"].startswith("wrong: rel_err 0.5 > 0.02 against the float32 chunked form")
+    assert kernel_bench.default_launches([right, wrong]).keys() == {
+        (n, "gated-step/pallas", "forward+backward")
+    }
 
 
 def test_the_entry_point_writes_the_report_of_the_selected_parts(tmp_path):
