@@ -95,8 +95,8 @@ class Tuning:
       backward to write the cotangent of the state leaving each (float32, [T / C, D, M] per
       sequence each, the forward's states made again rather than kept); then one program per
       chunk that makes its dq, dk and dv from those two (FLA's `chunk_bwd_dh` and
-      `chunk_bwd_dqkwg`). Four [T / C, D, M] float32 passes over memory (each written and
-      read) for the loops' work done in parallel.
+      `chunk_bwd_dqkwg`). It trades two float32 [T / C, D, M] arrays per sequence, each
+      written once and read once, for the loops' work done in parallel.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
       cotangents): 16 registers a thread each at 256 threads.
