@@ -183,9 +183,12 @@ def case_row(opts, kind: str, pass_: str, n: int, batch: int, chunk_size, labels
     }
 
 
-def time_case(opts, row: dict, fn, specs, inputs, budget: int, skip_reason: str | None = None) -> dict:
+def time_case(
+    opts, row: dict, fn, specs, inputs, budget: int, skip_reason: str | None = None, check=None
+) -> dict:
     """Compile `fn` for `specs`, read its peak memory, and time it on `inputs()` unless it is over
-    the budget or `skip_reason` says why not (then only the memory figure is kept)."""
+    the budget or `skip_reason` says why not (then only the memory figure is kept); then, where
+    it ran, `check(row, compiled)` (the same executable) may add to the row."""
     try:
         compiled = jax.jit(fn).lower(*specs).compile()
     except Exception as e:  # noqa: BLE001 - e.g. cuDNN rejecting a dtype: record why, go on
@@ -196,6 +199,8 @@ def time_case(opts, row: dict, fn, specs, inputs, budget: int, skip_reason: str 
         row["peak_per_sample_mib"] = row["peak_mib"] / row["batch"]
     if timing:
         row.update(time_ms=timing.median_s * 1e3, time_per_sample_ms=timing.median_s * 1e3 / row["batch"])
+        if check is not None:
+            check(row, compiled)
     return row
 
 

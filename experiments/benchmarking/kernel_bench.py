@@ -129,14 +129,16 @@ def run_case(
         if impl != "pallas" or copy:
             raise ValueError(f"a tuning is a launch of the pallas kernel; {kind} has none.")
         row["tuning"] = tuning_label(tuning)
+
+    def check(row, compiled):  # the kernel's result, from the executable just timed
+        row["rel_err"] = relative_error(compiled(*inputs()), _reference(opts, decay, pass_, n, inputs))
+        if not row["rel_err"] <= REL_ERR_LIMIT:  # NaN too
+            limit = f"{REL_ERR_LIMIT:g} against the float32 chunked form"
+            row["status"] = f"wrong: rel_err {row['rel_err']:.3g} > {limit}"
+
     with pallas.tuning(**launch):  # read when the case is traced, inside time_case
-        row = attention_bench.time_case(opts, row, fn, specs, inputs, budget)
-        if impl == "pallas" and not copy and row["status"] == "ok":
-            got = jax.jit(fn)(*inputs())
-            row["rel_err"] = relative_error(got, _reference(opts, decay, pass_, n, inputs))
-            if not row["rel_err"] <= REL_ERR_LIMIT:  # NaN too
-                limit = f"{REL_ERR_LIMIT:g} against the float32 chunked form"
-                row["status"] = f"wrong: rel_err {row['rel_err']:.3g} > {limit}"
+        kernel = impl == "pallas" and not copy
+        row = attention_bench.time_case(opts, row, fn, specs, inputs, budget, check=check if kernel else None)
     row["gb_per_s"] = row["bytes"] / (row["time_ms"] * 1e6) if row["status"] == "ok" else float("nan")
     return row
 

@@ -61,13 +61,9 @@ def _loss(implementation, q, k, v, g, s0, z0, w, *, normalize, packed):
     return jnp.sum(jnp.sin(out) * w) + jnp.sum(state.s_BHFM**2) + z_term, (out, state)
 
 
-@pytest.mark.parametrize("decay", ["none", "head", "step", "feature"])
-@pytest.mark.parametrize("normalize,packed", [(False, True), (True, False)])
-def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, packed):
-    """W.r.t. q, k, v, the log decays and the initial state (s and z), through the outputs and
-    the final state, in float64."""
-    q, k, v, g, s0, z0, w = _inputs(0, decay, normalize=normalize)
-    primals = [x for x in (q, k, v, g, s0, z0) if x is not None]
+def _primals_and_loss(seed, decay, *, normalize, packed):
+    """The primals (q, k, v[, g], s0[, z0]) of `_inputs`, and `_loss(implementation, *primals)`."""
+    q, k, v, g, s0, z0, w = _inputs(seed, decay, normalize=normalize)
 
     def loss(implementation, *args):
         it = iter(args)
@@ -75,6 +71,16 @@ def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, p
         g_ = None if g is None else next(it)
         s0_, z0_ = next(it), None if z0 is None else next(it)
         return _loss(implementation, q, k, v, g_, s0_, z0_, w, normalize=normalize, packed=packed)
+
+    return [x for x in (q, k, v, g, s0, z0) if x is not None], loss
+
+
+@pytest.mark.parametrize("decay", ["none", "head", "step", "feature"])
+@pytest.mark.parametrize("normalize,packed", [(False, True), (True, False)])
+def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, packed):
+    """W.r.t. q, k, v, the log decays and the initial state (s and z), through the outputs and
+    the final state, in float64."""
+    primals, loss = _primals_and_loss(0, decay, normalize=normalize, packed=packed)
 
     grad = jax.jit(
         jax.value_and_grad(loss, argnums=tuple(range(1, len(primals) + 1)), has_aux=True), static_argnums=0
@@ -95,15 +101,7 @@ def test_the_parallel_forward_and_backward_give_the_same_result(x64, decay, norm
     cotangents of those leaving it first, then every chunk's gradients at once (dq in programs
     of their own, or with dk and dv). Values, final states and gradients (the initial states'
     included) equal the dense reference in float64."""
-    q, k, v, g, s0, z0, w = _inputs(3, decay, normalize=normalize)
-    primals = [x for x in (q, k, v, g, s0, z0) if x is not None]
-
-    def loss(implementation, *args):
-        it = iter(args)
-        q, k, v = next(it), next(it), next(it)
-        g_ = None if g is None else next(it)
-        s0_, z0_ = next(it), None if z0 is None else next(it)
-        return _loss(implementation, q, k, v, g_, s0_, z0_, w, normalize=normalize, packed=packed)
+    primals, loss = _primals_and_loss(3, decay, normalize=normalize, packed=packed)
 
     grad = jax.value_and_grad(loss, argnums=tuple(range(1, len(primals) + 1)), has_aux=True)
     want = grad("reference", *primals)

@@ -497,37 +497,31 @@ def _log_decay_cotangent(local, C: int, state, d_state, runs, before):
     if local.ndim == 3:
         last = jnp.sum(last, axis=-1)
     B, T = local.shape[:2]
-    n, rest = T // C, local.shape[2:]
-    by_chunk = local.reshape(B, n, C, *rest)
-    heads = by_chunk[:, :, 0]  # [B, n, H(, D)]: each chunk's first step's sum
+    by_chunk = local.reshape(B, T // C, C, *local.shape[2:])
+    heads = by_chunk[:, :, 0]  # each chunk's first step's sum
     if runs is None:
-        # The sum from each chunk's first step to the end, then from the next chunk's.
-        after = jax.lax.cumsum(heads.at[:, -1].add(last), axis=1, reverse=True)
-        after = jnp.concatenate([after[:, 1:], last[:, None]], axis=1)
-        return (by_chunk + after[:, :, None]).reshape(local.shape)
-    # next_runs[c]: the segment count at the next chunk's first step (the last step's, after the
-    # last chunk); a step's segment reaches the next chunk where its count is the same.
-    by_step = runs.reshape(B, n, C)
-    next_runs = jnp.concatenate([by_step[:, 1:, 0], runs[:, -1:]], axis=1)  # [B, n]
-    reaches = by_step == next_runs[:, :, None]  # [B, n, C]
+        sums = jax.lax.cumsum(heads.at[:, -1].add(last), axis=1, reverse=True)
+    else:
+        # reaches: the step's segment reaches the next chunk's first step (the end, after the
+        # last chunk): its count of segment starts is the same there.
+        by_step = runs.reshape(B, -1, C)
+        next_runs = jnp.concatenate([by_step[:, 1:, 0], runs[:, -1:]], axis=1)
+        reaches = totals.expand(by_step == next_runs[:, :, None], by_chunk.ndim)
+        heads = heads.at[:, -1].add(jnp.where(reaches[:, -1, 0], last, 0))
+        ends = jnp.broadcast_to(~reaches[:, :, 0], heads.shape)  # the chunk's first segment ends in it
 
-    def expand(x, ndim):
-        return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+        def combine(later, earlier):  # reverse scan: `later` in time comes first
+            x_later, end_later = later
+            x_earlier, end_earlier = earlier
+            return jnp.where(end_earlier, x_earlier, x_later + x_earlier), end_later | end_earlier
 
-    heads = heads.at[:, -1].add(jnp.where(expand(reaches[:, -1, 0], last.ndim), last, 0))
-    ends = ~expand(reaches[:, :, 0], heads.ndim)  # the chunk's first segment ends in it
-
-    def combine(later, earlier):  # reverse scan: `later` in time comes first
-        x_later, end_later = later
-        x_earlier, end_earlier = earlier
-        return jnp.where(end_earlier, x_earlier, x_later + x_earlier), end_later | end_earlier
-
-    sums, _ = jax.lax.associative_scan(
-        combine, (heads, jnp.broadcast_to(ends, heads.shape)), reverse=True, axis=1
-    )
-    after = jnp.concatenate([sums[:, 1:], last[:, None]], axis=1)  # from the next chunk's first step
-    dg = by_chunk + jnp.where(expand(reaches, by_chunk.ndim), after[:, :, None], 0)
-    reset = expand((runs != before).reshape(B, n, C), by_chunk.ndim)
+        sums, _ = jax.lax.associative_scan(combine, (heads, ends), reverse=True, axis=1)
+    # From each chunk's next chunk's first step to its segment's end.
+    after = jnp.concatenate([sums[:, 1:], last[:, None]], axis=1)[:, :, None]
+    if runs is None:
+        return (by_chunk + after).reshape(local.shape)
+    dg = by_chunk + jnp.where(reaches, after, 0)
+    reset = totals.expand((runs != before).reshape(by_step.shape), by_chunk.ndim)
     return jnp.where(reset, 0, dg).reshape(local.shape)
 
 

@@ -317,6 +317,12 @@ def _split_refs(refs, has_decay: bool, has_valid: bool, has_segments: bool):
     return q_ref, k_ref, v_ref, g_ref, valid_ref, runs_ref, before_ref
 
 
+def _state_refs(refs, normalize: bool):
+    """The next ref of the iterator `refs` and, with a normaliser, the one after it: a state
+    [D, M] (or the states of the chunks) and its normaliser's row [D]; None without one."""
+    return next(refs), next(refs) if normalize else None
+
+
 def _row(ref, acc):
     """The normaliser's state (or its cotangent) [D] from `ref` as a row [1, D]; None: none."""
     return None if ref is None else ref[...].astype(acc)[None, :]
@@ -362,8 +368,7 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps
     the same values. `chunk_options`: per_feature, acc, prepare, features (`_Chunk`)."""
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
-    s0_ref = next(refs)
-    z0_ref = next(refs) if normalize else None
+    s0_ref, z0_ref = _state_refs(refs, normalize)
     o_ref, s_ref = next(refs), next(refs)
     z_ref, den_ref = (next(refs), next(refs)) if normalize else (None, None)
     clean_ref = next(refs)
@@ -407,12 +412,9 @@ def chunk_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments
     score or output."""
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
-    s0_ref = next(refs)
-    z0_ref = next(refs) if normalize else None
-    states_ref = next(refs)
-    z_states_ref = next(refs) if normalize else None
-    s_ref = next(refs)
-    z_ref = next(refs) if normalize else None
+    s0_ref, z0_ref = _state_refs(refs, normalize)
+    states_ref, z_states_ref = _state_refs(refs, normalize)
+    s_ref, z_ref = _state_refs(refs, normalize)
     clean_ref = next(refs)
     visit = _state_writer(states_ref, z_states_ref)
     _walk_chunks(inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, num_chunks, chunk_options)
@@ -447,8 +449,7 @@ def chunk_outputs_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segment
     del num_chunks
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
-    states_ref = next(refs)
-    z_states_ref = next(refs) if normalize else None
+    states_ref, z_states_ref = _state_refs(refs, normalize)
     o_ref = next(refs)
     den_ref = next(refs) if normalize else None
     c = pl.program_id(3)
@@ -559,8 +560,7 @@ def _backward_operands(refs, C: int, has_decay, has_valid, has_segments, eps, ch
     s0, [z0], d_out, d_s, [den, d_den, d_z]; z0 and d_z None without a normaliser."""
     normalize = eps is not None
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
-    s0_ref = next(refs)
-    z0_ref = next(refs) if normalize else None
+    s0_ref, z0_ref = _state_refs(refs, normalize)
     do_ref, ds_ref = next(refs), next(refs)
     den_ref, dden_ref, dz_ref = (next(refs), next(refs), next(refs)) if normalize else (None,) * 3
     cotangents = _OutputCotangents((do_ref, den_ref, dden_ref), inputs, C, eps, chunk_options)
@@ -583,8 +583,8 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
     inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents = _backward_operands(
         refs, C, has_decay, has_valid, has_segments, eps, chunk_options
     )
-    dq_ref, dk_ref, dv_ref, ds0_ref = next(refs), next(refs), next(refs), next(refs)
-    dz0_ref = next(refs) if normalize else None
+    dq_ref, dk_ref, dv_ref = next(refs), next(refs), next(refs)
+    ds0_ref, dz0_ref = _state_refs(refs, normalize)
     dG_refs = list(refs) or [None, None]
     acc = chunk_options["acc"]
 
@@ -624,12 +624,9 @@ def backward_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segme
     inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents = _backward_operands(
         refs, C, has_decay, has_valid, has_segments, eps, chunk_options
     )
-    states_ref = next(refs)
-    z_states_ref = next(refs) if normalize else None
-    d_states_ref = next(refs)
-    dz_states_ref = next(refs) if normalize else None
-    ds0_ref = next(refs)
-    dz0_ref = next(refs) if normalize else None
+    states_ref, z_states_ref = _state_refs(refs, normalize)
+    d_states_ref, dz_states_ref = _state_refs(refs, normalize)
+    ds0_ref, dz0_ref = _state_refs(refs, normalize)
 
     def states_pass():
         visit = _state_writer(states_ref, z_states_ref)
@@ -661,10 +658,8 @@ def chunk_gradients_kernel(
     do_ref = next(refs)
     den_ref, dden_ref = (next(refs), next(refs)) if normalize else (None, None)
     cotangents = _OutputCotangents((do_ref, den_ref, dden_ref), inputs, C, eps, chunk_options)
-    states_ref = next(refs)
-    z_states_ref = next(refs) if normalize else None
-    d_states_ref = next(refs)
-    dz_states_ref = next(refs) if normalize else None
+    states_ref, z_states_ref = _state_refs(refs, normalize)
+    d_states_ref, dz_states_ref = _state_refs(refs, normalize)
     dq_ref, dk_ref, dv_ref = next(refs), next(refs), next(refs)
     dG_refs = list(refs) or [None, None]
     c = pl.program_id(3) // 2 if split else pl.program_id(3)

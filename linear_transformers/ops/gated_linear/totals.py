@@ -96,7 +96,7 @@ def block_totals(phi_k_BTHF, v_BTHM, g_BTHX, reset_BT, acc, *, normalize):
     return a, dropped, ds, dz
 
 
-def _expand(x, ndim):
+def expand(x, ndim):
     """`x` with trailing size-1 axes up to `ndim` (a per-example flag against a state)."""
     return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
@@ -109,8 +109,8 @@ def apply_totals(state, totals):
     carried_s = s0 if a is None else a[..., :, None] * s0
     carried_z = None if z0 is None else (z0 if a is None else a * z0)
     if dropped is not None:
-        carried_s = jnp.where(_expand(dropped, carried_s.ndim), 0, carried_s)
-        carried_z = None if z0 is None else jnp.where(_expand(dropped, carried_z.ndim), 0, carried_z)
+        carried_s = jnp.where(expand(dropped, carried_s.ndim), 0, carried_s)
+        carried_z = None if z0 is None else jnp.where(expand(dropped, carried_z.ndim), 0, carried_z)
     return carried_s + ds, None if z0 is None else carried_z + dz
 
 
