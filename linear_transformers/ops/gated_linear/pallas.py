@@ -39,7 +39,9 @@ What the kernels do not do, and this wrapper does in XLA around them:
 
 The kernels compute in float32 (float64 for float64 inputs) whatever the input dtype; their
 matrix products follow `jax.default_matmul_precision` as XLA's do (TF32 for float32 on an NVIDIA
-GPU by default; exact in interpret mode on a CPU).
+GPU by default; exact in interpret mode on a CPU), but for the sums written as products with a
+0/1 matrix (the decays' log sums, the decays' cotangent), which keep float32's full precision
+whatever it says (`pallas_kernels._sums`: three bfloat16 parts on tensor cores).
 
 The form interface is in `forms.py`; the caller binds `chunk_size`.
 """
@@ -64,9 +66,9 @@ from linear_transformers.ops.gated_linear import inputs, pallas_kernels, totals
 # The chunk length when the caller gives none, for every decay: the longest whose kernels spill
 # few registers when compiled for an H100 (bf16, D = M = 64, eight warps; Triton 3.9:
 # BENCHMARKS.md, "The Pallas kernel", `experiments/kernel_resources.py`). With a decay per step
-# or head, chunks of 64 spill 1.0 and 2.4 KB a thread forward and backward, chunks of 32 nothing
-# forward and 0.2 KB backward; with a decay per feature, at 64 1.6 and 5.6 KB, at 32 nothing
-# forward and 0.5 KB backward.
+# or head, chunks of 64 spill 84 bytes and 1.1 KB a thread forward and backward, chunks of 32
+# nothing forward and 60 bytes backward; with a decay per feature, at 64 0.9 and 4.4 KB, at 32
+# nothing forward and 0.6 KB backward.
 DEFAULT_CHUNK_SIZE = 32
 _MIN_BLOCK = 16  # Triton's smallest matmul dimension
 

@@ -21,7 +21,8 @@ and including t (`runs`) and before t (`before`); without segments neither is pa
 that count come in as an int32 [B, T] (`valid`, nonzero: counts) where some do not.
 
 Every sum of log decays is a sum of same-sign terms (a cumulative sum, or a product with a 0/1
-matrix at full precision), never the difference of two running sums, and every exponent is <= 0:
+matrix at float32's full precision on tensor cores: `_sums`), never the difference of two
+running sums, and every exponent is <= 0:
 exact and finite whatever the decays, as the XLA forms are (`totals.py`). With a decay per
 feature a chunk's scores are, as in the chunked form (`chunk_scores.py`), one matmul of q and k
 rescaled from the chunk's midpoint where its decays stay within exp(+-FACTOR_RANGE) of it (exact
@@ -101,7 +102,7 @@ class _Chunk:
             after = _later(C)  # after[s, i]: i > s
             if per_feature:
                 prefix = jnp.cumsum(g, axis=0)
-                suffix = pltriton.dot(after.astype(acc), g, precision=EXACT)
+                suffix = _sums(after, g)
             else:  # Triton 3.6's scan lowering asserts for a [C, 1] block: sums along rows
                 prefix = jnp.sum(jnp.where(_upto(C), jnp.transpose(g), 0), axis=1, keepdims=True)
                 suffix = jnp.sum(jnp.where(after, jnp.transpose(g), 0), axis=1, keepdims=True)
@@ -141,21 +142,18 @@ class _Chunk:
         [C] with a decay per step (`pallas.py` adds what the steps after the chunk give)."""
         keep = self.keep  # [i, t]: i >= t in t's segment
         if self.per_feature:
-            return pltriton.dot(keep.astype(x.dtype), x * dx, trans_a=True, precision=EXACT)
+            return _sums(keep, x * dx, transpose=True)
         return jnp.sum(jnp.where(keep, jnp.sum(x * dx, axis=1, keepdims=True), 0), axis=0)
 
     def _step_pair_decays(self):
         """exp(L[t, s]) where kept, else 0, [C, C], with one decay per step: L[t, s] = sum_i
-        [i <= t] g[i] [i > s], the log decays in (s, t] as a product with 0/1 matrices at full
-        precision: a sum of same-sign terms, never a difference of two running sums, which would
-        lose eps * |sum|."""
+        [i <= t] g[i] [i > s], the log decays in (s, t] as a product with a 0/1 matrix at full
+        precision (`_sums`): a sum of same-sign terms, never a difference of two running sums,
+        which would lose eps * |sum|."""
         C = self.g.shape[0]
-        L = pltriton.dot(
-            jnp.where(_upto(C), jnp.transpose(self.g), 0),
-            _later(C).astype(self.g.dtype),
-            trans_b=True,
-            precision=EXACT,
-        )
+        i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+        s = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+        L = _sums(_upto(C), jnp.where(i > s, self.g, 0))  # [t, i] @ [i, s]
         return jnp.exp(jnp.where(self.keep, L, -jnp.inf))
 
     def _decays_from(self, s):
@@ -272,7 +270,25 @@ def _from_midpoint(g):
     i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
     m = C // 2
     signed = ((m < i) & (i <= t)).astype(g.dtype) - ((t < i) & (i <= m)).astype(g.dtype)
-    return pltriton.dot(signed, g, precision=EXACT)
+    return _sums(signed, g)
+
+
+def _sums(mask, x, *, transpose: bool = False):
+    """mask @ x (mask^T @ x with `transpose`) at x's full precision, mask holding only 0 and
+    +-1: sums of x's rows, chosen and signed by mask (the decays' cumulative and windowed log
+    sums; Triton has no reverse `cumsum`). A float32 product at full precision (`EXACT`) would
+    run as C * C * D fused multiply-adds on the CUDA cores, in the loop each program walks; here
+    it runs on tensor cores: x is split into three bfloat16 parts (8 significant bits each,
+    float32's 24: their sum is x exactly, for |x| above 1e-31), each multiplied by the mask
+    exactly and summed in float32. float64 keeps its own exact product."""
+    if x.dtype == jnp.float64:
+        return pltriton.dot(mask.astype(x.dtype), x, trans_a=transpose, precision=EXACT)
+    parts, rest = [], x.astype(jnp.float32)
+    for _ in range(3):
+        parts.append(rest.astype(jnp.bfloat16))
+        rest = rest - parts[-1].astype(jnp.float32)
+    high, middle, low = (pltriton.dot(mask.astype(jnp.bfloat16), part, trans_a=transpose) for part in parts)
+    return (low + middle) + high  # the smallest first
 
 
 def _times(x, factor):
