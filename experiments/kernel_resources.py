@@ -6,6 +6,7 @@ memory per decay and launch (value blocks, warps, stages). Needs the `triton` pa
   python -m experiments.kernel_resources --decays=step --value_blocks=0 --num_warps=8 --arch=80
   python -m experiments.kernel_resources --normalize --value_blocks=0 --num_warps=8  # elu, normalised
   python -m experiments.kernel_resources --parallel --value_blocks=0 --num_warps=8   # parallel kernels
+  python -m experiments.kernel_resources --split_key_value --value_blocks=0 --num_warps=8  # dk, dv apart
 
 Writes kernel_resources.csv and .md to --out_dir (experiments/benchmarking/kernel_resources.py).
 """

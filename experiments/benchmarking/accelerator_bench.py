@@ -607,6 +607,7 @@ def kernel_cases(sizes: Sizes) -> list[Case]:
             for d in opts.decays
             for tuning in kernel_bench.TUNINGS
             for p in opts.passes
+            if kernel_bench.times_pass(tuning, p)
         ]
     if not gpu:
         cases.append(Case(CUDNN, lambda: [{"kind": CUDNN, "status": "skipped: cuDNN needs an NVIDIA GPU"}]))

@@ -45,15 +45,19 @@ DECAY_GOAL = 1.3
 # of 32 without the normaliser; their forward alone is the parallel forward's time, their
 # backward the difference); chunks of 64 halve the steps of a program's loop but spill
 # registers (`experiments/kernel_resources.py`), chunks of 16 double them and spill nothing
-# (the default chunk with a decay per feature was 16); value blocks give M / value_block programs per
-# (batch, head), where B * H = 64 at the goals' shape leaves an H100's 132 SMs half idle; the
-# backward's passes in one program; fewer warps or more pipeline stages trade registers for
-# latency hiding.
+# (the default chunk with a decay per feature was 16); dk and dv in programs of their own (three
+# programs a sequence or chunk backward: fewer spills, the walk back made twice); value blocks
+# give M / value_block programs per (batch, head), where B * H = 64 at the goals' shape leaves
+# an H100's 132 SMs half idle; the backward's passes in one program; fewer warps or more
+# pipeline stages trade registers for latency hiding. A launch that changes only the backward
+# (`BACKWARD_ONLY`) is not timed forward, where it is the default launch.
 TUNINGS = (
     {"parallel_forward": True, "parallel_backward": True},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64},
+    {"parallel_forward": True, "parallel_backward": True, "split_key_value": True},
     {"chunk_size": 64},
     {"chunk_size": 16},
+    {"split_key_value": True},
     {"value_block": 32},
     {"value_block": 16},
     {"split_backward": False},
@@ -61,6 +65,15 @@ TUNINGS = (
     {"num_stages": 3},
 )
 DEFAULT_TUNING = "default"
+BACKWARD_ONLY = frozenset({"split_backward", "split_key_value", "parallel_backward"})
+
+
+def times_pass(tuning: dict | None, pass_: str) -> bool:
+    """Whether the sweep times launch `tuning` for `pass_`: not the forward of a launch that
+    changes only the backward (its forward is the default launch's)."""
+    return pass_ != "forward" or not tuning or not set(tuning) <= BACKWARD_ONLY
+
+
 # bf16 operands land between 1e-3 and 1e-2 of a float32 result, TF32 products near 3e-4.
 REL_ERR_LIMIT = 2e-2
 

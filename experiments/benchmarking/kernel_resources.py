@@ -76,6 +76,8 @@ class KernelResourcesOptions:
       (else the identity, unnormalised, as the gated models use it).
     parallel: The parallel forward and backward (`pallas.Tuning.parallel_forward` and
       `parallel_backward`: their states and per-chunk kernels) instead of the one-pass ones.
+    split_key_value: The backward's dk and dv in programs of their own
+      (`pallas.Tuning.split_key_value`).
     """
 
     decays: tuple[str, ...] = DECAYS
@@ -89,6 +91,7 @@ class KernelResourcesOptions:
     chunk_size: int = 0
     normalize: bool = False
     parallel: bool = False
+    split_key_value: bool = False
 
     def __post_init__(self):
         unknown = [d for d in self.decays if d not in DECAYS]
@@ -258,6 +261,7 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
                 "value_block": block or None,
                 "parallel_forward": opts.parallel,
                 "parallel_backward": opts.parallel,
+                "split_key_value": opts.split_key_value,
             },
             arch=opts.arch,
             normalize=opts.normalize,
@@ -283,6 +287,8 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
         title = f"Pallas kernels compiled by Triton {_triton_version()} for sm_{opts.arch}"
         attention = "elu features, normalised" if opts.normalize else "identity features, unnormalised"
         shape = f"{opts.dtype}, D = M = {opts.head_dim}, {attention}"
+        if opts.split_key_value:
+            shape += ", the backward's dk and dv in programs of their own"
         table = report.markdown_table(rows, COLUMNS)
         (out / "kernel_resources.md").write_text(f"# {title}\n\n{shape}\n\n{table}\n")
         log(f"wrote {out / 'kernel_resources.csv'}, {out / 'kernel_resources.md'}")

@@ -71,8 +71,13 @@ def test_every_part_at_tiny_sizes_and_a_failing_part_is_skipped(tmp_path, monkey
     # Its other launches, each set against the default launch of the same case.
     assert "| 64 | none | forward | value_block=32 | " in markdown
     launches = kernel_bench.tunings([r | {"n": int(r["n"]), "time_ms": float(r["time_ms"])} for r in kernel])
-    assert {t["tuning"] for t in launches} == {kernel_bench.tuning_label(t) for t in kernel_bench.TUNINGS}
+    forward = [t for t in kernel_bench.TUNINGS if kernel_bench.times_pass(t, "forward")]
+    assert {t["tuning"] for t in launches} == {kernel_bench.tuning_label(t) for t in forward}
     assert all(t["default_over_tuned"] > 0 for t in launches)
+    # A launch that changes only the backward is not timed forward, where it is the default.
+    backward_only = [t for t in kernel_bench.TUNINGS if t not in forward]
+    assert backward_only == [{"split_key_value": True}, {"split_backward": False}]
+    assert all(kernel_bench.times_pass(t, "forward+backward") for t in kernel_bench.TUNINGS)
 
 
 def test_a_kernel_row_is_checked_against_the_float32_chunked_form(monkeypatch):

@@ -92,10 +92,14 @@ def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, p
 
 
 @pytest.mark.parametrize(
-    "decay,normalize,packed,split",
-    [("none", False, True, True), ("step", True, False, True), ("feature", False, True, False)],
+    "decay,normalize,packed,launch",
+    [
+        ("none", False, True, {}),
+        ("step", True, False, {}),
+        ("feature", False, True, {"split_backward": False}),
+    ],
 )
-def test_the_parallel_forward_and_backward_give_the_same_result(x64, decay, normalize, packed, split):
+def test_the_parallel_forward_and_backward_give_the_same_result(x64, decay, normalize, packed, launch):
     """`Tuning.parallel_forward`: the states entering every chunk first, then every chunk's
     output at once; `Tuning.parallel_backward`: the states entering every chunk and the
     cotangents of those leaving it first, then every chunk's gradients at once (dq in programs
@@ -105,7 +109,20 @@ def test_the_parallel_forward_and_backward_give_the_same_result(x64, decay, norm
 
     grad = jax.value_and_grad(loss, argnums=tuple(range(1, len(primals) + 1)), has_aux=True)
     want = grad("reference", *primals)
-    with pallas.tuning(parallel_forward=True, parallel_backward=True, split_backward=split):
+    with pallas.tuning(parallel_forward=True, parallel_backward=True, **launch):
+        got = grad("pallas", *primals)
+    chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-pass", "parallel"])
+def test_dq_dk_and_dv_in_programs_of_their_own_give_the_same_result(x64, parallel):
+    """`Tuning.split_key_value`: the backward's dk and dv in programs of their own, each walking
+    back with the states' cotangents (the one that gives dk also writes the initial states'):
+    values, final states and gradients equal the dense reference in float64."""
+    primals, loss = _primals_and_loss(6, "step", normalize=True, packed=True)
+    grad = jax.value_and_grad(loss, argnums=tuple(range(1, len(primals) + 1)), has_aux=True)
+    want = grad("reference", *primals)
+    with pallas.tuning(split_key_value=True, parallel_forward=parallel, parallel_backward=parallel):
         got = grad("pallas", *primals)
     chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
 
@@ -117,15 +134,16 @@ def test_the_parallel_forward_and_backward_give_the_same_result(x64, decay, norm
         ("feature", {}, False),
         ("step", {}, True),
         ("step", {"parallel_backward": True}, True),
+        ("feature", {"split_key_value": True}, True),
     ],
-    ids=["one-program", "two-programs", "two-programs-normalised", "parallel-normalised"],
+    ids=["one-program", "two-programs", "two-programs-normalised", "parallel-normalised", "three-programs"],
 )
 def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, launch, normalize):
     """With programs of 16 value features (M = 20: two blocks, the second mostly padding), each
     backward program's part of dq, dk and the decays' cotangent sums to the whole, the
-    normaliser's part counted once, with the backward's two passes in one program, in two (the
-    default, which every other test runs) or in parallel: values and gradients equal the dense
-    reference in float64."""
+    normaliser's part counted once, with the backward's passes in one program, in two (the
+    default, which every other test runs), in three (dq, dk and dv apart) or in parallel:
+    values and gradients equal the dense reference in float64."""
     rng = np.random.default_rng(5)
     q, k = (jnp.asarray(rng.standard_normal((1, 40, 2, 3))) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((1, 40, 2, 20)))
@@ -164,6 +182,11 @@ def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, launch, norm
         ({"num_stages": 0}, "num_stages must be >= 1, got 0"),
         ({"parallel_forward": "yes"}, "parallel_forward must be True or False, got 'yes'"),
         ({"parallel_backward": 1}, "parallel_backward must be True or False, got 1"),
+        ({"split_key_value": 1}, "split_key_value must be True or False, got 1"),
+        (
+            {"split_key_value": True, "split_backward": False},
+            r"split_key_value=True needs split_backward=True \(dq in programs of its own\)",
+        ),
     ],
 )
 def test_launch_options_are_checked(options, message):

@@ -85,6 +85,11 @@ class Tuning:
       that gives dk and dv, backward) in programs of their own: twice the programs, each with
       half the work, reading the same bytes. With `parallel_backward`, a chunk's dq and its dk
       and dv in programs of their own.
+    split_key_value: with `split_backward`, dk and dv in programs of their own too: three
+      programs per sequence (per chunk with `parallel_backward`), both walking back with the
+      state's cotangent, so q, k and the output's cotangent are read twice and that walk is
+      made twice, where one program holding dk's and dv's values at once spills registers
+      (the paper's attention, chunks of 32: 640 bytes a thread, none split; BENCHMARKS.md).
     parallel_forward: the forward as two kernels: one that walks the chunks carrying only the
       state and writes the state entering each chunk (float32, [T / C, D, M] per sequence), then
       one program per chunk that makes its output from that state, all chunks at once. It
@@ -108,6 +113,7 @@ class Tuning:
 
     value_block: int | None = None
     split_backward: bool = True
+    split_key_value: bool = False
     parallel_forward: bool = False
     parallel_backward: bool = False
     num_warps: int = 8
@@ -123,9 +129,16 @@ class Tuning:
             )
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}.")
-        for name in ("split_backward", "parallel_forward", "parallel_backward"):
+        for name in ("split_backward", "split_key_value", "parallel_forward", "parallel_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.split_key_value and not self.split_backward:
+            raise ValueError("split_key_value=True needs split_backward=True (dq in programs of its own).")
+
+    @property
+    def backward_passes(self) -> int:
+        """The backward's programs per sequence (per chunk with `parallel_backward`): 1, 2 or 3."""
+        return 1 + self.split_backward + self.split_key_value
 
 
 _TUNING = contextvars.ContextVar("pallas_tuning", default=Tuning())
@@ -437,12 +450,10 @@ def _attend_bwd(config, residuals, cotangents):
             config, bind, value_block, walk_operands, chunk_operands, gradients, states
         )
     else:
-        split = config.tuning.split_backward
-        kernel = bind(pallas_kernels.backward_kernel, split=split)
+        passes = config.tuning.backward_passes
+        kernel = bind(pallas_kernels.backward_kernel, passes=passes)
         outputs = gradients[:3] + states + gradients[3:]
-        dq, dk, dv, ds0, *dG = _call(
-            kernel, config, value_block, walk_operands, outputs, passes=2 if split else 1
-        )
+        dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, walk_operands, outputs, passes=passes)
         dz0 = dG.pop(0) if z0 is not None else None
     if parts > 1:
         dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
@@ -480,9 +491,9 @@ def _parallel_backward(config, bind, value_block: int, walk_operands, chunk_oper
     entering, leaving, initial = walked[:n], walked[n : 2 * n], walked[2 * n :]
     layouts = [layout for _, layout in rows]
     operands = chunk_operands + list(zip(entering, layouts)) + list(zip(leaving, layouts))
-    split = config.tuning.split_backward
-    kernel = bind(pallas_kernels.chunk_gradients_kernel, split=split)
-    grads = _call(kernel, config, value_block, operands, gradients, passes=num_chunks * (2 if split else 1))
+    passes = config.tuning.backward_passes
+    kernel = bind(pallas_kernels.chunk_gradients_kernel, passes=passes)
+    grads = _call(kernel, config, value_block, operands, gradients, passes=num_chunks * passes)
     return (*grads, *initial) if normalize else (*grads, *initial, None)
 
 

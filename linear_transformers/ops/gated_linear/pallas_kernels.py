@@ -36,7 +36,8 @@ The backward kernel recomputes what it needs: one pass forward over the chunks (
 gives dq; one pass backward (carrying dS, the cotangent of the state) gives dk, dv and the
 initial state's cotangent. Nothing the size of the sequence is kept between the passes, which
 share nothing but their inputs, so they may run in programs of their own
-(`pallas.Tuning.split_backward`). Each cotangent goes back through the chunk's preparation
+(`pallas.Tuning.split_backward`; with `split_key_value` the backward pass runs twice, in
+programs of its own for dk and for dv). Each cotangent goes back through the chunk's preparation
 before it is written. With a decay the passes also write q . dq and k . dk of the prepared
 chunks, summed within each chunk from each step to the end of its segment there, from which
 `pallas.py` forms the decays' cotangent (adding what the later chunks give: a sum per chunk).
@@ -521,21 +522,27 @@ def _write_query_cotangent(chunk, c, C: int, do, dA, d_den, S, z, dq_ref, dG_ref
         dG_ref[rows] = chunk.log_decay_cotangent(chunk.q, dq)
 
 
-def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, refs):
-    """Chunk c's dk and dv, from its cotangents and those of the states leaving it (dz None
-    without a normaliser; its part of dk taken in the first value block's programs only),
-    written to refs (dk, dv, and k . dk with a decay)."""
+def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, refs, parts):
+    """Chunk c's dk and dv, or one of them (`parts`: "key" and/or "value"), from its cotangents
+    and those of the states leaving it (dz None without a normaliser; its part of dk taken in
+    the first value block's programs only), written to refs (dk, dv, and k . dk with a decay)."""
     dk_ref, dv_ref, dG_ref = refs
     rows = pl.ds(c * C, C)
-    dv = pltriton.dot(chunk.scores(), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
-    dk = chunk.key_cotangent(dA)
-    leaving = pltriton.dot(chunk.v, dS, trans_b=True)
-    if dz is not None:
-        leaving = leaving + dz * first_block
-    dk = dk + _times(leaving, chunk.out_of)
-    dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
-    dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
-    if dG_ref is not None:
+    key, value = "key" in parts, "value" in parts
+    # In this order (dv's products first, dk written first) ptxas spills least when a program
+    # makes both (up to 0.25 KB a thread less than dv made and written first: BENCHMARKS.md).
+    if value:
+        dv = pltriton.dot(chunk.scores(), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
+    if key:
+        dk = chunk.key_cotangent(dA)
+        leaving = pltriton.dot(chunk.v, dS, trans_b=True)
+        if dz is not None:
+            leaving = leaving + dz * first_block
+        dk = dk + _times(leaving, chunk.out_of)
+        dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
+    if value:
+        dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
+    if key and dG_ref is not None:
         dG_ref[rows] = chunk.log_decay_cotangent(chunk.k, dk)
 
 
@@ -552,7 +559,7 @@ def _walk_chunks_back(cotangents, initial_refs, final_refs, visit, num_chunks: i
     dA, d_den, dS, dz)` with chunk c's cotangents (`_OutputCotangents.load`) and those of the
     states leaving it (dz None without a normaliser), carried from (d_s, d_z) in
     `initial_refs`; then the cotangents of the initial states written to (d_s0, d_z0) in
-    `final_refs`."""
+    `final_refs` (None: not written)."""
     (ds_ref, dz_ref), (ds0_ref, dz0_ref) = initial_refs, final_refs
     normalize, acc = dz_ref is not None, cotangents.chunk_options["acc"]
 
@@ -565,6 +572,8 @@ def _walk_chunks_back(cotangents, initial_refs, final_refs, visit, num_chunks: i
 
     carry = jax.lax.fori_loop(0, num_chunks, body, _pack(ds_ref[...].astype(acc), _row(dz_ref, acc)))
     dS, dz = _unpack(carry, normalize)
+    if ds0_ref is None:
+        return
     ds0_ref[...] = dS.astype(ds0_ref.dtype)
     if normalize:
         dz0_ref[...] = dz[0].astype(dz0_ref.dtype)
@@ -583,11 +592,13 @@ def _backward_operands(refs, C: int, has_decay, has_valid, has_segments, eps, ch
     return inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents
 
 
-def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, split, **chunk_options):
+def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, passes, **chunk_options):
     """refs: q, k, v, [g], [valid], [runs, before], s0, [z0], d_out, d_s, [den, d_den, d_z]
     -> dq, dk, dv, d_s0, [d_z0], [q . dq, k . dk] (of the prepared chunks, with a decay:
-    `_Chunk.log_decay_cotangent`). With `split` the grid's last axis has two programs per
-    sequence: the first runs the pass that gives dq, the second the one that gives the rest.
+    `_Chunk.log_decay_cotangent`). The grid's last axis has `passes` programs per sequence
+    (`_run_passes`): with 1 it runs every pass, with 2 the pass that gives dq and the one that
+    gives the rest, with 3 the pass that gives dq, one that gives dk, d_s0 and d_z0 and one
+    that gives dv (each of the last two walking back with the states' cotangents).
 
     eps None: no normaliser. Else d_out is the normalised output's cotangent, den the
     forward's, and d_den that of den (-sum_m d_out * out / (den + eps), made by `pallas.py`):
@@ -610,22 +621,18 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
         _write_query_cotangent(chunk, c, C, do, dA, d_den, S, z, dq_ref, dG_refs[0])
         return _pack(*_carry_over_chunk(chunk, S, z))
 
-    def visit(chunk, c, do, dA, d_den, dS, dz):  # dk and dv, from the last chunk to the first
-        refs = (dk_ref, dv_ref, dG_refs[1])
-        _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs)
-
     def query_pass():
         jax.lax.fori_loop(0, num_chunks, forward, _pack(s0_ref[...].astype(acc), _row(z0_ref, acc)))
 
-    def key_value_pass():
-        _walk_chunks_back(cotangents, (ds_ref, dz_ref), (ds0_ref, dz0_ref), visit, num_chunks)
+    def walking_back(parts):  # dk and/or dv, from the last chunk to the first
+        def visit(chunk, c, do, dA, d_den, dS, dz):
+            refs = (dk_ref, dv_ref, dG_refs[1])
+            _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs, parts)
 
-    if not split:
-        query_pass()
-        key_value_pass()
-        return
-    pl.when(pl.program_id(3) == 0)(query_pass)
-    pl.when(pl.program_id(3) == 1)(key_value_pass)
+        final = (ds0_ref, dz0_ref) if "key" in parts else (None, None)
+        return lambda: _walk_chunks_back(cotangents, (ds_ref, dz_ref), final, visit, num_chunks)
+
+    _run_passes(pl.program_id(3), passes, query_pass, walking_back)
 
 
 def backward_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
@@ -661,13 +668,14 @@ def backward_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segme
 
 
 def chunk_gradients_kernel(
-    *refs, C, num_chunks, has_decay, has_valid, has_segments, eps, split, **chunk_options
+    *refs, C, num_chunks, has_decay, has_valid, has_segments, eps, passes, **chunk_options
 ):
     """The parallel backward's second kernel: refs: q, k, v, [g], [valid], [runs, before],
     d_out, [den, d_den], states, [z states], d states, [dz states] (`backward_states_kernel`'s)
-    -> dq, dk, dv, [q . dq, k . dk] (as `backward_kernel`'s). A program a chunk (the grid's
-    last axis), or with `split` two: one for dq, from the states entering the chunk, one for dk
-    and dv, from the cotangents of those leaving it; every chunk's gradients at once."""
+    -> dq, dk, dv, [q . dq, k . dk] (as `backward_kernel`'s). `passes` programs a chunk (the
+    grid's last axis, `_run_passes`): one for all its gradients; or one for dq, from the states
+    entering the chunk, and one for dk and dv, from the cotangents of those leaving it; or one
+    each for dq, dk and dv. Every chunk's gradients at once."""
     del num_chunks
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
@@ -678,7 +686,7 @@ def chunk_gradients_kernel(
     d_states_ref, dz_states_ref = _state_refs(refs, normalize)
     dq_ref, dk_ref, dv_ref = next(refs), next(refs), next(refs)
     dG_refs = list(refs) or [None, None]
-    c = pl.program_id(3) // 2 if split else pl.program_id(3)
+    c = pl.program_id(3) // passes
     D = inputs[0].shape[1]  # q's features
 
     def query_part():
@@ -686,15 +694,30 @@ def chunk_gradients_kernel(
         S, z = _chunk_state(states_ref, z_states_ref, c, D)
         _write_query_cotangent(chunk, c, C, do, dA, d_den, S, z, dq_ref, dG_refs[0])
 
-    def key_value_part():
-        chunk, do, dA, _ = cotangents.load(c)
-        dS, dz = _chunk_state(d_states_ref, dz_states_ref, c, D)
-        refs = (dk_ref, dv_ref, dG_refs[1])
-        _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs)
+    def from_leaving(parts):  # dk and/or dv
+        def part():
+            chunk, do, dA, _ = cotangents.load(c)
+            dS, dz = _chunk_state(d_states_ref, dz_states_ref, c, D)
+            refs = (dk_ref, dv_ref, dG_refs[1])
+            _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs, parts)
 
-    if not split:
-        query_part()
-        key_value_part()
+        return part
+
+    _run_passes(pl.program_id(3) % passes, passes, query_part, from_leaving)
+
+
+def _run_passes(program, passes: int, query, key_value):
+    """The backward's parts that program `program` of `passes` runs (one, two or three programs
+    a sequence, or a chunk in the parallel backward): every part; or dq, then dk and dv; or dq,
+    then dk, then dv. `query()` gives dq, `key_value(parts)()` dk and/or dv (parts: "key",
+    "value")."""
+    if passes == 1:
+        query()
+        key_value(("key", "value"))()
         return
-    pl.when(pl.program_id(3) % 2 == 0)(query_part)
-    pl.when(pl.program_id(3) % 2 == 1)(key_value_part)
+    pl.when(program == 0)(query)
+    if passes == 2:
+        pl.when(program == 1)(key_value(("key", "value")))
+        return
+    pl.when(program == 1)(key_value(("key",)))
+    pl.when(program == 2)(key_value(("value",)))
