@@ -46,7 +46,8 @@ DECAY_GOAL = 1.3
 # backward the difference); chunks of 64 halve the steps of a program's loop but spill
 # registers (`experiments/kernel_resources.py`), chunks of 16 double them and spill nothing
 # (the default chunk with a decay per feature was 16); dk and dv in programs of their own (three
-# programs a sequence or chunk backward: fewer spills, the walk back made twice); value blocks
+# programs a sequence or chunk backward: fewer spills, the walk back made twice; with the
+# parallel forms at chunks of 64, no spills without a decay per feature); value blocks
 # give M / value_block programs per (batch, head), where B * H = 64 at the goals' shape leaves
 # an H100's 132 SMs half idle; the backward's passes in one program; fewer warps or more
 # pipeline stages trade registers for latency hiding. A launch that changes only the backward
@@ -54,7 +55,7 @@ DECAY_GOAL = 1.3
 TUNINGS = (
     {"parallel_forward": True, "parallel_backward": True},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64},
-    {"parallel_forward": True, "parallel_backward": True, "split_key_value": True},
+    {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "split_key_value": True},
     {"chunk_size": 64},
     {"chunk_size": 16},
     {"split_key_value": True},
