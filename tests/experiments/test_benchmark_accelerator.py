@@ -192,6 +192,14 @@ def test_budgets_failures_and_the_run_limit(tmp_path, monkeypatch):
     assert {r["part"] for r in rows if r["case"] == "part summary"} == set(accelerator_bench.PARTS)
     assert "finished after 65 s" in (tmp_path / "accelerator.md").read_text()
 
+    # One part selected, with a budget of its own: g2 runs.
+    clock[0] = 0.0
+    opts = accelerator_bench.AcceleratorBenchOptions(sizes="tiny", parts=("generation",), part_seconds=20.0)
+    result = accelerator_bench.run_and_report(opts, tmp_path, log=lambda line: None)
+    assert result["parts"]["generation"].status == "ok: 2 cases"
+    with pytest.raises(ValueError, match=r"part_seconds must be >= 0 \(0: each part's own budget\), got -1"):
+        accelerator_bench.AcceleratorBenchOptions(part_seconds=-1)
+
 
 def test_targets_are_met_or_missed_from_the_same_run():
     def attention(kind, pass_, n, ms):
