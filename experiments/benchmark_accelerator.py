@@ -2,6 +2,7 @@
 
   python -m experiments.benchmark_accelerator                        # on the GPU: everything
   python -m experiments.benchmark_accelerator --parts=attention,generation --max_minutes=5
+  python -m experiments.benchmark_accelerator --parts=kernel --part_seconds=330  # + launch sweep
   python -m experiments.benchmark_accelerator --sizes=tiny --device=cpu   # smoke run, seconds
 
 Parts, in this order (each by the benchmark module that measures it on the CPU; see
