@@ -288,7 +288,8 @@ def _sums(mask, x, *, transpose: bool = False):
     for _ in range(3):
         parts.append(rest.astype(jnp.bfloat16))
         rest = rest - parts[-1].astype(jnp.float32)
-    high, middle, low = (pltriton.dot(mask.astype(jnp.bfloat16), part, trans_a=transpose) for part in parts)
+    mask = mask.astype(jnp.bfloat16)  # 0 and +-1: exact
+    high, middle, low = (pltriton.dot(mask, part, trans_a=transpose) for part in parts)
     return (low + middle) + high  # the smallest first
 
 
