@@ -38,24 +38,28 @@ DECAYS = ("none", "step", "feature")
 ROOF_GOAL = 3.0
 CUDNN_GOAL = 10.0
 DECAY_GOAL = 1.3
-# Launches to try beside the default (`pallas.Tuning`, and the op's chunk length), in the order
-# they are timed (a run out of time cuts the last): the parallel forward and backward write the
-# states entering every chunk (and backward the cotangents of those leaving it), then make
-# every chunk's output or gradients at once, FLA's design (fewer registers, no spills at chunks
-# of 32 without the normaliser; their forward alone is the parallel forward's time, their
-# backward the difference); chunks of 64 halve the steps of a program's loop but spill
-# registers (`experiments/kernel_resources.py`), chunks of 16 double them and spill nothing
-# (the default chunk with a decay per feature was 16); dk and dv in programs of their own (three
-# programs a sequence or chunk backward: fewer spills, the walk back made twice; with the
-# parallel forms at chunks of 64, no spills without a decay per feature); value blocks
-# give M / value_block programs per (batch, head), where B * H = 64 at the goals' shape leaves
-# an H100's 132 SMs half idle; the backward's passes in one program; fewer warps or more
-# pipeline stages trade registers for latency hiding. A launch that changes only the backward
-# (`BACKWARD_ONLY`) is not timed forward, where it is the default launch.
+# Launches to try beside the default (`pallas.Tuning`, the op's chunk length, and JAX's default
+# matmul precision), in the order they are timed (a run out of time cuts the last): the parallel
+# forward and backward write the states entering every chunk (and backward the cotangents of
+# those leaving it), then make every chunk's output or gradients at once, FLA's design (fewer
+# registers, no spills at chunks of 32 without the normaliser; their forward alone is the
+# parallel forward's time, their backward the difference); chunks of 64 halve the steps of a
+# program's loop but spill registers (`experiments/kernel_resources.py`), chunks of 16 double
+# them and spill nothing; dk and dv in
+# programs of their own (three programs a sequence or chunk backward: fewer spills, the walk
+# back made twice; with the parallel forms at chunks of 64, no spills without a decay per
+# feature); TF32 products of the kernels' float32 values, where by default bf16 inputs multiply
+# in bf16 (twice the tensor-core instructions, more shared-memory traffic:
+# `pallas.products_dtype`); value blocks give M / value_block programs per (batch, head), where
+# B * H = 64 at the goals' shape leaves an H100's 132 SMs half idle; the backward's passes in
+# one program; fewer warps or more pipeline stages trade registers for latency hiding. A launch
+# that changes only the backward (`BACKWARD_ONLY`) is not timed forward, where it is the default
+# launch.
 TUNINGS = (
     {"parallel_forward": True, "parallel_backward": True},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "split_key_value": True},
+    {"matmul_precision": "tensorfloat32"},
     {"chunk_size": 64},
     {"chunk_size": 16},
     {"split_key_value": True},
@@ -120,13 +124,15 @@ def run_case(
 ) -> dict:
     """One case: a gated kind as `gated_bench` defines it, or the copy of its decay's bytes;
     a pallas kind launched as `tuning` says (None: the default), whose "chunk_size", if any, is
-    the op's chunk length and the rest `pallas.Tuning`'s."""
+    the op's chunk length, "matmul_precision" `jax.default_matmul_precision` while the case is
+    traced, and the rest `pallas.Tuning`'s."""
     batch = opts.batch_for(n)
     copy = kind.startswith("copy-")
     gated_kind = f"gated-{kind.removeprefix('copy-')}/pallas" if copy else kind
     decay, impl = gated_bench.parse_kind(gated_kind)
     launch = dict(tuning or {})
     chunk_size = launch.pop("chunk_size", opts.chunk_size)
+    precision = launch.pop("matmul_precision", None)
     chunk = None if copy else gated_bench.chunk_size_used(kind, chunk_size)
     labels = {"decay": decay, "impl": "copy" if copy else impl}
     row = attention_bench.case_row(opts, kind, pass_, n, batch, chunk, labels, per_sample_peak=False)
@@ -150,7 +156,8 @@ def run_case(
             limit = f"{REL_ERR_LIMIT:g} against the float32 chunked form"
             row["status"] = f"wrong: rel_err {row['rel_err']:.3g} > {limit}"
 
-    with pallas.tuning(**launch):  # read when the case is traced, inside time_case
+    # Both read when the case is traced, inside time_case.
+    with pallas.tuning(**launch), jax.default_matmul_precision(precision):
         kernel = impl == "pallas" and not copy
         row = attention_bench.time_case(opts, row, fn, specs, inputs, budget, check=check if kernel else None)
     row["gb_per_s"] = row["bytes"] / (row["time_ms"] * 1e6) if row["status"] == "ok" else float("nan")

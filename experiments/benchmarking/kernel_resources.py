@@ -55,7 +55,7 @@ def gpu_kind(arch: int) -> str:
 
 COLUMNS = (
     "kernel decay chunk_size value_block num_warps num_stages registers spill_stores spill_loads "
-    "stack_bytes smem_bytes status"
+    "stack_bytes smem_bytes mma_instructions shared_loads status"
 ).split()
 
 
@@ -78,6 +78,9 @@ class KernelResourcesOptions:
       `parallel_backward`: their states and per-chunk kernels) instead of the one-pass ones.
     split_key_value: The backward's dk and dv in programs of their own
       (`pallas.Tuning.split_key_value`).
+    matmul_precision: `jax.default_matmul_precision` while the kernels are traced ("": JAX's
+      default, where bfloat16 inputs multiply in bfloat16; "tensorfloat32": TF32 products of
+      the kernels' float32 values).
     """
 
     decays: tuple[str, ...] = DECAYS
@@ -92,6 +95,7 @@ class KernelResourcesOptions:
     normalize: bool = False
     parallel: bool = False
     split_key_value: bool = False
+    matmul_precision: str = ""
 
     def __post_init__(self):
         unknown = [d for d in self.decays if d not in DECAYS]
@@ -101,6 +105,8 @@ class KernelResourcesOptions:
             if block:
                 pallas.Tuning(value_block=block)  # its own error for a bad value
         gpu_kind(self.arch)  # its own error for an unknown one
+        with jax.default_matmul_precision(self.matmul_precision or None):
+            pass  # JAX's own error, naming the values it takes
 
 
 def triton_modules(
@@ -202,6 +208,7 @@ def compile_resources(ir_text: str, *, arch: int, num_warps: int, num_stages: in
             row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             return row
         row["smem_bytes"] = kernel.metadata.shared
+        row.update(ptx_counts(kernel.asm["ptx"]))
         ptx = pathlib.Path(tmp, "kernel.ptx")
         ptx.write_text(kernel.asm["ptx"])
         # The ptxas Triton itself assembles this architecture's PTX with (Triton 3.9 ships two).
@@ -214,6 +221,17 @@ def compile_resources(ir_text: str, *, arch: int, num_warps: int, num_stages: in
             raise RuntimeError(f"{ptxas} -v failed ({done.returncode}): {done.stderr.strip()[-400:]}")
     row.update(ptxas_usage(done.stderr))
     return row
+
+
+def ptx_counts(ptx: str) -> dict:
+    """Instructions in a kernel's PTX (static counts: each once, however often it runs):
+    tensor-core matrix products (`wgmma.mma_async`, `mma.sync`: a TF32 product takes twice the
+    bfloat16 one's, k = 8 against 16) and loads from shared memory (`ld.shared`, `ldmatrix`)."""
+    ops = re.findall(r"^\s*(?:@!?%\w+\s+)?([a-z]+(?:\.[a-z_]+)?)", ptx, flags=re.MULTILINE)
+    return {
+        "mma_instructions": sum(op in ("wgmma.mma_async", "mma.sync") for op in ops),
+        "shared_loads": sum(op in ("ld.shared", "ldmatrix.sync") for op in ops),
+    }
 
 
 def ptxas_usage(info: str) -> dict:
@@ -251,21 +269,22 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
     and .md there."""
     rows = []
     for decay, block in itertools.product(opts.decays, opts.value_blocks):
-        modules = triton_modules(
-            decay,
-            n=opts.n,
-            head_dim=opts.head_dim,
-            dtype=opts.dtype,
-            chunk_size=opts.chunk_size or None,
-            tuning={
-                "value_block": block or None,
-                "parallel_forward": opts.parallel,
-                "parallel_backward": opts.parallel,
-                "split_key_value": opts.split_key_value,
-            },
-            arch=opts.arch,
-            normalize=opts.normalize,
-        )
+        with jax.default_matmul_precision(opts.matmul_precision or None):
+            modules = triton_modules(
+                decay,
+                n=opts.n,
+                head_dim=opts.head_dim,
+                dtype=opts.dtype,
+                chunk_size=opts.chunk_size or None,
+                tuning={
+                    "value_block": block or None,
+                    "parallel_forward": opts.parallel,
+                    "parallel_backward": opts.parallel,
+                    "split_key_value": opts.split_key_value,
+                },
+                arch=opts.arch,
+                normalize=opts.normalize,
+            )
         for (name, ir_text), warps, stages in itertools.product(
             modules.items(), opts.num_warps, opts.num_stages
         ):
@@ -289,6 +308,7 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
         shape = f"{opts.dtype}, D = M = {opts.head_dim}, {attention}"
         if opts.split_key_value:
             shape += ", the backward's dk and dv in programs of their own"
+        shape += f", matmul precision {opts.matmul_precision or 'JAX default'}"
         table = report.markdown_table(rows, COLUMNS)
         (out / "kernel_resources.md").write_text(f"# {title}\n\n{shape}\n\n{table}\n")
         log(f"wrote {out / 'kernel_resources.csv'}, {out / 'kernel_resources.md'}")

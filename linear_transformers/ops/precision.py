@@ -6,7 +6,9 @@ TF32 (inputs rounded to 10 mantissa bits, products summed in float32) on NVIDIA 
 Ampere on, and bfloat16 passes on TPUs: about 1e-3 relative error per product on a GPU. Wrap a
 call in `with jax.default_matmul_precision("highest"):` (or set `JAX_DEFAULT_MATMUL_PRECISION=
 highest`) for float32 products everywhere. bfloat16 and float16 inputs multiply in their own
-dtype and accumulate in float32 (`einsum_in`).
+dtype and accumulate in float32 (`einsum_in`). In a bfloat16 call the gated family's Pallas
+kernels round their float32 scores and states to bfloat16 for each product too, while the
+precision asks for no more than a bfloat16 pass (`gated_linear/pallas.products_dtype`).
 
 What the matmul precision never touches, on any platform:
 

@@ -31,6 +31,7 @@ def test_triton_compiles_every_decay_for_an_h100(tmp_path):
     for row in rows:
         assert row["status"] == "ok", row
         assert 0 < row["registers"] <= 255 and row["smem_bytes"] > 0
+        assert row["mma_instructions"] > 0 and row["shared_loads"] > 0
     with open(tmp_path / "kernel_resources.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert "for sm_90" in (tmp_path / "kernel_resources.md").read_text()
@@ -69,6 +70,42 @@ def test_the_parallel_kernels_compile_too(tmp_path):
     assert all(r["status"] == "ok" for r in rows), rows
 
 
+def test_tf32_products_take_twice_the_tensor_core_instructions(tmp_path):
+    """The matmul precision the kernels are traced at: bfloat16 inputs multiply in bfloat16 by
+    default (k = 16 a tensor-core instruction), TF32 asked for takes twice the instructions."""
+    pytest.importorskip("triton")
+
+    def mma(precision):
+        opts = kernel_resources.KernelResourcesOptions(
+            decays=("none",),
+            value_blocks=(0,),
+            num_warps=(4,),
+            n=32,
+            head_dim=16,
+            chunk_size=16,
+            matmul_precision=precision,
+        )
+        rows = kernel_resources.run(opts, tmp_path / (precision or "default"), log=lambda line: None)
+        return {r["kernel"]: r["mma_instructions"] for r in rows}
+
+    bf16, tf32 = mma(""), mma("tensorfloat32")
+    assert tf32 == {kernel: 2 * n for kernel, n in bf16.items()}, (bf16, tf32)
+    text = (tmp_path / "tensorfloat32" / "kernel_resources.md").read_text()
+    assert "matmul precision tensorfloat32" in text
+
+
+def test_ptx_instructions_are_counted():
+    ptx = """
+\twgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%r1}, %rd1, %rd2;
+\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r2}, {%r3}, {%f2};
+\t@%p1 ld.shared.v4.b32 {%r4, %r5, %r6, %r7}, [%r8];
+\tldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r9}, [%r10];
+\tst.shared.b32 [%r11], %r12;
+\tld.global.b32 %r13, [%rd3];
+"""
+    assert kernel_resources.ptx_counts(ptx) == {"mma_instructions": 2, "shared_loads": 2}
+
+
 def test_ptxas_reports_are_read_and_a_short_one_is_refused():
     info = (
         "ptxas info    : Function properties for forward_kernel\n"
@@ -94,3 +131,5 @@ def test_options_refuse_unknown_decays_bad_value_blocks_and_unknown_gpus():
         kernel_resources.KernelResourcesOptions(value_blocks=(24,))
     with pytest.raises(ValueError, match=r"arch must be one of \[80, 90, 100\], got 75"):
         kernel_resources.KernelResourcesOptions(arch=75)
+    with pytest.raises(ValueError, match="must be None or in .*'tensorfloat32'.*got bf32"):
+        kernel_resources.KernelResourcesOptions(matmul_precision="bf32")

@@ -8,6 +8,7 @@ Legend: B batch, T time, H heads, D key/query features, M value features.
 """
 
 import functools
+import re
 
 import chex
 import jax
@@ -303,6 +304,65 @@ def test_bfloat16_inputs_keep_float32_states(float32_products):
         want_g = jax.grad(loss, argnums=3)(*(x.astype(jnp.float64) for x in (q, k, v, g)), "reference")
     want_g = np.asarray(want_g)
     np.testing.assert_allclose(got_g, want_g, rtol=0, atol=4e-3 * np.abs(want_g).max())
+
+
+@pytest.mark.parametrize("decay,normalize", [("none", True), ("step", False), ("feature", False)])
+def test_bfloat16_inputs_multiply_in_bfloat16_close_to_float64(decay, normalize):
+    """At JAX's default matmul precision bfloat16 inputs multiply in bfloat16 in the kernels
+    (the scores, the states and the rescaled q and k rounded before each product, summed in
+    float32): values and gradients within 2e-2 of the float64 reference's scale, where the
+    rounding of bfloat16 outputs alone is 4e-3 (measured: at most 1.1e-2, the normalised dq;
+    1e-3 to 4e-3 with float32 products)."""
+    rng = np.random.default_rng(5)
+    n, d = 64, 16
+    q, k, v = (jnp.asarray(rng.standard_normal((1, n, H, d)), jnp.bfloat16) for _ in range(3))
+    g = {"none": None, "step": (1, n, H), "feature": (1, n, H, d)}[decay]
+    g = None if g is None else -jnp.asarray(rng.uniform(0, 0.5, g), jnp.float32)
+    w = rng.standard_normal((1, n, H, d))
+
+    def loss(q, k, v, g, implementation):
+        out = ops.gated_linear_attention(
+            q,
+            k,
+            v,
+            log_decay=g,
+            normalize=normalize,
+            feature_map="elu" if normalize else None,
+            implementation=implementation,
+            chunk_size=CHUNK if implementation == "pallas" else None,
+        )
+        return jnp.sum(out.astype(jnp.float32) * w.astype(np.float32)), out
+
+    argnums = (0, 1, 2) if g is None else (0, 1, 2, 3)
+    value_and_grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)
+    (_, got), got_grads = value_and_grads(q, k, v, g, "pallas")
+    with jax.enable_x64(True):
+        upcast = (None if x is None else np.asarray(x, np.float64) for x in (q, k, v, g))
+        (_, want), want_grads = value_and_grads(*upcast, "reference")
+    for got_x, want_x in zip((got, *got_grads), (want, *want_grads)):
+        want_x = np.asarray(want_x)
+        scale = np.abs(want_x).max()
+        np.testing.assert_allclose(np.asarray(got_x, np.float64), want_x, rtol=0, atol=2e-2 * scale)
+
+
+def _product_operands(decay: str, dtype: str, precision: str | None) -> set:
+    """The operand dtypes of every matrix product of the kernels, lowered for a GPU."""
+    with jax.default_matmul_precision(precision):
+        modules = kernel_resources.triton_modules(
+            decay, n=64, head_dim=16, dtype=dtype, chunk_size=16, tuning={}
+        )
+    product = r"tt\.dot .* : tensor<\d+x\d+x(\w+)> \* tensor<\d+x\d+x(\w+)>"
+    return {operands for ir in modules.values() for operands in re.findall(product, ir)}
+
+
+@pytest.mark.parametrize("decay", ["none", "feature"])
+def test_bfloat16_inputs_multiply_on_bfloat16_tensor_cores(decay):
+    """Lowered for a GPU: with bfloat16 inputs at JAX's default precision every product takes
+    bfloat16 operands (the decays' exact sums take theirs in bfloat16 parts); asked for more
+    (float32, TF32), the float32 values multiply as they are, as they do for float32 inputs."""
+    assert _product_operands(decay, "bfloat16", None) == {("bf16", "bf16")}
+    for dtype, precision in (("bfloat16", "float32"), ("bfloat16", "tensorfloat32"), ("float32", None)):
+        assert ("f32", "f32") in _product_operands(decay, dtype, precision), (dtype, precision)
 
 
 def _export_for_cuda(fn, *specs):

@@ -37,11 +37,18 @@ What the kernels do not do, and this wrapper does in XLA around them:
   sums within each chunk (from each step to the end of its segment there); XLA adds the sums
   of the later chunks, one value per chunk.
 
-The kernels compute in float32 (float64 for float64 inputs) whatever the input dtype; their
-matrix products follow `jax.default_matmul_precision` as XLA's do (TF32 for float32 on an NVIDIA
-GPU by default; exact in interpret mode on a CPU), but for the sums written as products with a
-0/1 matrix (the decays' log sums, the decays' cotangent), which keep float32's full precision
-whatever it says (`pallas_kernels._sums`: three bfloat16 parts on tensor cores).
+The kernels compute in float32 (float64 for float64 inputs) whatever the input dtype, and their
+matrix products sum in it. With bfloat16 inputs the products take bfloat16 operands (the
+scores, the states and the rescaled q and k each rounded before a product, as FLA's kernels
+multiply), unless `jax.default_matmul_precision` asks for more than a bfloat16 pass
+(`products_dtype`). Compiled for an H100 that halves the tensor-core instructions against TF32
+and cuts the shared-memory loads by a fifth to a half (BENCHMARKS.md); the values and
+gradients stay within 1.1e-2 of the float64 reference's scale where float32 products give
+4e-3 (bfloat16 outputs alone round by 4e-3). Other products follow `jax.default_matmul_precision`
+as XLA's do (TF32 for float32 on an NVIDIA GPU by default; exact in interpret mode on a CPU),
+but for the sums written as products with a 0/1 matrix (the decays' log sums, the decays'
+cotangent), which keep float32's full precision whatever it says (`pallas_kernels._sums`: three
+bfloat16 parts on tensor cores).
 
 The form interface is in `forms.py`; the caller binds `chunk_size`.
 """
@@ -64,11 +71,11 @@ from linear_transformers.ops import sequence_parallel as sp
 from linear_transformers.ops.gated_linear import inputs, pallas_kernels, totals
 
 # The chunk length when the caller gives none, for every decay: the longest whose kernels spill
-# few registers when compiled for an H100 (bf16, D = M = 64, eight warps; Triton 3.9:
-# BENCHMARKS.md, "The Pallas kernel", `experiments/kernel_resources.py`). With a decay per step
-# or head, chunks of 64 spill 84 bytes and 1.1 KB a thread forward and backward, chunks of 32
-# nothing forward and 60 bytes backward; with a decay per feature, at 64 0.9 and 4.4 KB, at 32
-# nothing forward and 0.6 KB backward.
+# few registers when compiled for an H100 (bf16 inputs and products, D = M = 64, eight warps;
+# Triton 3.9: BENCHMARKS.md, "The Pallas kernel", `experiments/kernel_resources.py`). With a
+# decay per step or head, chunks of 64 spill 36 bytes and 0.7 KB a thread forward and backward,
+# chunks of 32 nothing forward and 136 bytes backward; with a decay per feature, at 64 0.8 and
+# 5.0 KB, at 32 nothing forward and 0.6 KB backward.
 DEFAULT_CHUNK_SIZE = 32
 _MIN_BLOCK = 16  # Triton's smallest matmul dimension
 
@@ -89,7 +96,7 @@ class Tuning:
       programs per sequence (per chunk with `parallel_backward`), both walking back with the
       state's cotangent, so q, k and the output's cotangent are read twice and that walk is
       made twice, where one program holding dk's and dv's values at once spills registers
-      (the paper's attention, chunks of 32: 640 bytes a thread, none split; BENCHMARKS.md).
+      (a decay per step, chunks of 32: 136 bytes a thread, 56 split; BENCHMARKS.md).
     parallel_forward: the forward as two kernels: one that walks the chunks carrying only the
       state and writes the state entering each chunk (float32, [T / C, D, M] per sequence), then
       one program per chunk that makes its output from that state, all chunks at once. It
@@ -185,6 +192,7 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
     # With a pointwise feature map the kernels prepare each chunk as they load it: they read the
     # caller's arrays, with no prepared copy of q, k, v and g written and read again.
     in_kernel = prepare is not None and prepare.pointwise
+    raw_dtype = jnp.result_type(q, k, v)
     if not in_kernel:
         q, k, v, g = (q, k, v, g) if prepare is None else prepare(q, k, v, g, valid_BT)
     B, T, H, F = q.shape
@@ -221,6 +229,7 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
         features=F,
         tuning=_TUNING.get(),
         eps=None if z0_BHF is None else _static_eps(eps),
+        products=products_dtype(raw_dtype),
     )
     s0 = _pad_axis(_pad_axis(s0_BHFM.astype(acc), 2, Fp), 3, Mp)
     z0 = None if z0_BHF is None else _pad_axis(z0_BHF.astype(acc), 2, Fp)
@@ -231,6 +240,20 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
     # they are finite already: then the guard checks them itself).
     clean = jnp.all(clean != 0) if in_kernel else None
     return out, (s, z), clean
+
+
+# The values of `jax.default_matmul_precision` that ask for nothing above one bfloat16 pass.
+_BFLOAT16_PRECISIONS = (None, "default", "bfloat16", "BF16_BF16_F32")
+
+
+def products_dtype(dtype):
+    """The dtype the kernels' matrix products take their operands in, for inputs of `dtype`:
+    bfloat16 for bfloat16 inputs while `jax.default_matmul_precision` asks for no more than a
+    bfloat16 pass (JAX's default); else None: in the accumulation dtype, at that precision."""
+    precision = jax.config.jax_default_matmul_precision
+    if jnp.dtype(dtype) == jnp.bfloat16 and precision in _BFLOAT16_PRECISIONS:
+        return jnp.dtype(jnp.bfloat16)
+    return None
 
 
 def _static_eps(eps) -> float:
@@ -249,7 +272,8 @@ class Config:
     accumulation dtype; the `inputs.Preparation` the kernels apply to each chunk (None: the
     inputs come prepared); the feature count before padding (the padding features, which a
     feature map may not keep at 0, are zeroed after it); the launch's `Tuning`; the
-    normaliser's eps (None: no normaliser)."""
+    normaliser's eps (None: no normaliser); the dtype the matrix products' operands are cast
+    to (`products_dtype`; None: they stay in acc, at the matmul precision)."""
 
     C: int
     per_feature: bool
@@ -259,6 +283,7 @@ class Config:
     features: int
     tuning: Tuning
     eps: float | None
+    products: Any
 
     def value_block(self, M: int) -> int:
         """The value features of one program, for M (padded) value features."""
@@ -335,6 +360,7 @@ def _kernel(kernel, config, q, g, valid, runs):
         prepare=config.prepare,
         features=config.features,
         eps=config.eps,
+        products=config.products,
     )
 
 

@@ -86,8 +86,9 @@ class _Chunk:
     `acc`, its masks, and the factors that carry its queries to the state entering it (`into`)
     and its keys to the state leaving it (`out_of`): [C, X] or None (1)."""
 
-    def __init__(self, c, refs, C: int, acc, *, per_feature: bool, prepare, features: int):
+    def __init__(self, c, refs, C: int, acc, *, per_feature: bool, prepare, features: int, products):
         q_ref, k_ref, v_ref, g_ref, valid_ref, runs_ref, before_ref = refs
+        self.products = products
         rows = pl.ds(c * C, C)
         valid = None if valid_ref is None else valid_ref[rows] != 0
         self._raw = {"q": q_ref[rows, :], "k": k_ref[rows, :], "v": v_ref[rows, :]}
@@ -121,6 +122,13 @@ class _Chunk:
             self.out_of = jnp.where(tail[:, None], one if self.out_of is None else self.out_of, 0)
         self.q_in = _times(self.q, self.into)
         self.k_out = _times(self.k, self.out_of)
+
+    def dot(self, a, b, *, trans_a=False, trans_b=False):
+        """a @ b (each transposed as asked), summed in float32 (float64 for float64 inputs), its
+        operands cast to `products` (`pallas.Config`) where that is not None."""
+        if self.products is not None:
+            a, b = a.astype(self.products), b.astype(self.products)
+        return pltriton.dot(a, b, trans_a=trans_a, trans_b=trans_b)
 
     def clean(self):
         """1 where every raw v of the chunk is finite and every raw log decay <= 0 (not NaN),
@@ -181,9 +189,9 @@ class _Chunk:
     def scores(self):
         """A [C, C]: q[t] . (decayed) k[s] where kept, else 0."""
         if self.g is None:
-            return jnp.where(self.keep, pltriton.dot(self.q, self.k, trans_b=True), 0)
+            return jnp.where(self.keep, self.dot(self.q, self.k, trans_b=True), 0)
         if not self.per_feature:
-            return pltriton.dot(self.q, self.k, trans_b=True) * self.E
+            return self.dot(self.q, self.k, trans_b=True) * self.E
         columns = jax.lax.broadcasted_iota(jnp.int32, self.keep.shape, 1)
 
         def column(s, E, A):  # column s of A
@@ -191,7 +199,7 @@ class _Chunk:
             return jnp.where(self.keep & (columns == s), a, A)
 
         return self._per_feature(
-            lambda up, down: jnp.where(self.keep, pltriton.dot(self.q * up, self.k * down, trans_b=True), 0),
+            lambda up, down: jnp.where(self.keep, self.dot(self.q * up, self.k * down, trans_b=True), 0),
             column,
             jnp.zeros(self.keep.shape, self.q.dtype),
         )
@@ -199,11 +207,11 @@ class _Chunk:
     def query_cotangent(self, dA):
         """dq of the scores, given their cotangent dA [C, C] (zero where not kept)."""
         if self.g is None:
-            return pltriton.dot(dA, self.k)
+            return self.dot(dA, self.k)
         if not self.per_feature:
-            return pltriton.dot(dA * self.E, self.k)
+            return self.dot(dA * self.E, self.k)
         return self._per_feature(
-            lambda up, down: pltriton.dot(dA, self.k * down) * up,
+            lambda up, down: self.dot(dA, self.k * down) * up,
             lambda s, E, dq: dq + _column_of(dA, s) * _row_of(self.k, s) * E,  # key s's part
             jnp.zeros_like(self.q),
         )
@@ -211,16 +219,16 @@ class _Chunk:
     def key_cotangent(self, dA):
         """dk of the scores, given their cotangent dA [C, C] (zero where not kept)."""
         if self.g is None:
-            return pltriton.dot(dA, self.q, trans_a=True)
+            return self.dot(dA, self.q, trans_a=True)
         if not self.per_feature:
-            return pltriton.dot(dA * self.E, self.q, trans_a=True)
+            return self.dot(dA * self.E, self.q, trans_a=True)
         rows = jax.lax.broadcasted_iota(jnp.int32, self.k.shape, 0)
 
         def column(s, E, dk):  # row s of dk
             return jnp.where(rows == s, jnp.sum(_column_of(dA, s) * self.q * E, axis=0, keepdims=True), dk)
 
         return self._per_feature(
-            lambda up, down: pltriton.dot(dA, self.q * up, trans_a=True) * down,
+            lambda up, down: self.dot(dA, self.q * up, trans_a=True) * down,
             column,
             jnp.zeros_like(self.k),
         )
@@ -359,7 +367,7 @@ def _write_chunk_output(chunk, c, C: int, S, z, o_ref, den_ref, eps):
     """Chunk c's output from the state entering it (S, and z with a normaliser: eps not None),
     written to o_ref, with den (the normaliser) to den_ref."""
     A = chunk.scores()
-    out = pltriton.dot(A, chunk.v) + pltriton.dot(chunk.q_in, S)
+    out = chunk.dot(A, chunk.v) + chunk.dot(chunk.q_in, S)
     rows = pl.ds(c * C, C)
     if eps is not None:
         den = jnp.sum(A, axis=1) + jnp.sum(chunk.q_in * z, axis=1)
@@ -372,7 +380,7 @@ def _carry_over_chunk(chunk, S, z):
     """The states leaving the chunk, from those entering it (z None: no normaliser)."""
     if z is not None:
         z = chunk.carry_over_normaliser(z) + jnp.sum(chunk.k_out, axis=0, keepdims=True)
-    return chunk.carry_over(S) + pltriton.dot(chunk.k_out, chunk.v, trans_a=True), z
+    return chunk.carry_over(S) + chunk.dot(chunk.k_out, chunk.v, trans_a=True), z
 
 
 def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
@@ -499,7 +507,7 @@ class _OutputCotangents:
         if eps is not None:
             do = do / (self.den_ref[rows] + eps)[:, None]
             d_den = self.dden_ref[rows][:, None] * self.first_block  # [C, 1]
-        dA = pltriton.dot(do, chunk.v, trans_b=True)
+        dA = chunk.dot(do, chunk.v, trans_b=True)
         dA = jnp.where(chunk.keep, dA if d_den is None else dA + d_den, 0)  # of the scores
         return chunk, do, dA, d_den
 
@@ -514,7 +522,7 @@ def _write_query_cotangent(chunk, c, C: int, do, dA, d_den, S, z, dq_ref, dG_ref
     (z None without a normaliser), written to dq_ref, with q . dq to dG_ref (None: no decay)."""
     rows = pl.ds(c * C, C)
     dq = chunk.query_cotangent(dA)  # first: the order Triton schedules in, and spills least
-    entering = pltriton.dot(do, S, trans_b=True)
+    entering = chunk.dot(do, S, trans_b=True)
     if z is not None:
         entering = entering + d_den * z
     dq = dq + _times(entering, chunk.into)
@@ -530,13 +538,14 @@ def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, r
     dk_ref, dv_ref, dG_ref = refs
     rows = pl.ds(c * C, C)
     key, value = "key" in parts, "value" in parts
-    # In this order (dv's products first, dk written first) ptxas spills least when a program
-    # makes both (up to 0.25 KB a thread less than dv made and written first: BENCHMARKS.md).
+    # In this order (dv's products first, dk written first) ptxas allocates best when a program
+    # makes both (dv made and written first: 22 more registers without a decay; with TF32
+    # products up to 0.25 KB a thread more spilled: BENCHMARKS.md).
     if value:
-        dv = pltriton.dot(chunk.scores(), do, trans_a=True) + pltriton.dot(chunk.k_out, dS)
+        dv = chunk.dot(chunk.scores(), do, trans_a=True) + chunk.dot(chunk.k_out, dS)
     if key:
         dk = chunk.key_cotangent(dA)
-        leaving = pltriton.dot(chunk.v, dS, trans_b=True)
+        leaving = chunk.dot(chunk.v, dS, trans_b=True)
         if dz is not None:
             leaving = leaving + dz * first_block
         dk = dk + _times(leaving, chunk.out_of)
@@ -552,7 +561,7 @@ def _carry_back_chunk(chunk, do, d_den, dS, dz):
     (dz None: no normaliser; d_den whole, `_OutputCotangents.whole_d_den`)."""
     if dz is not None:
         dz = chunk.carry_over_normaliser(dz) + jnp.sum(chunk.q_in * d_den, axis=0, keepdims=True)
-    return chunk.carry_over(dS) + pltriton.dot(chunk.q_in, do, trans_a=True), dz
+    return chunk.carry_over(dS) + chunk.dot(chunk.q_in, do, trans_a=True), dz
 
 
 def _walk_chunks_back(cotangents, initial_refs, final_refs, visit, num_chunks: int):
