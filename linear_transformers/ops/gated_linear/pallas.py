@@ -98,19 +98,20 @@ class Tuning:
       made twice, where one program holding dk's and dv's values at once spills registers
       (a decay per step, chunks of 32: 136 bytes a thread, 56 split; BENCHMARKS.md).
     parallel_forward: the forward as two kernels: one that walks the chunks carrying only the
-      state and writes the state entering each chunk (float32, [T / C, D, M] per sequence), then
-      one program per chunk that makes its output from that state, all chunks at once. It
-      trades those states' bytes (written and read: 512 bytes a token each way at D = M = 64,
-      C = 32, where bf16 q, k, v and out are 512 in all) for parallel work where the one-pass
-      forward's loop, a chunk at a time, may leave the GPU waiting (FLA's `chunk_fwd_h` and
-      `chunk_fwd_o` split the same way).
+      state and writes the state entering each chunk ([T / C, D, M] per sequence: bfloat16
+      where the products round it, as with bfloat16 inputs by default, else float32:
+      `Config.snapshots`), then one program per chunk that makes its output from that state,
+      all chunks at once. It trades those states' bytes (written and read: 256 bytes a token
+      each way in bfloat16 at D = M = 64, C = 32, where bf16 q, k, v and out are 512 in all)
+      for parallel work where the one-pass forward's loop, a chunk at a time, may leave the GPU
+      waiting (FLA's `chunk_fwd_h` and `chunk_fwd_o` split the same way).
     parallel_backward: the backward the same way, as two kernels: one with two programs a
       sequence, one walking the chunks forward to write the state entering each, the other
-      backward to write the cotangent of the state leaving each (float32, [T / C, D, M] per
-      sequence each, the forward's states made again rather than kept); then one program per
-      chunk that makes its dq, dk and dv from those two (FLA's `chunk_bwd_dh` and
-      `chunk_bwd_dqkwg`). It trades two float32 [T / C, D, M] arrays per sequence, each
-      written once and read once, for the loops' work done in parallel.
+      backward to write the cotangent of the state leaving each ([T / C, D, M] per sequence
+      each, as the forward's, made again rather than kept); then one program per chunk that
+      makes its dq, dk and dv from those two (FLA's `chunk_bwd_dh` and `chunk_bwd_dqkwg`). It
+      trades two [T / C, D, M] arrays per sequence, each written once and read once, for the
+      loops' work done in parallel.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
       cotangents): 16 registers a thread each at 256 threads.
@@ -285,6 +286,13 @@ class Config:
     eps: float | None
     products: Any
 
+    @property
+    def snapshots(self):
+        """The dtype of the parallel forms' states (and their cotangents) entering or leaving each
+        chunk: the products' where they round them (bfloat16: half the bytes, the same results),
+        else acc. Their normalisers stay in acc (a sum, not a product)."""
+        return self.products or self.acc
+
     def value_block(self, M: int) -> int:
         """The value features of one program, for M (padded) value features."""
         return min(self.tuning.value_block or M, M)
@@ -413,7 +421,7 @@ def _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0):
     value_block = config.value_block(M)
     normalize = z0 is not None
     # The states entering each chunk (chunk c's at rows c * D), the final states, the flags.
-    outputs = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.acc), "state")]
+    outputs = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.snapshots), "state")]
     if normalize:
         outputs += [(jax.ShapeDtypeStruct((B, H, num_chunks * D), config.acc), "row")]
     outputs += [(s0, "state")] + ([(z0, "row")] if normalize else [])
@@ -506,7 +514,7 @@ def _parallel_backward(config, bind, value_block: int, walk_operands, chunk_oper
     (s0, _), normalize = states[0], len(states) > 1
     B, H, D, M = s0.shape
     num_chunks = walk_operands[0][0].shape[1] // config.C
-    rows = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.acc), "state")]
+    rows = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.snapshots), "state")]
     if normalize:
         rows += [(jax.ShapeDtypeStruct((B, H, num_chunks * D), config.acc), "row")]
     # The states entering each chunk and the cotangents of those leaving it, then the initial

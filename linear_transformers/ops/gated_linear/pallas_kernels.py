@@ -450,11 +450,12 @@ def _state_writer(states_ref, z_states_ref):
     """A visit of the chunks (`_walk_chunks`) that writes the states entering chunk c at rows
     c * D of states_ref [num_chunks * D, M] and z_states_ref [num_chunks * D] (None: no
     normaliser): the parallel forward's and backward's states (and their cotangents), which
-    `_chunk_state` reads."""
+    `_chunk_state` reads. S in states_ref's dtype: the products' (`_Chunk.dot`) where they
+    round it (`pallas.Config.products`), as the chunks' programs use it only in products."""
 
     def visit(chunk, c, S, z):
         D = S.shape[0]
-        states_ref[pl.ds(c * D, D), :] = S
+        states_ref[pl.ds(c * D, D), :] = S.astype(states_ref.dtype)
         if z_states_ref is not None:
             z_states_ref[pl.ds(c * D, D)] = z[0]
 
