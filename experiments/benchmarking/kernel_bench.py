@@ -42,10 +42,10 @@ DECAY_GOAL = 1.3
 # matmul precision), in the order they are timed (a run out of time cuts the last): the parallel
 # forward and backward write the states entering every chunk (and backward the cotangents of
 # those leaving it), then make every chunk's output or gradients at once, FLA's design (fewer
-# registers, no spills at chunks of 32 without the normaliser; their forward alone is the
-# parallel forward's time, their backward the difference); chunks of 64 halve the steps of a
-# program's loop but spill registers (`experiments/kernel_resources.py`), chunks of 16 double
-# them and spill nothing; dk and dv in
+# registers, no spills at chunks of 32 but in the normalised gradients with a decay per step;
+# their forward alone is the parallel forward's time, their backward the difference); chunks of
+# 64 halve the steps of a program's loop but spill registers
+# (`experiments/kernel_resources.py`), chunks of 16 double them and spill nothing; dk and dv in
 # programs of their own (three programs a sequence or chunk backward: fewer spills, the walk
 # back made twice; with the parallel forms at chunks of 64, no spills without a decay per
 # feature); TF32 products of the kernels' float32 values, where by default bf16 inputs multiply
