@@ -48,8 +48,9 @@ DECAY_GOAL = 1.3
 # (`experiments/kernel_resources.py`), chunks of 16 double them and spill nothing; dk and dv in
 # programs of their own (three programs a sequence or chunk backward: fewer spills, the walk
 # back made twice; with the parallel forms at chunks of 64, no spills without a decay per
-# feature); TF32 products of the kernels' float32 values, where by default bf16 inputs multiply
-# in bf16 (twice the tensor-core instructions, more shared-memory traffic:
+# feature); the parallel forms at 64 with value blocks of 32 (twice the programs walking the
+# chunks, the sequential part); TF32 products of the kernels' float32 values, where by default
+# bf16 inputs multiply in bf16 (twice the tensor-core instructions, more shared-memory traffic:
 # `pallas.products_dtype`); value blocks give M / value_block programs per (batch, head), where
 # B * H = 64 at the goals' shape leaves an H100's 132 SMs half idle; the backward's passes in
 # one program; fewer warps or more pipeline stages trade registers for latency hiding. A launch
@@ -59,6 +60,7 @@ TUNINGS = (
     {"parallel_forward": True, "parallel_backward": True},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "split_key_value": True},
+    {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "value_block": 32},
     {"matmul_precision": "tensorfloat32"},
     {"chunk_size": 64},
     {"chunk_size": 16},

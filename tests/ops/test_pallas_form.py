@@ -398,7 +398,8 @@ def test_bfloat16_inputs_multiply_on_bfloat16_tensor_cores(decay):
     """Lowered for a GPU: with bfloat16 inputs at JAX's default precision every product takes
     bfloat16 operands (the decays' exact sums take theirs in bfloat16 parts); asked for more
     (float32, TF32), the float32 values multiply as they are, as they do for float32 inputs."""
-    assert _product_operands(decay, "bfloat16", None) == {("bf16", "bf16")}
+    for precision in (None, "bfloat16", "BF16_BF16_F32"):
+        assert _product_operands(decay, "bfloat16", precision) == {("bf16", "bf16")}, precision
     for dtype, precision in (("bfloat16", "float32"), ("bfloat16", "tensorfloat32"), ("float32", None)):
         assert ("f32", "f32") in _product_operands(decay, dtype, precision), (dtype, precision)
 
