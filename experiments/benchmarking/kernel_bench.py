@@ -49,18 +49,20 @@ DECAY_GOAL = 1.3
 # programs of their own (three programs a sequence or chunk backward: fewer spills, the walk
 # back made twice; with the parallel forms at chunks of 64, no spills without a decay per
 # feature); the parallel forms at 64 with value blocks of 32 (twice the programs walking the
-# chunks, the sequential part); TF32 products of the kernels' float32 values, where by default
-# bf16 inputs multiply in bf16 (twice the tensor-core instructions, more shared-memory traffic:
-# `pallas.products_dtype`); value blocks give M / value_block programs per (batch, head), where
-# B * H = 64 at the goals' shape leaves an H100's 132 SMs half idle; the backward's passes in
-# one program; fewer warps or more pipeline stages trade registers for latency hiding. A launch
-# that changes only the backward (`BACKWARD_ONLY`) is not timed forward, where it is the default
-# launch.
+# chunks, the sequential part), and at 32 with four warps (no spills there at 72 to 255
+# registers, so more programs an SM); TF32 products of the kernels' float32 values, where by
+# default bf16 inputs multiply in bf16 (twice the tensor-core instructions, more shared-memory
+# traffic: `pallas.products_dtype`); value blocks give M / value_block programs per (batch,
+# head), where B * H = 64 at the goals' shape leaves an H100's 132 SMs half idle; the backward's
+# passes in one program; fewer warps or more pipeline stages trade registers for latency hiding.
+# A launch that changes only the backward (`BACKWARD_ONLY`) is not timed forward, where it is
+# the default launch.
 TUNINGS = (
     {"parallel_forward": True, "parallel_backward": True},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "split_key_value": True},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "value_block": 32},
+    {"parallel_forward": True, "parallel_backward": True, "num_warps": 4},
     {"matmul_precision": "tensorfloat32"},
     {"chunk_size": 64},
     {"chunk_size": 16},
