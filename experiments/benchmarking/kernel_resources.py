@@ -119,10 +119,12 @@ def triton_modules(
     tuning: dict,
     arch: int = 90,
     normalize: bool = False,
+    matmul_precision: str | None = None,
 ):
     """{kernel name: Triton IR text} of the forward and backward kernels of one gated call
     (normalised with elu features, or unnormalised with the identity), traced as on an NVIDIA
-    GPU (lowered for CUDA here: no GPU needed)."""
+    GPU (lowered for CUDA here: no GPU needed) at `jax.default_matmul_precision(matmul_precision)`
+    (None: JAX's default)."""
     spec = jax.ShapeDtypeStruct
     shape = {"head": (2,), "step": (1, n, 2), "feature": (1, n, 2, head_dim)}.get(decay)
     g = None if shape is None else spec(shape, jnp.float32)
@@ -144,7 +146,8 @@ def triton_modules(
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2) if g is None else (0, 1, 2, 3))(q, k, v, g)
 
-    with _capturing_triton_ir() as modules, pallas.tuning(**tuning):
+    precision = jax.default_matmul_precision(matmul_precision)
+    with _capturing_triton_ir() as modules, pallas.tuning(**tuning), precision:
         export_for_cuda(value_and_grads, qkv, qkv, qkv, g, arch=arch)
     return modules
 
@@ -269,22 +272,22 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
     and .md there."""
     rows = []
     for decay, block in itertools.product(opts.decays, opts.value_blocks):
-        with jax.default_matmul_precision(opts.matmul_precision or None):
-            modules = triton_modules(
-                decay,
-                n=opts.n,
-                head_dim=opts.head_dim,
-                dtype=opts.dtype,
-                chunk_size=opts.chunk_size or None,
-                tuning={
-                    "value_block": block or None,
-                    "parallel_forward": opts.parallel,
-                    "parallel_backward": opts.parallel,
-                    "split_key_value": opts.split_key_value,
-                },
-                arch=opts.arch,
-                normalize=opts.normalize,
-            )
+        modules = triton_modules(
+            decay,
+            n=opts.n,
+            head_dim=opts.head_dim,
+            dtype=opts.dtype,
+            chunk_size=opts.chunk_size or None,
+            tuning={
+                "value_block": block or None,
+                "parallel_forward": opts.parallel,
+                "parallel_backward": opts.parallel,
+                "split_key_value": opts.split_key_value,
+            },
+            arch=opts.arch,
+            normalize=opts.normalize,
+            matmul_precision=opts.matmul_precision or None,
+        )
         for (name, ir_text), warps, stages in itertools.product(
             modules.items(), opts.num_warps, opts.num_stages
         ):

@@ -385,10 +385,9 @@ def test_the_parallel_forms_keep_bfloat16_states_where_the_products_round_them(d
 
 def _product_operands(decay: str, dtype: str, precision: str | None) -> set:
     """The operand dtypes of every matrix product of the kernels, lowered for a GPU."""
-    with jax.default_matmul_precision(precision):
-        modules = kernel_resources.triton_modules(
-            decay, n=64, head_dim=16, dtype=dtype, chunk_size=16, tuning={}
-        )
+    modules = kernel_resources.triton_modules(
+        decay, n=64, head_dim=16, dtype=dtype, chunk_size=16, tuning={}, matmul_precision=precision
+    )
     product = r"tt\.dot .* : tensor<\d+x\d+x(\w+)> \* tensor<\d+x\d+x(\w+)>"
     return {operands for ir in modules.values() for operands in re.findall(product, ir)}
 
