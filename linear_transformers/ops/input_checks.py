@@ -226,8 +226,10 @@ def key_padding_mask(key_lengths_B, length: int):
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:
-    """float32 for half-precision inputs, the input precision when it is higher (float64 tests)."""
-    return jnp.promote_types(dtype, jnp.float32)
+    """float32 for half-precision inputs, the input precision when it is higher (float64 tests)
+    and JAX computes in it: NumPy's float64 without `jax_enable_x64` is float32 in JAX, and so
+    is its accumulation (a float64 buffer a kernel wrote float32 values to would be refused)."""
+    return jax.dtypes.canonicalize_dtype(jnp.promote_types(dtype, jnp.float32))
 
 
 def is_concrete(x) -> bool:

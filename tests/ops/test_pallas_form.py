@@ -174,6 +174,25 @@ def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, launch, norm
     chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
 
 
+def test_numpy_float64_inputs_without_x64_run_as_float32():
+    """JAX reads NumPy's float64 as float32 where x64 is off, and so does the op's accumulation:
+    the parallel forward's states, written in it, are float32 too (they were float64 buffers
+    given float32 values, which Pallas refuses)."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 20, 1, 3)) for _ in range(3))
+    g = -rng.uniform(0, 1, (1, 20, 1))
+    with pallas.tuning(parallel_forward=True):
+        got = ops.gated_linear_attention(q, k, v, log_decay=g, implementation="pallas", chunk_size=CHUNK)
+        want = ops.gated_linear_attention(
+            *(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+            log_decay=jnp.asarray(g, jnp.float32),
+            implementation="pallas",
+            chunk_size=CHUNK,
+        )
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize(
     "options,message",
     [
