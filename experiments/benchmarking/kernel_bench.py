@@ -43,7 +43,10 @@ DECAY_GOAL = 1.3
 # forward and backward write the states entering every chunk (and backward the cotangents of
 # those leaving it), then make every chunk's output or gradients at once, FLA's design (fewer
 # registers, no spills at chunks of 32 but in the normalised gradients with a decay per step;
-# their forward alone is the parallel forward's time, their backward the difference); chunks of
+# their forward alone is the parallel forward's time, their backward the difference); the
+# parallel forms walking each sequence's chunks in eight stretches at once (their one serial
+# part, 512 chunks of 32 at N = 16384, cut eight-fold, and eight times the B * H = 64 programs
+# walking: `pallas.Tuning.walks`), at chunks of 32 and 64; chunks of
 # 64 halve the steps of a program's loop but spill registers
 # (`experiments/kernel_resources.py`), chunks of 16 double them and spill nothing; dk and dv in
 # programs of their own (three programs a sequence or chunk backward: fewer spills, the walk
@@ -59,6 +62,8 @@ DECAY_GOAL = 1.3
 # the default launch.
 TUNINGS = (
     {"parallel_forward": True, "parallel_backward": True},
+    {"parallel_forward": True, "parallel_backward": True, "walks": 8},
+    {"parallel_forward": True, "parallel_backward": True, "walks": 8, "chunk_size": 64},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "split_key_value": True},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "value_block": 32},

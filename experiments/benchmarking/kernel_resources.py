@@ -78,6 +78,9 @@ class KernelResourcesOptions:
       `parallel_backward`: their states and per-chunk kernels) instead of the one-pass ones.
     split_key_value: The backward's dk and dv in programs of their own
       (`pallas.Tuning.split_key_value`).
+    walks: With `parallel`, the walks over each sequence's chunks (`pallas.Tuning.walks`):
+      above 1, each walk's kernel writes factors and its final state, and each chunk's adds
+      its walk's first state.
     matmul_precision: `jax.default_matmul_precision` while the kernels are traced ("": JAX's
       default, where bfloat16 inputs multiply in bfloat16; "tensorfloat32": TF32 products of
       the kernels' float32 values).
@@ -95,6 +98,7 @@ class KernelResourcesOptions:
     normalize: bool = False
     parallel: bool = False
     split_key_value: bool = False
+    walks: int = 1
     matmul_precision: str = ""
 
     def __post_init__(self):
@@ -104,6 +108,7 @@ class KernelResourcesOptions:
         for block in self.value_blocks:
             if block:
                 pallas.Tuning(value_block=block)  # its own error for a bad value
+        pallas.Tuning(walks=self.walks, parallel_forward=self.parallel)  # its own error
         gpu_kind(self.arch)  # its own error for an unknown one
         with jax.default_matmul_precision(self.matmul_precision or None):
             pass  # JAX's own error, naming the values it takes
@@ -283,6 +288,7 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
                 "parallel_forward": opts.parallel,
                 "parallel_backward": opts.parallel,
                 "split_key_value": opts.split_key_value,
+                "walks": opts.walks,
             },
             arch=opts.arch,
             normalize=opts.normalize,
@@ -311,6 +317,8 @@ def run(opts: KernelResourcesOptions, out_dir: str | None = None, log=print) -> 
         shape = f"{opts.dtype}, D = M = {opts.head_dim}, {attention}"
         if opts.split_key_value:
             shape += ", the backward's dk and dv in programs of their own"
+        if opts.walks > 1:
+            shape += f", {opts.walks} walks over each sequence's chunks"
         shape += f", matmul precision {opts.matmul_precision or 'JAX default'}"
         table = report.markdown_table(rows, COLUMNS)
         (out / "kernel_resources.md").write_text(f"# {title}\n\n{shape}\n\n{table}\n")

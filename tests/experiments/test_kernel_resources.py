@@ -50,9 +50,12 @@ def test_the_normalised_kernels_compile_too(tmp_path):
     assert "elu features, normalised" in (tmp_path / "kernel_resources.md").read_text()
 
 
-def test_the_parallel_kernels_compile_too(tmp_path):
+@pytest.mark.parametrize("walks", [1, 2])
+def test_the_parallel_kernels_compile_too(tmp_path, walks):
     """The parallel forward's and backward's kernels (states, then one program a chunk), with a
-    decay per feature (its per-chunk choice of form) and the normaliser."""
+    decay per feature (its per-chunk choice of form) and the normaliser, the chunks walked in
+    one stretch or two (each walk's kernel writing factors, each chunk's adding its walk's
+    first state)."""
     pytest.importorskip("triton")
     opts = kernel_resources.KernelResourcesOptions(
         decays=("feature",),
@@ -63,6 +66,7 @@ def test_the_parallel_kernels_compile_too(tmp_path):
         chunk_size=16,
         normalize=True,
         parallel=True,
+        walks=walks,
     )
     rows = kernel_resources.run(opts, tmp_path, log=lambda line: None)
     kernels = ["chunk_states", "chunk_outputs", "backward_states", "chunk_gradients"]
@@ -129,6 +133,8 @@ def test_options_refuse_unknown_decays_bad_value_blocks_and_unknown_gpus():
         kernel_resources.KernelResourcesOptions(decays=("gate",))
     with pytest.raises(ValueError, match="value_block must be a power of two >= 16 or None, got 24"):
         kernel_resources.KernelResourcesOptions(value_blocks=(24,))
+    with pytest.raises(ValueError, match="walks=4 needs parallel_forward=True or parallel_backward=True"):
+        kernel_resources.KernelResourcesOptions(walks=4)
     with pytest.raises(ValueError, match=r"arch must be one of \[80, 90, 100\], got 75"):
         kernel_resources.KernelResourcesOptions(arch=75)
     with pytest.raises(ValueError, match="must be None or in .*'tensorfloat32'.*got bf32"):

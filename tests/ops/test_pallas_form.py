@@ -98,14 +98,19 @@ def test_values_and_gradients_equal_the_dense_reference(x64, decay, normalize, p
         ("none", False, True, {}),
         ("step", True, False, {}),
         ("feature", False, True, {"split_backward": False}),
+        ("none", True, False, {"walks": 3}),
+        ("step", True, True, {"walks": 2}),
+        ("feature", False, False, {"walks": 2}),
     ],
 )
 def test_the_parallel_forward_and_backward_give_the_same_result(x64, decay, normalize, packed, launch):
     """`Tuning.parallel_forward`: the states entering every chunk first, then every chunk's
     output at once; `Tuning.parallel_backward`: the states entering every chunk and the
     cotangents of those leaving it first, then every chunk's gradients at once (dq in programs
-    of their own, or with dk and dv). Values, final states and gradients (the initial states'
-    included) equal the dense reference in float64."""
+    of their own, or with dk and dv). With `walks`, the three chunks walked in stretches of one
+    chunk each or of two and one, each from zero, joined after (no factors; those of segments
+    and a decay per step; a decay per feature's). Values, final states and gradients (the initial
+    states' included) equal the dense reference in float64."""
     primals, loss = _primals_and_loss(3, decay, normalize=normalize, packed=packed)
 
     grad = jax.value_and_grad(loss, argnums=tuple(range(1, len(primals) + 1)), has_aux=True)
@@ -193,6 +198,23 @@ def test_numpy_float64_inputs_without_x64_run_as_float32():
     np.testing.assert_array_equal(got, want)
 
 
+def test_every_walk_reports_the_non_finite_values_it_reads():
+    """With walks (`Tuning.walks`) and value blocks, each program of the parallel forward's
+    states kernel reports whether the v and decays it read were finite, in a flag of its own:
+    a NaN v read only by the first of three walks, in the second value block, makes NaN the
+    outputs the guard says (its column, from its step on) and nothing else."""
+    rng = np.random.default_rng(9)
+    q, k = (rng.standard_normal((1, 40, 2, 3)) for _ in range(2))
+    v = rng.standard_normal((1, 40, 2, 20))
+    v[0, 5, 1, 17] = np.nan
+    g = -rng.uniform(0, 1, (1, 40, 2))
+    with pallas.tuning(value_block=16, parallel_forward=True, walks=3):
+        out = ops.gated_linear_attention(q, k, v, log_decay=g, implementation="pallas", chunk_size=CHUNK)
+    seen = np.zeros(out.shape, bool)
+    seen[0, 5:, 1, 17] = True
+    np.testing.assert_array_equal(np.isnan(out), seen)
+
+
 @pytest.mark.parametrize(
     "options,message",
     [
@@ -207,6 +229,9 @@ def test_numpy_float64_inputs_without_x64_run_as_float32():
             {"split_key_value": True, "split_backward": False},
             r"split_key_value=True needs split_backward=True \(dq in programs of its own\)",
         ),
+        ({"walks": 0}, "walks must be an int >= 1, got 0"),
+        ({"walks": True}, "walks must be an int >= 1, got True"),
+        ({"walks": 2}, "walks=2 needs parallel_forward=True or parallel_backward=True"),
     ],
 )
 def test_launch_options_are_checked(options, message):
@@ -434,21 +459,22 @@ def triton(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "decay,normalize,parallel",
+    "decay,normalize,parallel,walks",
     [
-        ("none", False, False),
-        ("step", True, False),
-        ("step", True, True),
-        ("feature", False, False),
-        ("feature", False, True),
+        ("none", False, False, 1),
+        ("step", True, False, 1),
+        ("step", True, True, 2),
+        ("feature", False, False, 1),
+        ("feature", False, True, 1),
+        ("feature", False, True, 2),
     ],
 )
-def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize, parallel):
+def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize, parallel, walks):
     """Every operation of the forward and backward kernels, the preparation they apply (elu,
     the scale, key lengths, the finite part) and the normaliser included, has a Triton
     lowering: lowered for CUDA here, without a GPU (what Triton then compiles is checked on a
     GPU). One kernel a pass (the normaliser runs in the values' programs), two for the parallel
-    forward and two for the parallel backward."""
+    forward and two for the parallel backward, walking the chunks in one stretch or two."""
     n, d = 80, 16  # five chunks of 16, not a power of two
     spec = jax.ShapeDtypeStruct
     g = {"none": None, "step": spec((1, n, 2), jnp.float32), "feature": spec((1, n, 2, d), jnp.float32)}[
@@ -476,7 +502,8 @@ def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize, paralle
     qk, v = spec((1, n, 2, d), jnp.bfloat16), spec((1, n, 2, 2 * d), jnp.bfloat16)
     # With a decay per feature, a grid over two value blocks (`pallas.Tuning`).
     block = 16 if decay == "feature" else None
-    with pallas.tuning(value_block=block, parallel_forward=parallel, parallel_backward=parallel):
+    launch = dict(parallel_forward=parallel, parallel_backward=parallel, walks=walks)
+    with pallas.tuning(value_block=block, **launch):
         module = _export_for_cuda(grads, qk, qk, v, g, spec((1, n), jnp.int32), spec((1,), jnp.int32))
     assert module.count("xla.gpu.triton(") == (4 if parallel else 2)  # forward and backward
 

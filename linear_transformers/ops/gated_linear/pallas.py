@@ -112,6 +112,16 @@ class Tuning:
       makes its dq, dk and dv from those two (FLA's `chunk_bwd_dh` and `chunk_bwd_dqkwg`). It
       trades two [T / C, D, M] arrays per sequence, each written once and read once, for the
       loops' work done in parallel.
+    walks: with `parallel_forward` or `parallel_backward`, the walks over each sequence's
+      chunks that write those states (and their cotangents) in as many stretches of the
+      sequence, one program each, each from a zero state; XLA then joins the stretches (each
+      walk's final state and the factor its first state leaves it with: a scan over the
+      walks, `totals.scan_totals`), and each chunk's program adds its walk's first state,
+      carried to the chunk, to what the walk wrote. The walk a chunk at a time is the one
+      serial part of the parallel forms: `walks` stretches cut its length `walks`-fold and
+      launch that many more programs where B * H alone leaves SMs idle (FLA's
+      `chunk_h_split`), for a [D, M] state and a [D] factor per walk, and a factor per chunk
+      with a decay or segments. Fewer where the sequence has fewer chunks.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
       cotangents): 16 registers a thread each at 256 threads.
@@ -124,6 +134,7 @@ class Tuning:
     split_key_value: bool = False
     parallel_forward: bool = False
     parallel_backward: bool = False
+    walks: int = 1
     num_warps: int = 8
     num_stages: int = 2
 
@@ -142,6 +153,17 @@ class Tuning:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.split_key_value and not self.split_backward:
             raise ValueError("split_key_value=True needs split_backward=True (dq in programs of its own).")
+        if not isinstance(self.walks, int) or isinstance(self.walks, bool) or self.walks < 1:
+            raise ValueError(f"walks must be an int >= 1, got {self.walks!r}.")
+        if self.walks > 1 and not (self.parallel_forward or self.parallel_backward):
+            raise ValueError(
+                f"walks={self.walks} needs parallel_forward=True or parallel_backward=True: only "
+                "the parallel forms walk the chunks in stretches."
+            )
+
+    def walk_chunks(self, num_chunks: int) -> int:
+        """The chunks of one walk of the parallel forms (`walks`), for `num_chunks` a sequence."""
+        return -(-num_chunks // min(self.walks, num_chunks))
 
     @property
     def backward_passes(self) -> int:
@@ -305,7 +327,8 @@ def _call(kernel, config, value_block: int, operands, outputs, *, passes: int = 
     "time" [B, T, H(, X)], "counts" [B, T] and "row" [B, H, D] (the normaliser's state), whole
     in every program; "values" [B, T, H, M] and "state" [B, H, D, M], a value block each;
     "part" [M / value_block, B, T, H(, X)], each program's part of a sum; "flags" [B, H,
-    M / value_block], an entry per program."""
+    M / value_block], an entry per program; "walk flags" [B, H, M / value_block * passes],
+    an entry per program where the passes are walks."""
     B, _, H, _ = operands[0][0].shape
     M = operands[2][0].shape[-1]
 
@@ -316,6 +339,9 @@ def _call(kernel, config, value_block: int, operands, outputs, *, passes: int = 
             return pl.BlockSpec((None, None, shape[2]), lambda b, h, j, p: (b, h, 0))
         if layout == "flags":  # [B, H, value blocks]: one entry per program
             return pl.BlockSpec((None, None, None), lambda b, h, j, p: (b, h, j))
+        if layout == "walk flags":  # [B, H, value blocks * walks]: one entry per program
+            walks = shape[2] * value_block // M
+            return pl.BlockSpec((None, None, None), lambda b, h, j, p: (b, h, j * walks + p))
         if layout == "state":
             return pl.BlockSpec((None, None, shape[2], value_block), lambda b, h, j, p: (b, h, 0, j))
         if layout == "values":
@@ -420,27 +446,110 @@ def _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0):
     D, num_chunks = q.shape[-1], T // config.C
     value_block = config.value_block(M)
     normalize = z0 is not None
-    # The states entering each chunk (chunk c's at rows c * D), the final states, the flags.
+    walks = _Walks(config, num_chunks, g, runs)
+    # The states entering each chunk (chunk c's at rows c * D), the final states (each walk's),
+    # [the walks' factors], the flags.
     outputs = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.snapshots), "state")]
     if normalize:
         outputs += [(jax.ShapeDtypeStruct((B, H, num_chunks * D), config.acc), "row")]
-    outputs += [(s0, "state")] + ([(z0, "row")] if normalize else [])
-    outputs += [(jax.ShapeDtypeStruct((B, H, M // value_block), jnp.int32), "flags")]
-    kernel = _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs)
-    operands = _operands(q, k, v, g, valid, runs, before, s0, z0)
-    results = list(_call(kernel, config, value_block, operands, outputs))
-    if not normalize:
-        results = [results[0], None, results[1], None, results[2]]
-    states, z_states, s, z, clean = results
+    outputs += walks.finals(s0, z0) + walks.factors(s0)
+    flags = (B, H, M // value_block * walks.count)
+    outputs += [(jax.ShapeDtypeStruct(flags, jnp.int32), "walk flags" if walks.joined else "flags")]
+    kernel = functools.partial(
+        _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs), walk_chunks=walks.chunks
+    )
+    operands = _operands(q, k, v, g, valid, runs, before, *walks.starts(s0, z0))
+    results = list(_call(kernel, config, value_block, operands, outputs, passes=walks.count))
+    states, z_states = results.pop(0), results.pop(0) if normalize else None
+    s, z = results.pop(0), results.pop(0) if normalize else None
+    factors = results[:-1]
+    clean = jnp.min(results[-1].reshape(B, H, -1, walks.count), axis=-1)
+    joins = []
+    if walks.joined:
+        entering, (s, z) = walks.join((s0, z0), (s, z), factors, config.snapshots)
+        joins = walks.join_operands(entering, factors[:1])
 
     outputs = [(jax.ShapeDtypeStruct((B, T, H, M), v.dtype), "values")]
     if normalize:
         outputs += [(jax.ShapeDtypeStruct((B, T, H), config.acc), "time")]
-    kernel = _kernel(pallas_kernels.chunk_outputs_kernel, config, q, g, valid, runs)
+    kernel = functools.partial(
+        _kernel(pallas_kernels.chunk_outputs_kernel, config, q, g, valid, runs), walk_chunks=walks.chunks
+    )
     operands = _operands(q, k, v, g, valid, runs, before, None, None) + [(states, "state")]
     operands += [(z_states, "row")] if normalize else []
-    out, *den = _call(kernel, config, value_block, operands, outputs, passes=num_chunks)
+    out, *den = _call(kernel, config, value_block, operands + joins, outputs, passes=num_chunks)
     return out, s, z, den[0] if normalize else None, clean
+
+
+class _Walks:
+    """The parallel forms' walks over the chunks of each sequence (`Tuning.walks`): `count` of
+    `chunks` chunks each (the last may have fewer); `joined`: more than one, each from zero,
+    joined here; `factored`: each has factors to write (a decay or segments)."""
+
+    def __init__(self, config, num_chunks: int, g, runs):
+        self.chunks = config.tuning.walk_chunks(num_chunks)
+        self.count = -(-num_chunks // self.chunks)
+        self.joined = self.count > 1
+        self.factored = self.joined and (g is not None or runs is not None)
+        self.num_chunks, self.acc = num_chunks, config.acc
+
+    def starts(self, s0, z0):
+        """The states every walk starts from: (s0, z0), or zeros where the walks are joined."""
+        if not self.joined:
+            return s0, z0
+        return jnp.zeros_like(s0), None if z0 is None else jnp.zeros_like(z0)
+
+    def finals(self, s0, z0):
+        """The outputs of each walk's final states, [B, H, walks * D(, M)], (s0, z0)'s layouts."""
+        B, H, D, M = s0.shape
+        finals = [(jax.ShapeDtypeStruct((B, H, self.count * D, M), s0.dtype), "state")]
+        if z0 is not None:
+            finals += [(jax.ShapeDtypeStruct((B, H, self.count * D), z0.dtype), "row")]
+        return finals
+
+    def factors(self, s0, *, backward: bool = False):
+        """The outputs of the factors the walks write: [each walk's first state's to each chunk,
+        and out of the walk], [backward: each walk's last cotangent's to each chunk]."""
+        if not self.factored:
+            return []
+        B, H, D, _ = s0.shape
+        row = lambda n: (jax.ShapeDtypeStruct((B, H, n * D), self.acc), "row")  # noqa: E731
+        return [row(self.num_chunks)] if backward else [row(self.num_chunks), row(self.count)]
+
+    def join(self, first, finals, factors, dtype, *, reverse: bool = False):
+        """(each walk's first states: (s [B, H, walks * D, M] in `dtype`, z [B, H, walks * D]
+        or None), the last walk's final states), from the sequence's first states `first`
+        (s0, z0), each walk's final states from zero `finals` and `factors` (`factors()`'s:
+        the totals last). Reverse: the walks from the last (the states' cotangents: `first`
+        the final states', the result's last the initial states')."""
+        (s0, z0), (s, z) = first, finals
+        B, H, D, M = s0.shape
+
+        def in_order(x):  # the walks' axis from the first walked to the last, or back
+            return jnp.flip(x, axis=2) if reverse else x
+
+        def by_walk(x, *rest):
+            return None if x is None else in_order(x.reshape(B, H, self.count, D, *rest))
+
+        a = by_walk(factors[-1]) if self.factored else None
+        scanned = totals.scan_totals(a, None, by_walk(s, M), by_walk(z), axis=2)
+        walked = totals.apply_totals((s0[:, :, None], None if z0 is None else z0[:, :, None]), scanned)
+        s_first, z_first = (
+            None if x is None else in_order(jnp.concatenate([x0[:, :, None], x[:, :, :-1]], axis=2))
+            for x0, x in zip((s0, z0), walked)
+        )
+        s_first = s_first.reshape(B, H, self.count * D, M).astype(dtype)
+        z_first = None if z_first is None else z_first.reshape(B, H, self.count * D)
+        last = tuple(None if x is None else x[:, :, -1] for x in walked)
+        return (s_first, z_first), last
+
+    @staticmethod
+    def join_operands(first, factors):
+        """The operands `pallas_kernels._Joins` reads: each walk's first states (`join`'s) and
+        [the factors to each chunk]."""
+        s_first, z_first = first
+        operands = [(s_first, "state")] + ([(z_first, "row")] if z_first is not None else [])
+        return operands + [(f, "row") for f in factors]
 
 
 def _attend_fwd(config, q, k, v, g, valid, runs, before, s0, z0):
@@ -455,16 +564,21 @@ def _attend_bwd(config, residuals, cotangents):
     parts = v.shape[-1] // value_block
     inputs = _operands(q, k, v, g, valid, runs, before, None, None)
     states = [(s0, "state")] + ([(z0, "row")] if z0 is not None else [])
-    # What the loops over the chunks read (`backward_kernel`'s operands), and what a program of
-    # one chunk reads (`chunk_gradients_kernel`'s, before the states).
-    walk_operands = inputs + states + [(d_out, "values"), (d_s.astype(s0.dtype), "state")]
-    chunk_operands = inputs + [(d_out, "values")]
+    d_s = d_s.astype(s0.dtype)
+    d_z = None if z0 is None else d_z.astype(z0.dtype)
+    chunk_operands = inputs + [(d_out, "values")]  # what a program of one chunk reads
     if z0 is not None:
         # den's cotangent, a sum over every value feature: -sum_m d out * num / (den + eps)**2
         # (FlashAttention's backward reads its stored output the same way).
         d_den = -jnp.sum(d_out.astype(den.dtype) * out.astype(den.dtype), axis=-1) / (den + config.eps)
-        walk_operands += [(den, "time"), (d_den, "time"), (d_z.astype(z0.dtype), "row")]
         chunk_operands += [(den, "time"), (d_den, "time")]
+
+    def walk_operands(s0, z0, d_s, d_z):
+        """What the loops over the chunks read (`backward_kernel`'s operands), from these states
+        and cotangents."""
+        operands = inputs + [(s0, "state")] + ([(z0, "row")] if z0 is not None else [])
+        operands += [(d_out, "values"), (d_s, "state")]
+        return operands + ([(den, "time"), (d_den, "time"), (d_z, "row")] if z0 is not None else [])
 
     def summed(x, dtype):
         """An output of x's shape; with several value blocks, each block's part, summed after."""
@@ -480,14 +594,16 @@ def _attend_bwd(config, residuals, cotangents):
         return functools.partial(_kernel(kernel, config, q, g, valid, runs), **options)
 
     if config.tuning.parallel_backward:
+        walks = _Walks(config, v.shape[1] // config.C, g, runs)
         dq, dk, dv, *dG, ds0, dz0 = _parallel_backward(
-            config, bind, value_block, walk_operands, chunk_operands, gradients, states
+            config, bind, value_block, walks, walk_operands, chunk_operands, gradients, (s0, z0, d_s, d_z)
         )
     else:
         passes = config.tuning.backward_passes
         kernel = bind(pallas_kernels.backward_kernel, passes=passes)
         outputs = gradients[:3] + states + gradients[3:]
-        dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, walk_operands, outputs, passes=passes)
+        operands = walk_operands(s0, z0, d_s, d_z)
+        dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, operands, outputs, passes=passes)
         dz0 = dG.pop(0) if z0 is not None else None
     if parts > 1:
         dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
@@ -506,29 +622,44 @@ def _attend_bwd(config, residuals, cotangents):
     return dq, dk, dv, dg, *no_cotangent, ds0, dz0
 
 
-def _parallel_backward(config, bind, value_block: int, walk_operands, chunk_operands, gradients, states):
+def _parallel_backward(config, bind, value_block: int, walks, walk_operands, chunk_operands, gradients, ends):
     """(dq, dk, dv, [q . dq, k . dk], d_s0, d_z0 or None) from `Tuning.parallel_backward`'s two
-    kernels, `bind(kernel, **options)` binding each to its options: `walk_operands` those of
-    `backward_kernel`, `chunk_operands` the inputs and the output's cotangents, `gradients` the
-    outputs of dq, dk, dv [and the decays' parts], `states` the initial states (s0, [z0])."""
-    (s0, _), normalize = states[0], len(states) > 1
+    kernels, `bind(kernel, **options)` binding each to its options: `walks` the `_Walks`,
+    `walk_operands(s0, z0, d_s, d_z)` those of `backward_kernel`, `chunk_operands` the inputs
+    and the output's cotangents, `gradients` the outputs of dq, dk, dv [and the decays'
+    parts], `ends` the initial states and the final states' cotangents (s0, z0, d_s, d_z; z0
+    and d_z None without a normaliser)."""
+    s0, z0, d_s, d_z = ends
+    normalize = z0 is not None
     B, H, D, M = s0.shape
-    num_chunks = walk_operands[0][0].shape[1] // config.C
+    num_chunks = walks.num_chunks
     rows = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.snapshots), "state")]
     if normalize:
         rows += [(jax.ShapeDtypeStruct((B, H, num_chunks * D), config.acc), "row")]
     # The states entering each chunk and the cotangents of those leaving it, then the initial
-    # states' cotangents.
-    kernel = bind(pallas_kernels.backward_states_kernel)
-    walked = _call(kernel, config, value_block, walk_operands, rows + rows + states, passes=2)
+    # states' cotangents (each walk's), [each walk's final states and factors].
+    finals = walks.finals(s0, z0)
+    outputs = rows + rows + finals
+    if walks.joined:
+        outputs += finals + walks.factors(s0) + walks.factors(s0, backward=True)
+    kernel = bind(pallas_kernels.backward_states_kernel, walk_chunks=walks.chunks)
+    operands = walk_operands(*walks.starts(s0, z0), *walks.starts(d_s, d_z))
+    walked = _call(kernel, config, value_block, operands, outputs, passes=2 * walks.count)
     n = len(rows)
-    entering, leaving, initial = walked[:n], walked[n : 2 * n], walked[2 * n :]
+    entering, leaving = walked[:n], walked[n : 2 * n]
+    ds0, dz0 = walked[2 * n], walked[2 * n + 1] if normalize else None
     layouts = [layout for _, layout in rows]
     operands = chunk_operands + list(zip(entering, layouts)) + list(zip(leaving, layouts))
+    if walks.joined:
+        s, z = walked[3 * n], walked[3 * n + 1] if normalize else None
+        factors = walked[4 * n :]  # to each chunk, out of each walk, back to each chunk
+        first, _ = walks.join((s0, z0), (s, z), factors[:2], config.snapshots)
+        last, (ds0, dz0) = walks.join((d_s, d_z), (ds0, dz0), factors[1:2], config.snapshots, reverse=True)
+        operands += walks.join_operands(first, factors[:1]) + walks.join_operands(last, factors[2:])
     passes = config.tuning.backward_passes
-    kernel = bind(pallas_kernels.chunk_gradients_kernel, passes=passes)
+    kernel = bind(pallas_kernels.chunk_gradients_kernel, walk_chunks=walks.chunks, passes=passes)
     grads = _call(kernel, config, value_block, operands, gradients, passes=num_chunks * passes)
-    return (*grads, *initial) if normalize else (*grads, *initial, None)
+    return (*grads, ds0, dz0)
 
 
 def _log_decay_cotangent(local, C: int, state, d_state, runs, before):

@@ -46,7 +46,13 @@ The parallel forms (`pallas.Tuning.parallel_forward`, `parallel_backward`) cut e
 to the state's update: a loop writes the state entering every chunk (backward, a second loop
 the cotangent of the state leaving every chunk), and then one program per chunk makes its
 output (`chunk_outputs_kernel`) or its gradients (`chunk_gradients_kernel`) from them, with
-the same per-chunk functions as the one-pass kernels.
+the same per-chunk functions as the one-pass kernels. With `pallas.Tuning.walks` the loop is
+cut into walks over stretches of the sequence, a program each, each from a zero state: S
+entering chunk c is then what its walk wrote plus the state entering the walk (joined by
+`pallas.py` from each walk's final state and total factor) carried to c, rows scaled by the
+factor the walk wrote for c, the product of the chunks' decays since the walk's start (0 past a
+segment's start): `carry_over_normaliser` applied to a row of ones, chunk by chunk (`_Joins`).
+Backward the same holds for the cotangents, from the end of each walk.
 
 Only what Pallas lowers to Triton, and Triton compiles, is used here (no value slicing, 2-D
 matmuls, forward `cumsum` of [C, D] blocks only); `tests/ops/test_pallas_form.py` lowers both
@@ -55,6 +61,9 @@ for a GPU on any machine.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -402,48 +411,103 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps
     def visit(chunk, c, S, z):
         _write_chunk_output(chunk, c, C, S, z, o_ref, den_ref, eps)
 
-    _walk_chunks(inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, num_chunks, chunk_options)
+    walk = _Walk(0, num_chunks)
+    _walk_chunks(inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, walk, chunk_options)
 
 
-def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, num_chunks: int, chunk_options):
-    """The forward's loop over the chunks: `visit(chunk, c, S, z)` with the states entering
-    chunk c (z None without a normaliser), carried from (s0, z0) in `initial_refs`; then the
-    states after the last chunk and the guard's flag (`_Chunk.clean` of every chunk) written
-    to (s, z, clean) in `final_refs` (all None: not written)."""
+def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, walk, chunk_options, factor_refs=None):
+    """The forward's loop over the chunks of `walk` (`_Walk`): `visit(chunk, c, S, z)`
+    with the states entering chunk c (z None without a normaliser), carried from (s0, z0) in
+    `initial_refs`; then the states after the last chunk and the guard's flag (`_Chunk.clean`
+    of every chunk) written to (s, z, clean) in `final_refs` (all None: not written; s and z
+    at the walk's rows). `factor_refs` (factors, total; None: none): the factor each of the
+    walk's first state's rows reaches chunk c with, written at rows c * D of factors [num chunks
+    * D], and the one it leaves the walk with to total (`_Walks`)."""
     (s0_ref, z0_ref), (s_ref, z_ref, clean_ref) = initial_refs, final_refs
     normalize, acc = z0_ref is not None, chunk_options["acc"]
+    D = s0_ref.shape[0]
 
     def body(c, carry):
-        (S, z), clean = _unpack(carry[0], normalize), carry[1]
+        (S, z), clean, factor = _unpack(carry[0], normalize), carry[1], carry[2]
         chunk = _Chunk(c, inputs, C, **chunk_options)
         visit(chunk, c, S, z)
-        return _pack(*_carry_over_chunk(chunk, S, z)), jnp.minimum(clean, chunk.clean())
+        if factor_refs is not None:
+            factor_refs[0][pl.ds(c * D, D)] = factor[0]
+            factor = chunk.carry_over_normaliser(factor)
+        return _pack(*_carry_over_chunk(chunk, S, z)), jnp.minimum(clean, chunk.clean()), factor
 
     states = _pack(s0_ref[...].astype(acc), _row(z0_ref, acc))
-    states, clean = jax.lax.fori_loop(0, num_chunks, body, (states, jnp.int32(1)))
+    factor = None if factor_refs is None else jnp.ones((1, D), acc)
+    states, clean, factor = jax.lax.fori_loop(walk.first, walk.stop, body, (states, jnp.int32(1), factor))
     if s_ref is None:
         return
     S, z = _unpack(states, normalize)
-    s_ref[...] = S.astype(s_ref.dtype)
+    rows = walk.rows(D)
+    s_ref[rows, :] = S.astype(s_ref.dtype)
     if normalize:
-        z_ref[...] = z[0].astype(z_ref.dtype)
-    clean_ref[...] = clean
+        z_ref[rows] = z[0].astype(z_ref.dtype)
+    if factor_refs is not None:
+        factor_refs[1][rows] = factor[0]
+    if clean_ref is not None:
+        clean_ref[...] = clean
 
 
-def chunk_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """The chunks one program walks, range(first, stop): a sequence's only walk (index None),
+    or its walk `index` of several (`pallas.Tuning.walks`), whose final states go to rows
+    index * D of the walks' [walks * D, ...]."""
+
+    first: Any
+    stop: Any
+    index: Any = None
+
+    @classmethod
+    def of(cls, index, walk_chunks: int, num_chunks: int):
+        """Walk `index` (the program's) of a sequence of `num_chunks` chunks, `walk_chunks` a walk
+        (the last walk may have fewer); the only one where they are all."""
+        if walk_chunks >= num_chunks:
+            return cls(0, num_chunks)
+        first = index * walk_chunks
+        return cls(first, jnp.minimum(first + walk_chunks, num_chunks), index)
+
+    def rows(self, D: int):
+        return slice(None) if self.index is None else pl.ds(self.index * D, D)
+
+
+def chunk_states_kernel(
+    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, **chunk_options
+):
     """The parallel forward's first kernel (`pallas.Tuning.parallel_forward`): refs: q, k, v,
     [g], [valid], [runs, before], s0, [z0] -> states (the state entering each chunk, [num_chunks
-    * D, M]: chunk c's at rows c * D), [z states ([num_chunks * D])], s, [z], clean. The loop
-    over chunks carries the state as `forward_kernel`'s does, but does nothing else: no query,
-    score or output."""
+    * D, M]: chunk c's at rows c * D), [z states ([num_chunks * D])], s, [z], [factors, totals],
+    clean. The loop over chunks carries the state as `forward_kernel`'s does, but does nothing
+    else: no query, score or output.
+
+    With `walk_chunks` < `num_chunks` each sequence is walked in stretches of that many chunks,
+    one program a walk (the grid's last axis, `_Walk`), each from s0 and z0 (zero: `pallas.py`
+    joins the walks): the states each writes are its own, s and z hold each walk's final ones
+    [walks * D, ...], and with a decay or segments each walk writes the factor its first state
+    reaches each of its chunks with (factors [num_chunks * D]) and leaves it with (totals
+    [walks * D]), which `_Joins` reads."""
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
     s0_ref, z0_ref = _state_refs(refs, normalize)
     states_ref, z_states_ref = _state_refs(refs, normalize)
     s_ref, z_ref = _state_refs(refs, normalize)
+    walk = _Walk.of(pl.program_id(3), walk_chunks, num_chunks)
+    factor_refs = _factor_refs(refs, walk, has_decay or has_segments)
     clean_ref = next(refs)
     visit = _state_writer(states_ref, z_states_ref)
-    _walk_chunks(inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, num_chunks, chunk_options)
+    _walk_chunks(
+        inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, walk, chunk_options, factor_refs
+    )
+
+
+def _factor_refs(refs, walk, factored: bool):
+    """The next two refs of the iterator `refs` (a walk's factors and totals) where a walk of
+    several, of a sequence with a decay or segments, writes them; else None."""
+    return (next(refs), next(refs)) if walk.index is not None and factored else None
 
 
 def _state_writer(states_ref, z_states_ref):
@@ -462,6 +526,40 @@ def _state_writer(states_ref, z_states_ref):
     return visit
 
 
+class _Joins:
+    """What makes the states a walk of several wrote from zero (`chunk_states_kernel`) the
+    sequence's: the states each walk starts from ([walks * D, M], and z's [walks * D]: the
+    walks' joined in XLA, `pallas.py`) and, with a decay or segments, the factor each reaches
+    each chunk with ([num_chunks * D]; else 1). Backward, the same for the cotangents of the
+    states leaving each chunk and each walk. `refs`: the next refs of an iterator, read only
+    where `walk_chunks` < `num_chunks`."""
+
+    def __init__(self, refs, *, walk_chunks: int, num_chunks: int, normalize: bool, factored: bool):
+        self.walk_chunks = walk_chunks
+        self.refs = None
+        if walk_chunks < num_chunks:
+            walks, z_walks = _state_refs(refs, normalize)
+            self.refs = walks, z_walks, next(refs) if factored else None
+
+    def chunk_state(self, states_ref, z_states_ref, c, D: int, acc):
+        """Chunk c's S [D, M] and z [1, D] (None without a normaliser): `_state_writer`'s, with
+        its walk's first state added, carried to chunk c."""
+        S, z = _chunk_state(states_ref, z_states_ref, c, D)
+        if self.refs is None:
+            return S, z
+        walks_ref, z_walks_ref, factors_ref = self.refs
+        first, rows = pl.ds((c // self.walk_chunks) * D, D), pl.ds(c * D, D)
+        factor = None if factors_ref is None else factors_ref[rows][None, :]  # [1, D]
+        S = S.astype(acc) + _times(walks_ref[first, :].astype(acc), _column(factor))
+        if z is not None:
+            z = z + _times(z_walks_ref[first][None, :], factor)
+        return S, z
+
+
+def _column(row):
+    return None if row is None else jnp.transpose(row)
+
+
 def _chunk_state(states_ref, z_states_ref, c, D: int):
     """Chunk c's rows of what `_state_writer` wrote, for D features: S [D, M] and z [1, D]
     (None without a normaliser)."""
@@ -469,19 +567,28 @@ def _chunk_state(states_ref, z_states_ref, c, D: int):
     return states_ref[rows, :], None if z_states_ref is None else z_states_ref[rows][None, :]
 
 
-def chunk_outputs_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
+def chunk_outputs_kernel(
+    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, **chunk_options
+):
     """The parallel forward's second kernel: refs: q, k, v, [g], [valid], [runs, before],
-    states, [z states] (`chunk_states_kernel`'s) -> out, [den]. One program a chunk (the
-    grid's last axis): every chunk's output at once, from the state entering it."""
-    del num_chunks
+    states, [z states] (`chunk_states_kernel`'s), [walks, [z walks], [factors]] (`_Joins`)
+    -> out, [den]. One program a chunk (the grid's last axis): every chunk's output at once,
+    from the state entering it."""
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
     states_ref, z_states_ref = _state_refs(refs, normalize)
+    joins = _Joins(
+        refs,
+        walk_chunks=walk_chunks,
+        num_chunks=num_chunks,
+        normalize=normalize,
+        factored=has_decay or has_segments,
+    )
     o_ref = next(refs)
     den_ref = next(refs) if normalize else None
     c = pl.program_id(3)
     chunk = _Chunk(c, inputs, C, **chunk_options)
-    S, z = _chunk_state(states_ref, z_states_ref, c, chunk.q.shape[1])
+    S, z = joins.chunk_state(states_ref, z_states_ref, c, chunk.q.shape[1], chunk_options["acc"])
     _write_chunk_output(chunk, c, C, S, z, o_ref, den_ref, eps)
 
 
@@ -565,29 +672,38 @@ def _carry_back_chunk(chunk, do, d_den, dS, dz):
     return chunk.carry_over(dS) + chunk.dot(chunk.q_in, do, trans_a=True), dz
 
 
-def _walk_chunks_back(cotangents, initial_refs, final_refs, visit, num_chunks: int):
-    """The backward's loop over the chunks, from the last to the first: `visit(chunk, c, do,
-    dA, d_den, dS, dz)` with chunk c's cotangents (`_OutputCotangents.load`) and those of the
-    states leaving it (dz None without a normaliser), carried from (d_s, d_z) in
-    `initial_refs`; then the cotangents of the initial states written to (d_s0, d_z0) in
-    `final_refs` (None: not written)."""
+def _walk_chunks_back(cotangents, initial_refs, final_refs, visit, walk, factors_ref=None):
+    """The backward's loop over the chunks of `walk` (`_Walk`), from the last to the first:
+    `visit(chunk, c, do, dA, d_den, dS, dz)` with chunk c's cotangents
+    (`_OutputCotangents.load`) and those of the states leaving it (dz None without a
+    normaliser), carried from (d_s, d_z) in `initial_refs`; then the cotangents of the states
+    entering the walk written to (d_s0, d_z0) in `final_refs` (None: not written; at the walk's
+    rows). `factors_ref` (None: none): the factor the cotangent of the state leaving the walk
+    reaches that of the state leaving chunk c with, written at rows c * D."""
     (ds_ref, dz_ref), (ds0_ref, dz0_ref) = initial_refs, final_refs
     normalize, acc = dz_ref is not None, cotangents.chunk_options["acc"]
+    D = ds_ref.shape[0]
 
     def body(i, carry):
-        dS, dz = _unpack(carry, normalize)
-        c = num_chunks - 1 - i
+        (dS, dz), factor = _unpack(carry[0], normalize), carry[1]
+        c = walk.stop - 1 - i
         chunk, do, dA, d_den = cotangents.load(c)
         visit(chunk, c, do, dA, d_den, dS, dz)
-        return _pack(*_carry_back_chunk(chunk, do, cotangents.whole_d_den(c), dS, dz))
+        if factors_ref is not None:
+            factors_ref[pl.ds(c * D, D)] = factor[0]
+            factor = chunk.carry_over_normaliser(factor)
+        return _pack(*_carry_back_chunk(chunk, do, cotangents.whole_d_den(c), dS, dz)), factor
 
-    carry = jax.lax.fori_loop(0, num_chunks, body, _pack(ds_ref[...].astype(acc), _row(dz_ref, acc)))
+    states = _pack(ds_ref[...].astype(acc), _row(dz_ref, acc))
+    factor = None if factors_ref is None else jnp.ones((1, D), acc)
+    carry, _ = jax.lax.fori_loop(0, walk.stop - walk.first, body, (states, factor))
     dS, dz = _unpack(carry, normalize)
     if ds0_ref is None:
         return
-    ds0_ref[...] = dS.astype(ds0_ref.dtype)
+    rows = walk.rows(D)
+    ds0_ref[rows, :] = dS.astype(ds0_ref.dtype)
     if normalize:
-        dz0_ref[...] = dz[0].astype(dz0_ref.dtype)
+        dz0_ref[rows] = dz[0].astype(dz0_ref.dtype)
 
 
 def _backward_operands(refs, C: int, has_decay, has_valid, has_segments, eps, chunk_options):
@@ -641,19 +757,27 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
             _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs, parts)
 
         final = (ds0_ref, dz0_ref) if "key" in parts else (None, None)
-        return lambda: _walk_chunks_back(cotangents, (ds_ref, dz_ref), final, visit, num_chunks)
+        walk = _Walk(0, num_chunks)
+        return lambda: _walk_chunks_back(cotangents, (ds_ref, dz_ref), final, visit, walk)
 
     _run_passes(pl.program_id(3), passes, query_pass, walking_back)
 
 
-def backward_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
+def backward_states_kernel(
+    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, **chunk_options
+):
     """The parallel backward's first kernel (`pallas.Tuning.parallel_backward`), two programs a
-    sequence (the grid's last axis): refs: q, k, v, [g], [valid], [runs, before], s0, [z0],
-    d_out, d_s, [den, d_den, d_z] (`backward_kernel`'s) -> states, [z states] (the states
-    entering each chunk, as `chunk_states_kernel` writes them), d states, [dz states] (the
-    cotangents of the states leaving each chunk, chunk c's at rows c * D), d_s0, [d_z0]. The
-    first program walks the chunks forward carrying the state, the second backward carrying
-    its cotangent; neither makes a score or a gradient of q, k or v."""
+    walk (the grid's last axis: the walks forward, then those back): refs: q, k, v, [g],
+    [valid], [runs, before], s0, [z0], d_out, d_s, [den, d_den, d_z] (`backward_kernel`'s)
+    -> states, [z states] (the states entering each chunk, as `chunk_states_kernel` writes
+    them), d states, [dz states] (the cotangents of the states leaving each chunk, chunk c's
+    at rows c * D), d_s0, [d_z0], and with several walks (`walk_chunks` < `num_chunks`) s,
+    [z], [factors, totals] as `chunk_states_kernel` writes them, then [d factors]. The first
+    program walks the chunks forward carrying the state, the second backward carrying its
+    cotangent; neither makes a score or a gradient of q, k or v. With several walks each starts
+    from s0 and z0, or d_s and d_z (zero: `pallas.py` joins the walks), d_s0 and d_z0 hold the
+    cotangents of the states entering each walk [walks * D, ...], and d factors the factor each
+    walk's last cotangent reaches the states leaving each of its chunks with."""
     normalize, refs = eps is not None, iter(refs)
     inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents = _backward_operands(
         refs, C, has_decay, has_valid, has_segments, eps, chunk_options
@@ -661,10 +785,17 @@ def backward_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segme
     states_ref, z_states_ref = _state_refs(refs, normalize)
     d_states_ref, dz_states_ref = _state_refs(refs, normalize)
     ds0_ref, dz0_ref = _state_refs(refs, normalize)
+    walks = -(-num_chunks // walk_chunks)
+    program = pl.program_id(3)
+    walk = _Walk.of(program % walks, walk_chunks, num_chunks)
+    s_ref, z_ref = _state_refs(refs, normalize) if walks > 1 else (None, None)
+    factor_refs = _factor_refs(refs, walk, has_decay or has_segments)
+    d_factors_ref = None if factor_refs is None else next(refs)
 
     def states_pass():
         visit = _state_writer(states_ref, z_states_ref)
-        _walk_chunks(inputs, (s0_ref, z0_ref), (None, None, None), visit, C, num_chunks, chunk_options)
+        finals = (s_ref, z_ref, None)
+        _walk_chunks(inputs, (s0_ref, z0_ref), finals, visit, C, walk, chunk_options, factor_refs)
 
     write = _state_writer(d_states_ref, dz_states_ref)
 
@@ -672,22 +803,24 @@ def backward_states_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segme
         write(chunk, c, dS, dz)
 
     def cotangents_pass():
-        _walk_chunks_back(cotangents, (ds_ref, dz_ref), (ds0_ref, dz0_ref), write_cotangents, num_chunks)
+        finals = (ds0_ref, dz0_ref)
+        _walk_chunks_back(cotangents, (ds_ref, dz_ref), finals, write_cotangents, walk, d_factors_ref)
 
-    pl.when(pl.program_id(3) == 0)(states_pass)
-    pl.when(pl.program_id(3) == 1)(cotangents_pass)
+    pl.when(program < walks)(states_pass)
+    pl.when(program >= walks)(cotangents_pass)
 
 
 def chunk_gradients_kernel(
-    *refs, C, num_chunks, has_decay, has_valid, has_segments, eps, passes, **chunk_options
+    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, passes, **chunk_options
 ):
     """The parallel backward's second kernel: refs: q, k, v, [g], [valid], [runs, before],
-    d_out, [den, d_den], states, [z states], d states, [dz states] (`backward_states_kernel`'s)
-    -> dq, dk, dv, [q . dq, k . dk] (as `backward_kernel`'s). `passes` programs a chunk (the
-    grid's last axis, `_run_passes`): one for all its gradients; or one for dq, from the states
-    entering the chunk, and one for dk and dv, from the cotangents of those leaving it; or one
-    each for dq, dk and dv. Every chunk's gradients at once."""
-    del num_chunks
+    d_out, [den, d_den], states, [z states], d states, [dz states] (`backward_states_kernel`'s),
+    [walks, [z walks], [factors], d walks, [dz walks], [d factors]] (`_Joins`, of the states
+    and of their cotangents) -> dq, dk, dv, [q . dq, k . dk] (as `backward_kernel`'s).
+    `passes` programs a chunk (the grid's last axis, `_run_passes`): one for all its
+    gradients; or one for dq, from the states entering the chunk, and one for dk and dv, from
+    the cotangents of those leaving it; or one each for dq, dk and dv. Every chunk's gradients
+    at once."""
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
     do_ref = next(refs)
@@ -695,20 +828,27 @@ def chunk_gradients_kernel(
     cotangents = _OutputCotangents((do_ref, den_ref, dden_ref), inputs, C, eps, chunk_options)
     states_ref, z_states_ref = _state_refs(refs, normalize)
     d_states_ref, dz_states_ref = _state_refs(refs, normalize)
+    options = dict(
+        walk_chunks=walk_chunks,
+        num_chunks=num_chunks,
+        normalize=normalize,
+        factored=has_decay or has_segments,
+    )
+    joins, d_joins = _Joins(refs, **options), _Joins(refs, **options)
     dq_ref, dk_ref, dv_ref = next(refs), next(refs), next(refs)
     dG_refs = list(refs) or [None, None]
     c = pl.program_id(3) // passes
-    D = inputs[0].shape[1]  # q's features
+    D, acc = inputs[0].shape[1], chunk_options["acc"]  # q's features
 
     def query_part():
         chunk, do, dA, d_den = cotangents.load(c)
-        S, z = _chunk_state(states_ref, z_states_ref, c, D)
+        S, z = joins.chunk_state(states_ref, z_states_ref, c, D, acc)
         _write_query_cotangent(chunk, c, C, do, dA, d_den, S, z, dq_ref, dG_refs[0])
 
     def from_leaving(parts):  # dk and/or dv
         def part():
             chunk, do, dA, _ = cotangents.load(c)
-            dS, dz = _chunk_state(d_states_ref, dz_states_ref, c, D)
+            dS, dz = d_joins.chunk_state(d_states_ref, dz_states_ref, c, D, acc)
             refs = (dk_ref, dv_ref, dG_refs[1])
             _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs, parts)
 
