@@ -115,8 +115,8 @@ class Tuning:
     walks: with `parallel_forward` or `parallel_backward`, the walks over each sequence's
       chunks that write those states (and their cotangents) in as many stretches of the
       sequence, one program each, each from a zero state; XLA then joins the stretches (each
-      walk's final state and the factor its first state leaves it with: a scan over the
-      walks, `totals.scan_totals`), and each chunk's program adds its walk's first state,
+      walk's final state and the factor its first state leaves it with: a fold over the
+      walks, `totals.apply_totals`), and each chunk's program adds its walk's first state,
       carried to the chunk, to what the walk wrote. The walk a chunk at a time is the one
       serial part of the parallel forms: `walks` stretches cut its length `walks`-fold and
       launch that many more programs where B * H alone leaves SMs idle (FLA's
@@ -521,27 +521,25 @@ class _Walks:
         or None), the last walk's final states), from the sequence's first states `first`
         (s0, z0), each walk's final states from zero `finals` and `factors` (`factors()`'s:
         the totals last). Reverse: the walks from the last (the states' cotangents: `first`
-        the final states', the result's last the initial states')."""
+        the final states', the result's last the initial states').
+
+        A fold over the walks, as `block.py` folds the devices' blocks: elementwise, so XLA
+        makes each result in one fusion (compiled for a CPU at eight walks: two without a
+        normaliser, where `totals.scan_totals`'s associative scan takes fourteen)."""
         (s0, z0), (s, z) = first, finals
         B, H, D, M = s0.shape
 
-        def in_order(x):  # the walks' axis from the first walked to the last, or back
-            return jnp.flip(x, axis=2) if reverse else x
+        def walk(x, w, *rest):  # walk w's [B, H, D, ...] of x [B, H, walks * D, ...]
+            return None if x is None else x.reshape(B, H, self.count, D, *rest)[:, :, w]
 
-        def by_walk(x, *rest):
-            return None if x is None else in_order(x.reshape(B, H, self.count, D, *rest))
-
-        a = by_walk(factors[-1]) if self.factored else None
-        scanned = totals.scan_totals(a, None, by_walk(s, M), by_walk(z), axis=2)
-        walked = totals.apply_totals((s0[:, :, None], None if z0 is None else z0[:, :, None]), scanned)
-        s_first, z_first = (
-            None if x is None else in_order(jnp.concatenate([x0[:, :, None], x[:, :, :-1]], axis=2))
-            for x0, x in zip((s0, z0), walked)
-        )
-        s_first = s_first.reshape(B, H, self.count * D, M).astype(dtype)
-        z_first = None if z_first is None else z_first.reshape(B, H, self.count * D)
-        last = tuple(None if x is None else x[:, :, -1] for x in walked)
-        return (s_first, z_first), last
+        state, starts = (s0, z0), [None] * self.count
+        for w in reversed(range(self.count)) if reverse else range(self.count):
+            starts[w] = state
+            a = walk(factors[-1], w) if self.factored else None
+            state = totals.apply_totals(state, (a, None, walk(s, w, M), walk(z, w)))
+        s_first = jnp.stack([x for x, _ in starts], axis=2).reshape(B, H, self.count * D, M)
+        z_first = None if z0 is None else jnp.stack([x for _, x in starts], axis=2).reshape(B, H, -1)
+        return (s_first.astype(dtype), z_first), state
 
     @staticmethod
     def join_operands(first, factors):
