@@ -12,7 +12,8 @@ measured). The copy runs forward only.
 
 A kernel row may name a `tuning` (`pallas.Tuning`: value blocks, warps, pipeline stages), the
 launch it was timed with ("default" where it names none); `comparison` and the goals read the
-default launch, `tunings` sets each other launch against it.
+default launch, `tunings` sets each other launch against it, and `fastest` names each case's
+fastest launch, at which the goals are read again (the launch a default could take).
 
 Every kernel row that ran is checked before its time counts: `rel_err`, its result (the output,
 or every gradient) against XLA's chunked form on the same inputs upcast to float32 with
@@ -243,6 +244,42 @@ def default_launches(rows: list[dict]) -> dict:
         for r in rows
         if r.get("status") == "ok" and "kind" in r and "n" in r and is_default_launch(r)
     }
+
+
+def fastest_launches(rows: list[dict]) -> dict:
+    """{(n, kind, pass): row} of the rows that ran, each case's fastest: its default launch or
+    one of `TUNINGS` (a kind timed at one launch, the copy and cuDNN, at that one)."""
+    fastest = {}
+    for r in rows:
+        if r.get("status") == "ok" and "kind" in r and "n" in r:
+            key = (r["n"], r["kind"], r["pass"])
+            if key not in fastest or r["time_ms"] < fastest[key]["time_ms"]:
+                fastest[key] = r
+    return fastest
+
+
+def fastest(rows: list[dict]) -> list[dict]:
+    """Per (N, decay, pass) the kernel ran at: its fastest launch, its ms and the default
+    launch's, and default / fastest (1 where the default is the fastest)."""
+    default = default_launches(rows)
+    out = []
+    for (n, kind, pass_), r in fastest_launches(rows).items():
+        if not kind.endswith("/pallas"):
+            continue
+        base = default.get((n, kind, pass_))
+        base_ms = base["time_ms"] if base else float("nan")
+        out.append(
+            {
+                "n": n,
+                "decay": r["decay"],
+                "pass": pass_,
+                "tuning": r.get("tuning") or DEFAULT_TUNING,
+                "pallas_ms": r["time_ms"],
+                "default_ms": base_ms,
+                "default_over_fastest": base_ms / r["time_ms"],
+            }
+        )
+    return out
 
 
 def tunings(rows: list[dict]) -> list[dict]:

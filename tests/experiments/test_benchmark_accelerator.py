@@ -65,6 +65,8 @@ def test_every_part_at_tiny_sizes_and_a_failing_part_is_skipped(tmp_path, monkey
     assert verdicts["chunked >= 8x cuDNN flash attention, N=16384, forward"] == "not measured"
     # The kernel part: the kernel (interpreted here) and the copy of its bytes both ran.
     assert verdicts["pallas forward <= 3x the copy of its bytes, no decay, N=64"] in ("met", "missed")
+    fastest = "pallas forward <= 3x the copy of its bytes, no decay, N=64, fastest launches"
+    assert verdicts[fastest] in ("met", "missed") and "each case's fastest launch" in markdown
     kernel = [r for r in rows if r["part"] == "kernel" and r["kind"] == "gated-none/pallas"]
     assert kernel and float(kernel[0]["gb_per_s"]) > 0 and int(kernel[0]["bytes"]) == 4 * 2 * 64 * 2 * 8 * 2
     assert all(float(r["rel_err"]) <= kernel_bench.REL_ERR_LIMIT for r in kernel)  # every launch checked
@@ -230,3 +232,43 @@ def test_targets_are_met_or_missed_from_the_same_run():
     ]
     verdicts = [(t["measured"], t["verdict"]) for t in accelerator_bench.generation_targets(rows)]
     assert verdicts == [("4,000 at B=1024", "met"), ("2.00x", "missed"), ("8.00x", "met")]
+
+
+def test_the_kernel_goals_are_read_at_the_default_and_at_each_cases_fastest_launch():
+    """The goals at the default launch, and again at each case's fastest launch that ran (a
+    failed launch's time, however short, is not read); the fastest-launch table names it."""
+
+    def row(kind, pass_, ms, tuning="", status="ok"):
+        decay = kind.removeprefix("gated-").removeprefix("copy-").split("/")[0]
+        return {
+            "kind": kind,
+            "decay": decay,
+            "pass": pass_,
+            "n": 64,
+            "time_ms": ms,
+            "tuning": tuning,
+            "status": status,
+        }
+
+    both = "forward+backward"
+    rows = [
+        row("gated-none/pallas", "forward", 4.0),
+        row("gated-none/pallas", "forward", 2.0, "walks=8"),
+        row("gated-none/pallas", "forward", 0.5, "num_warps=4", status="wrong: rel_err 0.5 > 0.02"),
+        row("gated-none/pallas", "forward", 3.0, "num_stages=3"),
+        row("copy-none", "forward", 1.0),
+        row("softmax-cudnn", both, 30.0),
+        row("gated-none/pallas", both, 5.0),
+        row("gated-none/pallas", both, 6.0, "walks=8"),
+    ]
+    verdicts = {t["target"]: (t["measured"], t["verdict"]) for t in accelerator_bench.kernel_targets(rows)}
+    assert verdicts["pallas forward <= 3x the copy of its bytes, no decay, N=64"] == ("4.00x", "missed")
+    roof = "pallas forward <= 3x the copy of its bytes, no decay, N=64, fastest launches"
+    assert verdicts[roof] == ("2.00x", "met")
+    cudnn = "pallas forward+backward >= 10x cuDNN flash attention, no decay, N=64"
+    assert verdicts[cudnn] == verdicts[cudnn + ", fastest launches"] == ("6.00x", "missed")
+    fastest = {(r["pass"], r["tuning"], r["default_over_fastest"]) for r in kernel_bench.fastest(rows)}
+    assert fastest == {("forward", "walks=8", 2.0), (both, "default", 1.0)}
+    # Without other launches, the goals are read once.
+    once = accelerator_bench.kernel_targets([r for r in rows if not r["tuning"]])
+    assert not any("fastest" in t["target"] for t in once)
