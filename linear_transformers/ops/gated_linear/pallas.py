@@ -29,6 +29,9 @@ What the kernels do not do, and this wrapper does in XLA around them:
   M to a power of two >= 16 (Triton's block shapes), with zeros;
 - the normaliser's cotangent: d den = -sum_m d out * out / (den + eps), a reduction over all
   value features, which a program of one value block does not see;
+- with several walks (`Tuning.walks`), their join: the state entering each walk, from the
+  walks' final states and factors (a fold over the walks), and backward the same for the
+  cotangents;
 - the decays' cotangent: with d G[t] = q[t] . dq[t] - k[t] . dk[t] of the prepared q and k
   (per feature, or summed over them with a decay per step; + d S_T * S_T + d z_T * z_T at the
   last step) the cotangent of the log decays summed up to t, each g's is the sum of those at and
