@@ -237,59 +237,33 @@ def comparison(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _ran(rows: list[dict]):
+    """The rows of cases that ran."""
+    return (r for r in rows if r.get("status") == "ok" and "kind" in r and "n" in r)
+
+
 def default_launches(rows: list[dict]) -> dict:
     """{(n, kind, pass): row} of the rows that ran, at the kernel's default launch."""
-    return {
-        (r["n"], r["kind"], r["pass"]): r
-        for r in rows
-        if r.get("status") == "ok" and "kind" in r and "n" in r and is_default_launch(r)
-    }
+    return {(r["n"], r["kind"], r["pass"]): r for r in _ran(rows) if is_default_launch(r)}
 
 
 def fastest_launches(rows: list[dict]) -> dict:
     """{(n, kind, pass): row} of the rows that ran, each case's fastest: its default launch or
     one of `TUNINGS` (a kind timed at one launch, the copy and cuDNN, at that one)."""
     fastest = {}
-    for r in rows:
-        if r.get("status") == "ok" and "kind" in r and "n" in r:
-            key = (r["n"], r["kind"], r["pass"])
-            if key not in fastest or r["time_ms"] < fastest[key]["time_ms"]:
-                fastest[key] = r
+    for r in _ran(rows):
+        key = (r["n"], r["kind"], r["pass"])
+        if key not in fastest or r["time_ms"] < fastest[key]["time_ms"]:
+            fastest[key] = r
     return fastest
 
 
-def fastest(rows: list[dict]) -> list[dict]:
-    """Per (N, decay, pass) the kernel ran at: its fastest launch, its ms and the default
-    launch's, and default / fastest (1 where the default is the fastest)."""
+def _against_default(launched: list[dict], rows: list[dict], ratio: str) -> list[dict]:
+    """Per row of `launched`: its launch and ms, the default launch's ms in `rows` (same N,
+    kind and pass) and default / its, as `ratio`."""
     default = default_launches(rows)
     out = []
-    for (n, kind, pass_), r in fastest_launches(rows).items():
-        if not kind.endswith("/pallas"):
-            continue
-        base = default.get((n, kind, pass_))
-        base_ms = base["time_ms"] if base else float("nan")
-        out.append(
-            {
-                "n": n,
-                "decay": r["decay"],
-                "pass": pass_,
-                "tuning": r.get("tuning") or DEFAULT_TUNING,
-                "pallas_ms": r["time_ms"],
-                "default_ms": base_ms,
-                "default_over_fastest": base_ms / r["time_ms"],
-            }
-        )
-    return out
-
-
-def tunings(rows: list[dict]) -> list[dict]:
-    """Per launch the kernel was tried with: its ms and the default launch's (same N, decay and
-    pass), and default / it (> 1: the launch is faster)."""
-    default = default_launches(rows)
-    out = []
-    for r in rows:
-        if r.get("status") != "ok" or is_default_launch(r):
-            continue
+    for r in launched:
         base = default.get((r["n"], r["kind"], r["pass"]))
         base_ms = base["time_ms"] if base else float("nan")
         out.append(
@@ -297,10 +271,24 @@ def tunings(rows: list[dict]) -> list[dict]:
                 "n": r["n"],
                 "decay": r["decay"],
                 "pass": r["pass"],
-                "tuning": r["tuning"],
+                "tuning": r.get("tuning") or DEFAULT_TUNING,
                 "pallas_ms": r["time_ms"],
                 "default_ms": base_ms,
-                "default_over_tuned": base_ms / r["time_ms"],
+                ratio: base_ms / r["time_ms"],
             }
         )
     return out
+
+
+def fastest(rows: list[dict]) -> list[dict]:
+    """Per (N, decay, pass) the kernel ran at: its fastest launch, its ms and the default
+    launch's, and default / fastest (1 where the default is the fastest)."""
+    launched = [r for r in fastest_launches(rows).values() if r["kind"].endswith("/pallas")]
+    return _against_default(launched, rows, "default_over_fastest")
+
+
+def tunings(rows: list[dict]) -> list[dict]:
+    """Per launch the kernel was tried with: its ms and the default launch's (same N, decay and
+    pass), and default / it (> 1: the launch is faster)."""
+    launched = [r for r in rows if r.get("status") == "ok" and not is_default_launch(r)]
+    return _against_default(launched, rows, "default_over_tuned")

@@ -164,10 +164,6 @@ class Tuning:
                 "the parallel forms walk the chunks in stretches."
             )
 
-    def walk_chunks(self, num_chunks: int) -> int:
-        """The chunks of one walk of the parallel forms (`walks`), for `num_chunks` a sequence."""
-        return -(-num_chunks // min(self.walks, num_chunks))
-
     @property
     def backward_passes(self) -> int:
         """The backward's programs per sequence (per chunk with `parallel_backward`): 1, 2 or 3."""
@@ -384,7 +380,8 @@ def _call(kernel, config, value_block: int, operands, outputs, *, passes: int = 
     )(*arrays)
 
 
-def _kernel(kernel, config, q, g, valid, runs):
+def _kernel(kernel, config, q, g, valid, runs, **options):
+    """`kernel` bound to the static options of these inputs, and to `options`."""
     return functools.partial(
         kernel,
         C=config.C,
@@ -398,6 +395,7 @@ def _kernel(kernel, config, q, g, valid, runs):
         features=config.features,
         eps=config.eps,
         products=config.products,
+        **options,
     )
 
 
@@ -458,9 +456,7 @@ def _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0):
     outputs += walks.finals(s0, z0) + walks.factors(s0)
     flags = (B, H, M // value_block * walks.count)
     outputs += [(jax.ShapeDtypeStruct(flags, jnp.int32), "walk flags" if walks.joined else "flags")]
-    kernel = functools.partial(
-        _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs), walk_chunks=walks.chunks
-    )
+    kernel = _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs, walk_chunks=walks.chunks)
     operands = _operands(q, k, v, g, valid, runs, before, *walks.starts(s0, z0))
     results = list(_call(kernel, config, value_block, operands, outputs, passes=walks.count))
     states, z_states = results.pop(0), results.pop(0) if normalize else None
@@ -475,9 +471,7 @@ def _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0):
     outputs = [(jax.ShapeDtypeStruct((B, T, H, M), v.dtype), "values")]
     if normalize:
         outputs += [(jax.ShapeDtypeStruct((B, T, H), config.acc), "time")]
-    kernel = functools.partial(
-        _kernel(pallas_kernels.chunk_outputs_kernel, config, q, g, valid, runs), walk_chunks=walks.chunks
-    )
+    kernel = _kernel(pallas_kernels.chunk_outputs_kernel, config, q, g, valid, runs, walk_chunks=walks.chunks)
     operands = _operands(q, k, v, g, valid, runs, before, None, None) + [(states, "state")]
     operands += [(z_states, "row")] if normalize else []
     out, *den = _call(kernel, config, value_block, operands + joins, outputs, passes=num_chunks)
@@ -490,8 +484,8 @@ class _Walks:
     joined here; `factored`: each has factors to write (a decay or segments)."""
 
     def __init__(self, config, num_chunks: int, g, runs):
-        self.chunks = config.tuning.walk_chunks(num_chunks)
-        self.count = -(-num_chunks // self.chunks)
+        self.chunks = -(-num_chunks // min(config.tuning.walks, num_chunks))
+        self.count = pallas_kernels.walk_count(self.chunks, num_chunks)
         self.joined = self.count > 1
         self.factored = self.joined and (g is not None or runs is not None)
         self.num_chunks, self.acc = num_chunks, config.acc
@@ -592,7 +586,7 @@ def _attend_bwd(config, residuals, cotangents):
         gradients += 2 * [summed(g, config.acc)]
 
     def bind(kernel, **options):
-        return functools.partial(_kernel(kernel, config, q, g, valid, runs), **options)
+        return _kernel(kernel, config, q, g, valid, runs, **options)
 
     if config.tuning.parallel_backward:
         walks = _Walks(config, v.shape[1] // config.C, g, runs)

@@ -432,8 +432,7 @@ def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, walk, chunk_op
         chunk = _Chunk(c, inputs, C, **chunk_options)
         visit(chunk, c, S, z)
         if factor_refs is not None:
-            factor_refs[0][pl.ds(c * D, D)] = factor[0]
-            factor = chunk.carry_over_normaliser(factor)
+            factor = _write_factor(factor_refs[0], c, chunk, factor)
         return _pack(*_carry_over_chunk(chunk, S, z)), jnp.minimum(clean, chunk.clean()), factor
 
     states = _pack(s0_ref[...].astype(acc), _row(z0_ref, acc))
@@ -452,6 +451,20 @@ def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, walk, chunk_op
         clean_ref[...] = clean
 
 
+def _write_factor(factors_ref, c, chunk, factor):
+    """A walk's factor [1, D] at chunk c written at rows c * D of factors_ref; the factor past
+    the chunk (its decays, or 0 past a segment's start: as the normaliser's state is carried)."""
+    D = factor.shape[1]
+    factors_ref[pl.ds(c * D, D)] = factor[0]
+    return chunk.carry_over_normaliser(factor)
+
+
+def walk_count(walk_chunks: int, num_chunks: int) -> int:
+    """The walks over a sequence of `num_chunks` chunks, `walk_chunks` a walk (the last may have
+    fewer: `pallas.Tuning.walks`)."""
+    return -(-num_chunks // walk_chunks)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Walk:
     """The chunks one program walks, range(first, stop): a sequence's only walk (index None),
@@ -466,7 +479,7 @@ class _Walk:
     def of(cls, index, walk_chunks: int, num_chunks: int):
         """Walk `index` (the program's) of a sequence of `num_chunks` chunks, `walk_chunks` a walk
         (the last walk may have fewer); the only one where they are all."""
-        if walk_chunks >= num_chunks:
+        if walk_count(walk_chunks, num_chunks) == 1:
             return cls(0, num_chunks)
         first = index * walk_chunks
         return cls(first, jnp.minimum(first + walk_chunks, num_chunks), index)
@@ -537,7 +550,7 @@ class _Joins:
     def __init__(self, refs, *, walk_chunks: int, num_chunks: int, normalize: bool, factored: bool):
         self.walk_chunks = walk_chunks
         self.refs = None
-        if walk_chunks < num_chunks:
+        if walk_count(walk_chunks, num_chunks) > 1:
             walks, z_walks = _state_refs(refs, normalize)
             self.refs = walks, z_walks, next(refs) if factored else None
 
@@ -690,8 +703,7 @@ def _walk_chunks_back(cotangents, initial_refs, final_refs, visit, walk, factors
         chunk, do, dA, d_den = cotangents.load(c)
         visit(chunk, c, do, dA, d_den, dS, dz)
         if factors_ref is not None:
-            factors_ref[pl.ds(c * D, D)] = factor[0]
-            factor = chunk.carry_over_normaliser(factor)
+            factor = _write_factor(factors_ref, c, chunk, factor)
         return _pack(*_carry_back_chunk(chunk, do, cotangents.whole_d_den(c), dS, dz)), factor
 
     states = _pack(ds_ref[...].astype(acc), _row(dz_ref, acc))
@@ -785,7 +797,7 @@ def backward_states_kernel(
     states_ref, z_states_ref = _state_refs(refs, normalize)
     d_states_ref, dz_states_ref = _state_refs(refs, normalize)
     ds0_ref, dz0_ref = _state_refs(refs, normalize)
-    walks = -(-num_chunks // walk_chunks)
+    walks = walk_count(walk_chunks, num_chunks)
     program = pl.program_id(3)
     walk = _Walk.of(program % walks, walk_chunks, num_chunks)
     s_ref, z_ref = _state_refs(refs, normalize) if walks > 1 else (None, None)
