@@ -7,6 +7,7 @@ memory per decay and launch (value blocks, warps, stages). Needs the `triton` pa
   python -m experiments.kernel_resources --normalize --value_blocks=0 --num_warps=8  # elu, normalised
   python -m experiments.kernel_resources --parallel --value_blocks=0 --num_warps=8   # parallel kernels
   python -m experiments.kernel_resources --parallel --walks=4 --value_blocks=0 --num_warps=8  # 4 walks
+  python -m experiments.kernel_resources --walks=4 --value_blocks=0 --num_warps=8  # one-pass, 4 walks
   python -m experiments.kernel_resources --split_key_value --value_blocks=0 --num_warps=8  # dk, dv apart
   python -m experiments.kernel_resources --matmul_precision=tensorfloat32  # TF32, not bf16, products
 

@@ -41,30 +41,33 @@ CUDNN_GOAL = 10.0
 DECAY_GOAL = 1.3
 # Launches to try beside the default (`pallas.Tuning`, the op's chunk length, and JAX's default
 # matmul precision), in the order they are timed (a run out of time cuts the last): the parallel
-# forward and backward write the states entering every chunk (and backward the cotangents of
-# those leaving it), then make every chunk's output or gradients at once, FLA's design (fewer
-# registers, no spills at chunks of 32 but in the normalised gradients with a decay per step;
-# their forward alone is the parallel forward's time, their backward the difference); the
-# parallel forms walking each sequence's chunks in eight stretches at once (their one serial
-# part, 512 chunks of 32 at N = 16384, cut eight-fold, and eight times the B * H = 64 programs
-# walking: `pallas.Tuning.walks`), at chunks of 32 and 64; chunks of
-# 64 halve the steps of a program's loop but spill registers
+# forward and backward write the states entering every chunk (and backward the cotangents of those
+# leaving it), then make every chunk's output or gradients at once, FLA's design (fewer registers,
+# no spills at chunks of 32 but in the normalised gradients with a decay per step; their forward
+# alone is the parallel forward's time, their backward the difference); the parallel forms walking
+# each sequence's chunks in eight stretches at once (their one serial part, 512 chunks of 32 at N =
+# 16384, cut eight-fold, and eight times the B * H = 64 programs walking: `pallas.Tuning.walks`), at
+# chunks of 32 and 64; the one-pass kernels walking two stretches (128 programs, one wave on an
+# H100's 132 SMs where a decay's 236 to 255 registers a thread leave one program an SM) and eight
+# (more programs to hide each other's latency), after a kernel that walks the stretches from zero
+# writing only their ends; chunks of 64 halve the steps of a program's loop but spill registers
 # (`experiments/kernel_resources.py`), chunks of 16 double them and spill nothing; dk and dv in
-# programs of their own (three programs a sequence or chunk backward: fewer spills, the walk
-# back made twice; with the parallel forms at chunks of 64, no spills without a decay per
-# feature); the parallel forms at 64 with value blocks of 32 (twice the programs walking the
-# chunks, the sequential part), and at 32 with four warps (no spills there at 72 to 255
-# registers, so more programs an SM); TF32 products of the kernels' float32 values, where by
-# default bf16 inputs multiply in bf16 (twice the tensor-core instructions, more shared-memory
-# traffic: `pallas.products_dtype`); value blocks give M / value_block programs per (batch,
-# head), where B * H = 64 at the goals' shape leaves an H100's 132 SMs half idle; the backward's
-# passes in one program; fewer warps or more pipeline stages trade registers for latency hiding.
-# A launch that changes only the backward (`BACKWARD_ONLY`) is not timed forward, where it is
-# the default launch.
+# programs of their own (three programs a sequence or chunk backward: fewer spills, the walk back
+# made twice; with the parallel forms at chunks of 64, no spills without a decay per feature); the
+# parallel forms at 64 with value blocks of 32 (twice the programs walking the chunks, the
+# sequential part), and at 32 with four warps (no spills there at 72 to 255 registers, so more
+# programs an SM); TF32 products of the kernels' float32 values, where by default bf16 inputs
+# multiply in bf16 (twice the tensor-core instructions, more shared-memory traffic:
+# `pallas.products_dtype`); value blocks give M / value_block programs per (batch, head), where B *
+# H = 64 at the goals' shape leaves an H100's 132 SMs half idle; the backward's passes in one
+# program; fewer warps or more pipeline stages trade registers for latency hiding. A launch that
+# changes only the backward (`BACKWARD_ONLY`) is not timed forward, where it is the default launch.
 TUNINGS = (
     {"parallel_forward": True, "parallel_backward": True},
     {"parallel_forward": True, "parallel_backward": True, "walks": 8},
     {"parallel_forward": True, "parallel_backward": True, "walks": 8, "chunk_size": 64},
+    {"walks": 2},
+    {"walks": 8},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "split_key_value": True},
     {"parallel_forward": True, "parallel_backward": True, "chunk_size": 64, "value_block": 32},

@@ -78,9 +78,10 @@ class KernelResourcesOptions:
       `parallel_backward`: their states and per-chunk kernels) instead of the one-pass ones.
     split_key_value: The backward's dk and dv in programs of their own
       (`pallas.Tuning.split_key_value`).
-    walks: With `parallel`, the walks over each sequence's chunks (`pallas.Tuning.walks`):
-      above 1, each walk's kernel writes factors and its final state, and each chunk's adds
-      its walk's first state.
+    walks: The walks over each sequence's chunks (`pallas.Tuning.walks`): above 1, with
+      `parallel` each walk's kernel writes factors and its final state, and each chunk's adds
+      its walk's first state; without, a kernel walks the stretches from zero, writing only
+      their ends, and the one-pass kernels walk each from the state joined for it.
     matmul_precision: `jax.default_matmul_precision` while the kernels are traced ("": JAX's
       default, where bfloat16 inputs multiply in bfloat16; "tensorfloat32": TF32 products of
       the kernels' float32 values).
@@ -108,7 +109,7 @@ class KernelResourcesOptions:
         for block in self.value_blocks:
             if block:
                 pallas.Tuning(value_block=block)  # its own error for a bad value
-        pallas.Tuning(walks=self.walks, parallel_forward=self.parallel)  # its own error
+        pallas.Tuning(walks=self.walks)  # its own error
         gpu_kind(self.arch)  # its own error for an unknown one
         with jax.default_matmul_precision(self.matmul_precision or None):
             pass  # JAX's own error, naming the values it takes

@@ -50,12 +50,13 @@ def test_the_normalised_kernels_compile_too(tmp_path):
     assert "elu features, normalised" in (tmp_path / "kernel_resources.md").read_text()
 
 
-@pytest.mark.parametrize("walks", [1, 2])
-def test_the_parallel_kernels_compile_too(tmp_path, walks):
+@pytest.mark.parametrize("parallel,walks", [(True, 1), (True, 2), (False, 2)])
+def test_the_parallel_kernels_compile_too(tmp_path, parallel, walks):
     """The parallel forward's and backward's kernels (states, then one program a chunk), with a
     decay per feature (its per-chunk choice of form) and the normaliser, the chunks walked in
     one stretch or two (each walk's kernel writing factors, each chunk's adding its walk's
-    first state)."""
+    first state); and the one-pass kernels walking two stretches, each after a kernel that
+    walks them from zero, writing only their ends."""
     pytest.importorskip("triton")
     opts = kernel_resources.KernelResourcesOptions(
         decays=("feature",),
@@ -65,11 +66,13 @@ def test_the_parallel_kernels_compile_too(tmp_path, walks):
         head_dim=16,
         chunk_size=16,
         normalize=True,
-        parallel=True,
+        parallel=parallel,
         walks=walks,
     )
     rows = kernel_resources.run(opts, tmp_path, log=lambda line: None)
     kernels = ["chunk_states", "chunk_outputs", "backward_states", "chunk_gradients"]
+    if not parallel:
+        kernels = ["chunk_states", "forward", "backward_states", "backward"]
     assert [r["kernel"] for r in rows] == kernels
     assert all(r["status"] == "ok" for r in rows), rows
 
@@ -133,8 +136,8 @@ def test_options_refuse_unknown_decays_bad_value_blocks_and_unknown_gpus():
         kernel_resources.KernelResourcesOptions(decays=("gate",))
     with pytest.raises(ValueError, match="value_block must be a power of two >= 16 or None, got 24"):
         kernel_resources.KernelResourcesOptions(value_blocks=(24,))
-    with pytest.raises(ValueError, match="walks=4 needs parallel_forward=True or parallel_backward=True"):
-        kernel_resources.KernelResourcesOptions(walks=4)
+    with pytest.raises(ValueError, match="walks must be an int >= 1, got 0"):
+        kernel_resources.KernelResourcesOptions(walks=0)
     with pytest.raises(ValueError, match=r"arch must be one of \[80, 90, 100\], got 75"):
         kernel_resources.KernelResourcesOptions(arch=75)
     with pytest.raises(ValueError, match="must be None or in .*'tensorfloat32'.*got bf32"):

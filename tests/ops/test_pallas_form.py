@@ -120,6 +120,34 @@ def test_the_parallel_forward_and_backward_give_the_same_result(x64, decay, norm
     chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize(
+    "decay,normalize,packed,launch",
+    [
+        ("none", True, False, {"walks": 3}),
+        ("step", True, True, {"walks": 2}),
+        ("feature", False, False, {"walks": 2}),
+        ("head", False, True, {"walks": 3, "split_backward": False}),
+        ("step", True, True, {"walks": 2, "split_key_value": True, "parallel_forward": True}),
+    ],
+)
+def test_the_one_pass_kernels_walk_in_stretches_too(x64, decay, normalize, packed, launch):
+    """`Tuning.walks` without a parallel form: a kernel walks each stretch from zero, writing
+    only its final states and total factor; XLA joins them; then each stretch's program of
+    the one-pass kernel walks it from the states entering it (forward), or the backward's
+    passes from the states entering it and the cotangents of those leaving it. Three chunks
+    in stretches of one or of two and one: no factors, segments and a decay per step, a decay
+    per feature, a decay per head with the backward's passes in one program, and dq, dk and
+    dv apart after the parallel forward. Values, final states and gradients (the initial
+    states' included) equal the dense reference in float64."""
+    primals, loss = _primals_and_loss(8, decay, normalize=normalize, packed=packed)
+
+    grad = jax.value_and_grad(loss, argnums=tuple(range(1, len(primals) + 1)), has_aux=True)
+    want = grad("reference", *primals)
+    with pallas.tuning(**launch):
+        got = grad("pallas", *primals)
+    chex.assert_trees_all_close(got, want, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("parallel", [False, True], ids=["one-pass", "parallel"])
 def test_dq_dk_and_dv_in_programs_of_their_own_give_the_same_result(x64, parallel):
     """`Tuning.split_key_value`: the backward's dk and dv in programs of their own, each walking
@@ -198,17 +226,19 @@ def test_numpy_float64_inputs_without_x64_run_as_float32():
     np.testing.assert_array_equal(got, want)
 
 
-def test_every_walk_reports_the_non_finite_values_it_reads():
-    """With walks (`Tuning.walks`) and value blocks, each program of the parallel forward's
-    states kernel reports whether the v and decays it read were finite, in a flag of its own:
-    a NaN v read only by the first of three walks, in the second value block, makes NaN the
-    outputs the guard says (its column, from its step on) and nothing else."""
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-pass", "parallel"])
+def test_every_walk_reports_the_non_finite_values_it_reads(parallel):
+    """With walks (`Tuning.walks`) and value blocks, each program of the one-pass forward, or
+    of the parallel forward's states kernel, reports whether the v and decays it read were
+    finite, in a flag of its own: a NaN v read only by the first of three walks, in the second
+    value block, makes NaN the outputs the guard says (its column, from its step on) and
+    nothing else."""
     rng = np.random.default_rng(9)
     q, k = (rng.standard_normal((1, 40, 2, 3)) for _ in range(2))
     v = rng.standard_normal((1, 40, 2, 20))
     v[0, 5, 1, 17] = np.nan
     g = -rng.uniform(0, 1, (1, 40, 2))
-    with pallas.tuning(value_block=16, parallel_forward=True, walks=3):
+    with pallas.tuning(value_block=16, parallel_forward=parallel, walks=3):
         out = ops.gated_linear_attention(q, k, v, log_decay=g, implementation="pallas", chunk_size=CHUNK)
     seen = np.zeros(out.shape, bool)
     seen[0, 5:, 1, 17] = True
@@ -231,7 +261,6 @@ def test_every_walk_reports_the_non_finite_values_it_reads():
         ),
         ({"walks": 0}, "walks must be an int >= 1, got 0"),
         ({"walks": True}, "walks must be an int >= 1, got True"),
-        ({"walks": 2}, "walks=2 needs parallel_forward=True or parallel_backward=True"),
     ],
 )
 def test_launch_options_are_checked(options, message):
@@ -384,7 +413,8 @@ WALKS = {"parallel_forward": True, "parallel_backward": True, "walks": 4}
 
 
 @pytest.mark.parametrize(
-    "decay,normalize,launch", [(*case, {}) for case in BFLOAT16_CASES] + [("step", True, WALKS)]
+    "decay,normalize,launch",
+    [(*case, {}) for case in BFLOAT16_CASES] + [("step", True, WALKS), ("step", True, {"walks": 4})],
 )
 def test_bfloat16_inputs_multiply_in_bfloat16_close_to_float64(decay, normalize, launch):
     """At JAX's default matmul precision bfloat16 inputs multiply in bfloat16 in the kernels
@@ -393,7 +423,8 @@ def test_bfloat16_inputs_multiply_in_bfloat16_close_to_float64(decay, normalize,
     rounding of bfloat16 outputs alone is 4e-3 (measured: at most 1.1e-2, the normalised dq;
     1e-3 to 4e-3 with float32 products). So too the parallel forms walking in four stretches,
     whose chunks add their walk's first state, in bfloat16, to the bfloat16 one the walk wrote
-    (measured: 8.3e-3)."""
+    (measured: 8.3e-3), and the one-pass kernels walking four stretches, each from a float32
+    state (8.3e-3, as in one walk)."""
     value_and_grads, inputs = _bfloat16_case(decay, normalize)
     with pallas.tuning(**launch):
         (_, got), got_grads = value_and_grads(*inputs, "pallas")
@@ -472,6 +503,7 @@ def triton(monkeypatch):
         ("none", False, False, 1),
         ("step", True, False, 1),
         ("step", True, True, 2),
+        ("step", True, False, 2),
         ("feature", False, False, 1),
         ("feature", False, True, 1),
         ("feature", False, True, 2),
@@ -482,7 +514,8 @@ def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize, paralle
     the scale, key lengths, the finite part) and the normaliser included, has a Triton
     lowering: lowered for CUDA here, without a GPU (what Triton then compiles is checked on a
     GPU). One kernel a pass (the normaliser runs in the values' programs), two for the parallel
-    forward and two for the parallel backward, walking the chunks in one stretch or two."""
+    forward and two for the parallel backward, walking the chunks in one stretch or two; in two,
+    the one-pass kernels too (after a kernel that walks the stretches from zero)."""
     n, d = 80, 16  # five chunks of 16, not a power of two
     spec = jax.ShapeDtypeStruct
     g = {"none": None, "step": spec((1, n, 2), jnp.float32), "feature": spec((1, n, 2, d), jnp.float32)}[
@@ -513,7 +546,8 @@ def test_both_kernels_lower_to_triton_for_cuda(triton, decay, normalize, paralle
     launch = dict(parallel_forward=parallel, parallel_backward=parallel, walks=walks)
     with pallas.tuning(value_block=block, **launch):
         module = _export_for_cuda(grads, qk, qk, v, g, spec((1, n), jnp.int32), spec((1,), jnp.int32))
-    assert module.count("xla.gpu.triton(") == (4 if parallel else 2)  # forward and backward
+    # forward and backward
+    assert module.count("xla.gpu.triton(") == (4 if parallel or walks > 1 else 2)
 
 
 @pytest.mark.parametrize("normalize", [False, True])

@@ -31,7 +31,7 @@ What the kernels do not do, and this wrapper does in XLA around them:
   value features, which a program of one value block does not see;
 - with several walks (`Tuning.walks`), their join: the state entering each walk, from the
   walks' final states and factors (a fold over the walks), and backward the same for the
-  cotangents;
+  cotangents, for the parallel forms' chunks or the one-pass kernels' walks to start from;
 - the decays' cotangent: with d G[t] = q[t] . dq[t] - k[t] . dk[t] of the prepared q and k
   (per feature, or summed over them with a decay per step; + d S_T * S_T + d z_T * z_T at the
   last step) the cotangent of the log decays summed up to t, each g's is the sum of those at and
@@ -115,16 +115,22 @@ class Tuning:
       makes its dq, dk and dv from those two (FLA's `chunk_bwd_dh` and `chunk_bwd_dqkwg`). It
       trades two [T / C, D, M] arrays per sequence, each written once and read once, for the
       loops' work done in parallel.
-    walks: with `parallel_forward` or `parallel_backward`, the walks over each sequence's
-      chunks that write those states (and their cotangents) in as many stretches of the
-      sequence, one program each, each from a zero state; XLA then joins the stretches (each
-      walk's final state and the factor its first state leaves it with: a fold over the
-      walks, `totals.apply_totals`), and each chunk's program adds its walk's first state,
-      carried to the chunk, to what the walk wrote. The walk a chunk at a time is the one
-      serial part of the parallel forms: `walks` stretches cut its length `walks`-fold and
-      launch that many more programs where B * H alone leaves SMs idle (FLA's
-      `chunk_h_split`), for a [D, M] state and a [D] factor per walk, and a factor per chunk
-      with a decay or segments. Fewer where the sequence has fewer chunks.
+    walks: the walks over each sequence's chunks in as many stretches of the sequence, one
+      program each. The walk a chunk at a time is the one serial part of every form:
+      `walks` stretches cut its length `walks`-fold and launch that many more programs where
+      B * H alone leaves SMs idle (FLA's `chunk_h_split`), for a [D, M] state and a [D]
+      factor per walk. Fewer where the sequence has fewer chunks.
+      With `parallel_forward` or `parallel_backward`, the walks that write the states (and
+      their cotangents) start from a zero state; XLA then joins them (each walk's final state
+      and the factor its first state leaves it with: a fold over the walks,
+      `totals.apply_totals`), and each chunk's program adds its walk's first state, carried
+      to the chunk, to what the walk wrote (a factor per chunk with a decay or segments).
+      With a one-pass form, a first kernel walks the stretches from zero writing only those
+      ends (reading k and v, and backward q and the output's cotangent: not the states
+      entering each chunk), XLA joins them, and each stretch's program of the one-pass kernel
+      walks it from the state entering it (backward, also from the cotangent of the state
+      leaving it): the one-pass kernels' bytes, and k and v once more, for the parallel
+      forms' parallel walks.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
       cotangents): 16 registers a thread each at 256 threads.
@@ -158,11 +164,6 @@ class Tuning:
             raise ValueError("split_key_value=True needs split_backward=True (dq in programs of its own).")
         if not isinstance(self.walks, int) or isinstance(self.walks, bool) or self.walks < 1:
             raise ValueError(f"walks must be an int >= 1, got {self.walks!r}.")
-        if self.walks > 1 and not (self.parallel_forward or self.parallel_backward):
-            raise ValueError(
-                f"walks={self.walks} needs parallel_forward=True or parallel_backward=True: only "
-                "the parallel forms walk the chunks in stretches."
-            )
 
     @property
     def backward_passes(self) -> int:
@@ -427,18 +428,40 @@ def _forward(config, q, k, v, g, valid, runs, before, s0, z0):
         return _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0)
     B, T, H, M = v.shape
     value_block = config.value_block(M)
+    walks = _Walks(config, T // config.C, g, runs)
+    starts = (s0, z0)
+    if walks.joined:
+        starts, final = _walk_starts(config, value_block, walks, (q, k, v, g, valid, runs, before), s0, z0)
     out = jax.ShapeDtypeStruct((B, T, H, M), v.dtype)
-    clean = jax.ShapeDtypeStruct((B, H, M // value_block), jnp.int32)
-    kernel = _kernel(pallas_kernels.forward_kernel, config, q, g, valid, runs)
-    operands = _operands(q, k, v, g, valid, runs, before, s0, z0)
-    outputs = [(out, "values"), (s0, "state")]
+    clean = jax.ShapeDtypeStruct((B, H, M // value_block * walks.count), jnp.int32)
+    kernel = _kernel(pallas_kernels.forward_kernel, config, q, g, valid, runs, walk_chunks=walks.chunks)
+    operands = _operands(q, k, v, g, valid, runs, before, *starts)
+    outputs = [(out, "values"), (starts[0], "state")]  # each walk's final states, at its rows
     if z0 is not None:
-        outputs += [(z0, "row"), (jax.ShapeDtypeStruct((B, T, H), config.acc), "time")]
-    outputs += [(clean, "flags")]
-    results = list(_call(kernel, config, value_block, operands, outputs))
-    if z0 is None:
-        results = results[:2] + [None, None] + results[2:]
-    return tuple(results)
+        outputs += [(starts[1], "row"), (jax.ShapeDtypeStruct((B, T, H), config.acc), "time")]
+    outputs += [(clean, "walk flags" if walks.joined else "flags")]
+    out, s, *results = _call(kernel, config, value_block, operands, outputs, passes=walks.count)
+    z, den = results[:2] if z0 is not None else (None, None)
+    if walks.joined:  # the last walk's final states are the join's
+        s, z = final
+    return out, s, z, den, jnp.min(results[-1].reshape(B, H, -1, walks.count), axis=-1)
+
+
+def _walk_starts(config, value_block: int, walks, inputs, s0, z0):
+    """((s, z): the states entering each walk of the one-pass forward, [B, H, walks * D, M]
+    and [B, H, walks * D] (z None without a normaliser), the final states), from
+    `chunk_states_kernel`'s walks from zero, each writing only its final states and total
+    factor, joined. `inputs`: (q, k, v, g, valid, runs, before)."""
+    q, _, v, g, valid, runs, _ = inputs
+    B, H, _, M = s0.shape
+    flags = jax.ShapeDtypeStruct((B, H, M // value_block * walks.count), jnp.int32)
+    outputs = walks.finals(s0, z0) + walks.factors(s0, chunks=False) + [(flags, "walk flags")]
+    walk = dict(walk_chunks=walks.chunks, write_chunks=False)
+    kernel = _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs, **walk)
+    operands = _operands(*inputs, *walks.starts(s0, z0))
+    s, *rest = _call(kernel, config, value_block, operands, outputs, passes=walks.count)
+    z = rest.pop(0) if z0 is not None else None
+    return walks.join((s0, z0), (s, z), rest[:-1], config.acc)  # the flags: the forward's
 
 
 def _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0):
@@ -456,7 +479,8 @@ def _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0):
     outputs += walks.finals(s0, z0) + walks.factors(s0)
     flags = (B, H, M // value_block * walks.count)
     outputs += [(jax.ShapeDtypeStruct(flags, jnp.int32), "walk flags" if walks.joined else "flags")]
-    kernel = _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs, walk_chunks=walks.chunks)
+    walk = dict(walk_chunks=walks.chunks, write_chunks=True)
+    kernel = _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs, **walk)
     operands = _operands(q, k, v, g, valid, runs, before, *walks.starts(s0, z0))
     results = list(_call(kernel, config, value_block, operands, outputs, passes=walks.count))
     states, z_states = results.pop(0), results.pop(0) if normalize else None
@@ -504,14 +528,17 @@ class _Walks:
             finals += [(jax.ShapeDtypeStruct((B, H, self.count * D), z0.dtype), "row")]
         return finals
 
-    def factors(self, s0, *, backward: bool = False):
-        """The outputs of the factors the walks write: [each walk's first state's to each chunk,
-        and out of the walk], [backward: each walk's last cotangent's to each chunk]."""
+    def factors(self, s0, *, backward: bool = False, chunks: bool = True):
+        """The outputs of the factors the walks write: [each walk's first state's to each chunk
+        (`chunks`), and out of the walk], [backward: each walk's last cotangent's to each
+        chunk]."""
         if not self.factored:
             return []
         B, H, D, _ = s0.shape
         row = lambda n: (jax.ShapeDtypeStruct((B, H, n * D), self.acc), "row")  # noqa: E731
-        return [row(self.num_chunks)] if backward else [row(self.num_chunks), row(self.count)]
+        if backward:
+            return [row(self.num_chunks)]
+        return [row(self.num_chunks), row(self.count)] if chunks else [row(self.count)]
 
     def join(self, first, finals, factors, dtype, *, reverse: bool = False):
         """(each walk's first states: (s [B, H, walks * D, M] in `dtype`, z [B, H, walks * D]
@@ -558,7 +585,6 @@ def _attend_bwd(config, residuals, cotangents):
     value_block = config.value_block(v.shape[-1])
     parts = v.shape[-1] // value_block
     inputs = _operands(q, k, v, g, valid, runs, before, None, None)
-    states = [(s0, "state")] + ([(z0, "row")] if z0 is not None else [])
     d_s = d_s.astype(s0.dtype)
     d_z = None if z0 is None else d_z.astype(z0.dtype)
     chunk_operands = inputs + [(d_out, "values")]  # what a program of one chunk reads
@@ -588,18 +614,16 @@ def _attend_bwd(config, residuals, cotangents):
     def bind(kernel, **options):
         return _kernel(kernel, config, q, g, valid, runs, **options)
 
+    walks = _Walks(config, v.shape[1] // config.C, g, runs)
+    ends = (s0, z0, d_s, d_z)
     if config.tuning.parallel_backward:
-        walks = _Walks(config, v.shape[1] // config.C, g, runs)
         dq, dk, dv, *dG, ds0, dz0 = _parallel_backward(
-            config, bind, value_block, walks, walk_operands, chunk_operands, gradients, (s0, z0, d_s, d_z)
+            config, bind, value_block, walks, walk_operands, chunk_operands, gradients, ends
         )
     else:
-        passes = config.tuning.backward_passes
-        kernel = bind(pallas_kernels.backward_kernel, passes=passes)
-        outputs = gradients[:3] + states + gradients[3:]
-        operands = walk_operands(s0, z0, d_s, d_z)
-        dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, operands, outputs, passes=passes)
-        dz0 = dG.pop(0) if z0 is not None else None
+        dq, dk, dv, *dG, ds0, dz0 = _one_pass_backward(
+            config, bind, value_block, walks, walk_operands, gradients, ends
+        )
     if parts > 1:
         dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
         dq, dk = dq.astype(q.dtype), dk.astype(k.dtype)
@@ -615,6 +639,48 @@ def _attend_bwd(config, residuals, cotangents):
         None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in (valid, runs, before)
     )
     return dq, dk, dv, dg, *no_cotangent, ds0, dz0
+
+
+def _one_pass_backward(config, bind, value_block: int, walks, walk_operands, gradients, ends):
+    """`_parallel_backward`'s results, from `backward_kernel`: its passes a program each per
+    sequence, or per walk of it (from the ends `_walk_ends` joins). The arguments are
+    `_parallel_backward`'s."""
+    z0 = ends[1]
+    joined = None
+    if walks.joined:
+        ends, joined = _walk_ends(config, bind, value_block, walks, walk_operands, ends)
+    passes = config.tuning.backward_passes
+    kernel = bind(pallas_kernels.backward_kernel, passes=passes, walk_chunks=walks.chunks)
+    # d_s0 and d_z0: each walk's, at its rows
+    states = [(ends[0], "state")] + ([(ends[1], "row")] if z0 is not None else [])
+    outputs = gradients[:3] + states + gradients[3:]
+    operands, programs = walk_operands(*ends), passes * walks.count
+    dq, dk, dv, ds0, *dG = _call(kernel, config, value_block, operands, outputs, passes=programs)
+    dz0 = dG.pop(0) if z0 is not None else None
+    if joined is not None:  # the first walk's are the join's
+        ds0, dz0 = joined
+    return (dq, dk, dv, *dG, ds0, dz0)
+
+
+def _walk_ends(config, bind, value_block: int, walks, walk_operands, ends):
+    """((s, z, d_s, d_z): the states entering each walk of the one-pass backward and the
+    cotangents of those leaving it, [B, H, walks * D, ...] (z and d_z None without a
+    normaliser), (d_s0, d_z0)), from `backward_states_kernel`'s walks from zero, each writing
+    only its ends and total factor, joined. `walk_operands`, `ends`: `_parallel_backward`'s."""
+    s0, z0, d_s, d_z = ends
+    normalize = z0 is not None
+    finals = walks.finals(s0, z0)
+    # The cotangents of the states entering each walk, its final states, [its total factor].
+    outputs = finals + finals + walks.factors(s0, chunks=False)
+    kernel = bind(pallas_kernels.backward_states_kernel, walk_chunks=walks.chunks, write_chunks=False)
+    operands = walk_operands(*walks.starts(s0, z0), *walks.starts(d_s, d_z))
+    walked = _call(kernel, config, value_block, operands, outputs, passes=2 * walks.count)
+    n = len(finals)
+    d_finals, finals, factors = walked[:n], walked[n : 2 * n], walked[2 * n :]
+    pair = lambda x: (x[0], x[1] if normalize else None)  # noqa: E731
+    first, _ = walks.join((s0, z0), pair(finals), factors, config.acc)
+    last, joined = walks.join((d_s, d_z), pair(d_finals), factors, config.acc, reverse=True)
+    return (*first, *last), joined
 
 
 def _parallel_backward(config, bind, value_block: int, walks, walk_operands, chunk_operands, gradients, ends):
@@ -637,7 +703,7 @@ def _parallel_backward(config, bind, value_block: int, walks, walk_operands, chu
     outputs = rows + rows + finals
     if walks.joined:
         outputs += finals + walks.factors(s0) + walks.factors(s0, backward=True)
-    kernel = bind(pallas_kernels.backward_states_kernel, walk_chunks=walks.chunks)
+    kernel = bind(pallas_kernels.backward_states_kernel, walk_chunks=walks.chunks, write_chunks=True)
     operands = walk_operands(*walks.starts(s0, z0), *walks.starts(d_s, d_z))
     walked = _call(kernel, config, value_block, operands, outputs, passes=2 * walks.count)
     n = len(rows)

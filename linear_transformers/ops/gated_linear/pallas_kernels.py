@@ -52,7 +52,11 @@ entering chunk c is then what its walk wrote plus the state entering the walk (j
 `pallas.py` from each walk's final state and total factor) carried to c, rows scaled by the
 factor the walk wrote for c, the product of the chunks' decays since the walk's start (0 past a
 segment's start): `carry_over_normaliser` applied to a row of ones, chunk by chunk (`_Joins`).
-Backward the same holds for the cotangents, from the end of each walk.
+Backward the same holds for the cotangents, from the end of each walk. The one-pass kernels
+walk in stretches the same way, each stretch's program from the state entering it (and,
+backward, the cotangent of the state leaving it), which `pallas.py` joins from a first walk of
+the stretches from zero that writes only their ends (`chunk_states_kernel`,
+`backward_states_kernel` with `write_chunks` False).
 
 Only what Pallas lowers to Triton, and Triton compiles, is used here (no value slicing, 2-D
 matmuls, forward `cumsum` of [C, D] blocks only); `tests/ops/test_pallas_form.py` lowers both
@@ -358,11 +362,6 @@ def _state_refs(refs, normalize: bool):
     return next(refs), next(refs) if normalize else None
 
 
-def _row(ref, acc):
-    """The normaliser's state (or its cotangent) [D] from `ref` as a row [1, D]; None: none."""
-    return None if ref is None else ref[...].astype(acc)[None, :]
-
-
 def _pack(S, z):
     """A loop's carry: S, or (S, z) with a normaliser (no placeholder carried without one)."""
     return S if z is None else (S, z)
@@ -392,9 +391,16 @@ def _carry_over_chunk(chunk, S, z):
     return chunk.carry_over(S) + chunk.dot(chunk.k_out, chunk.v, trans_a=True), z
 
 
-def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, **chunk_options):
+def forward_kernel(
+    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, **chunk_options
+):
     """refs: q, k, v, [g], [valid], [runs, before], s0, [z0] -> out, s (the state after the
     last chunk), [z, den], clean (`_Chunk.clean` of every chunk: int32 1 or 0).
+
+    With `walk_chunks` < `num_chunks` each sequence is walked in stretches of that many chunks,
+    one program a walk (the grid's last axis, `_Walk`), each from the state entering its walk
+    (s0 and z0 hold each walk's, [walks * D, ...]: `chunk_states_kernel`'s walks joined by
+    `pallas.py`); s, z and clean are each walk's, at its rows and its entry.
 
     eps None: no normaliser. Else the normaliser runs in the same program, its state z [1, D]
     carried beside S as an implicit column of ones in v: den[t] = the scores' row sum +
@@ -411,7 +417,7 @@ def forward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps
     def visit(chunk, c, S, z):
         _write_chunk_output(chunk, c, C, S, z, o_ref, den_ref, eps)
 
-    walk = _Walk(0, num_chunks)
+    walk = _Walk.of(pl.program_id(3), walk_chunks, num_chunks, own_start=True)
     _walk_chunks(inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, walk, chunk_options)
 
 
@@ -425,7 +431,7 @@ def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, walk, chunk_op
     * D], and the one it leaves the walk with to total (`_Walks`)."""
     (s0_ref, z0_ref), (s_ref, z_ref, clean_ref) = initial_refs, final_refs
     normalize, acc = z0_ref is not None, chunk_options["acc"]
-    D = s0_ref.shape[0]
+    D = inputs[0].shape[1]  # q's features
 
     def body(c, carry):
         (S, z), clean, factor = _unpack(carry[0], normalize), carry[1], carry[2]
@@ -435,7 +441,7 @@ def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, walk, chunk_op
             factor = _write_factor(factor_refs[0], c, chunk, factor)
         return _pack(*_carry_over_chunk(chunk, S, z)), jnp.minimum(clean, chunk.clean()), factor
 
-    states = _pack(s0_ref[...].astype(acc), _row(z0_ref, acc))
+    states = walk.start(s0_ref, z0_ref, D, acc)
     factor = None if factor_refs is None else jnp.ones((1, D), acc)
     states, clean, factor = jax.lax.fori_loop(walk.first, walk.stop, body, (states, jnp.int32(1), factor))
     if s_ref is None:
@@ -452,10 +458,12 @@ def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, walk, chunk_op
 
 
 def _write_factor(factors_ref, c, chunk, factor):
-    """A walk's factor [1, D] at chunk c written at rows c * D of factors_ref; the factor past
-    the chunk (its decays, or 0 past a segment's start: as the normaliser's state is carried)."""
-    D = factor.shape[1]
-    factors_ref[pl.ds(c * D, D)] = factor[0]
+    """A walk's factor [1, D] at chunk c written at rows c * D of factors_ref (None: not
+    written); the factor past the chunk (its decays, or 0 past a segment's start: as the
+    normaliser's state is carried)."""
+    if factors_ref is not None:
+        D = factor.shape[1]
+        factors_ref[pl.ds(c * D, D)] = factor[0]
     return chunk.carry_over_normaliser(factor)
 
 
@@ -474,22 +482,31 @@ class _Walk:
     first: Any
     stop: Any
     index: Any = None
+    own_start: bool = False
 
     @classmethod
-    def of(cls, index, walk_chunks: int, num_chunks: int):
+    def of(cls, index, walk_chunks: int, num_chunks: int, *, own_start: bool = False):
         """Walk `index` (the program's) of a sequence of `num_chunks` chunks, `walk_chunks` a walk
-        (the last walk may have fewer); the only one where they are all."""
+        (the last walk may have fewer); the only one where they are all. `own_start`: each
+        walk starts from states of its own, at its rows (the one-pass kernels' walks); else
+        all from the same (the parallel forms', from zero)."""
         if walk_count(walk_chunks, num_chunks) == 1:
             return cls(0, num_chunks)
         first = index * walk_chunks
-        return cls(first, jnp.minimum(first + walk_chunks, num_chunks), index)
+        return cls(first, jnp.minimum(first + walk_chunks, num_chunks), index, own_start)
 
     def rows(self, D: int):
         return slice(None) if self.index is None else pl.ds(self.index * D, D)
 
+    def start(self, s_ref, z_ref, D: int, acc):
+        """The loop's carry the walk starts from: S [D, M] of s_ref and z [1, D] of z_ref (None:
+        no normaliser), [D, ...] or, with `own_start`, the walk's rows of [walks * D, ...]."""
+        rows = self.rows(D) if self.own_start else slice(None)
+        return _pack(s_ref[rows, :].astype(acc), None if z_ref is None else z_ref[rows].astype(acc)[None, :])
+
 
 def chunk_states_kernel(
-    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, **chunk_options
+    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, write_chunks, **chunk_options
 ):
     """The parallel forward's first kernel (`pallas.Tuning.parallel_forward`): refs: q, k, v,
     [g], [valid], [runs, before], s0, [z0] -> states (the state entering each chunk, [num_chunks
@@ -502,14 +519,18 @@ def chunk_states_kernel(
     joins the walks): the states each writes are its own, s and z hold each walk's final ones
     [walks * D, ...], and with a decay or segments each walk writes the factor its first state
     reaches each of its chunks with (factors [num_chunks * D]) and leaves it with (totals
-    [walks * D]), which `_Joins` reads."""
+    [walks * D]), which `_Joins` reads.
+
+    `write_chunks` False: neither the states entering each chunk nor the factors to each chunk
+    are written, only each walk's final states and total factor (the one-pass kernels' walks,
+    which start from their joined states: `forward_kernel`)."""
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
     s0_ref, z0_ref = _state_refs(refs, normalize)
-    states_ref, z_states_ref = _state_refs(refs, normalize)
+    states_ref, z_states_ref = _state_refs(refs, normalize) if write_chunks else (None, None)
     s_ref, z_ref = _state_refs(refs, normalize)
     walk = _Walk.of(pl.program_id(3), walk_chunks, num_chunks)
-    factor_refs = _factor_refs(refs, walk, has_decay or has_segments)
+    factor_refs = _factor_refs(refs, walk, has_decay or has_segments, write_chunks)
     clean_ref = next(refs)
     visit = _state_writer(states_ref, z_states_ref)
     _walk_chunks(
@@ -517,20 +538,26 @@ def chunk_states_kernel(
     )
 
 
-def _factor_refs(refs, walk, factored: bool):
-    """The next two refs of the iterator `refs` (a walk's factors and totals) where a walk of
-    several, of a sequence with a decay or segments, writes them; else None."""
-    return (next(refs), next(refs)) if walk.index is not None and factored else None
+def _factor_refs(refs, walk, factored: bool, write_chunks: bool):
+    """The next two refs of the iterator `refs` (a walk's factors and totals; without
+    `write_chunks`, None and the next ref) where a walk of several, of a sequence with a decay
+    or segments, writes them; else None."""
+    if walk.index is None or not factored:
+        return None
+    return next(refs) if write_chunks else None, next(refs)
 
 
 def _state_writer(states_ref, z_states_ref):
     """A visit of the chunks (`_walk_chunks`) that writes the states entering chunk c at rows
     c * D of states_ref [num_chunks * D, M] and z_states_ref [num_chunks * D] (None: no
-    normaliser): the parallel forward's and backward's states (and their cotangents), which
-    `_chunk_state` reads. S in states_ref's dtype: the products' (`_Chunk.dot`) where they
-    round it (`pallas.Config.products`), as the chunks' programs use it only in products."""
+    normaliser; states_ref None: nothing written): the parallel forward's and backward's states
+    (and their cotangents), which `_chunk_state` reads. S in states_ref's dtype: the products'
+    (`_Chunk.dot`) where they round it (`pallas.Config.products`), as the chunks' programs use
+    it only in products."""
 
     def visit(chunk, c, S, z):
+        if states_ref is None:
+            return
         D = S.shape[0]
         states_ref[pl.ds(c * D, D), :] = S.astype(states_ref.dtype)
         if z_states_ref is not None:
@@ -695,7 +722,7 @@ def _walk_chunks_back(cotangents, initial_refs, final_refs, visit, walk, factors
     reaches that of the state leaving chunk c with, written at rows c * D."""
     (ds_ref, dz_ref), (ds0_ref, dz0_ref) = initial_refs, final_refs
     normalize, acc = dz_ref is not None, cotangents.chunk_options["acc"]
-    D = ds_ref.shape[0]
+    D = cotangents.inputs[0].shape[1]  # q's features
 
     def body(i, carry):
         (dS, dz), factor = _unpack(carry[0], normalize), carry[1]
@@ -706,7 +733,7 @@ def _walk_chunks_back(cotangents, initial_refs, final_refs, visit, walk, factors
             factor = _write_factor(factors_ref, c, chunk, factor)
         return _pack(*_carry_back_chunk(chunk, do, cotangents.whole_d_den(c), dS, dz)), factor
 
-    states = _pack(ds_ref[...].astype(acc), _row(dz_ref, acc))
+    states = walk.start(ds_ref, dz_ref, D, acc)
     factor = None if factors_ref is None else jnp.ones((1, D), acc)
     carry, _ = jax.lax.fori_loop(0, walk.stop - walk.first, body, (states, factor))
     dS, dz = _unpack(carry, normalize)
@@ -731,13 +758,20 @@ def _backward_operands(refs, C: int, has_decay, has_valid, has_segments, eps, ch
     return inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents
 
 
-def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, eps, passes, **chunk_options):
+def backward_kernel(
+    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, passes, **chunk_options
+):
     """refs: q, k, v, [g], [valid], [runs, before], s0, [z0], d_out, d_s, [den, d_den, d_z]
     -> dq, dk, dv, d_s0, [d_z0], [q . dq, k . dk] (of the prepared chunks, with a decay:
     `_Chunk.log_decay_cotangent`). The grid's last axis has `passes` programs per sequence
     (`_run_passes`): with 1 it runs every pass, with 2 the pass that gives dq and the one that
     gives the rest, with 3 the pass that gives dq, one that gives dk, d_s0 and d_z0 and one
     that gives dv (each of the last two walking back with the states' cotangents).
+
+    With `walk_chunks` < `num_chunks`, `passes` programs a walk (`forward_kernel`'s walks):
+    s0 and z0 hold the states entering each walk, d_s and d_z the cotangents of those leaving
+    it ([walks * D, ...]: `backward_states_kernel`'s walks joined by `pallas.py`), and d_s0 and
+    d_z0 are written at each walk's rows.
 
     eps None: no normaliser. Else d_out is the normalised output's cotangent, den the
     forward's, and d_den that of den (-sum_m d_out * out / (den + eps), made by `pallas.py`):
@@ -752,7 +786,8 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
     dq_ref, dk_ref, dv_ref = next(refs), next(refs), next(refs)
     ds0_ref, dz0_ref = _state_refs(refs, normalize)
     dG_refs = list(refs) or [None, None]
-    acc = chunk_options["acc"]
+    acc, D = chunk_options["acc"], inputs[0].shape[1]
+    walk = _Walk.of(pl.program_id(3) // passes, walk_chunks, num_chunks, own_start=True)
 
     def forward(c, carry):  # dq, from the state entering each chunk
         S, z = _unpack(carry, normalize)
@@ -761,7 +796,7 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
         return _pack(*_carry_over_chunk(chunk, S, z))
 
     def query_pass():
-        jax.lax.fori_loop(0, num_chunks, forward, _pack(s0_ref[...].astype(acc), _row(z0_ref, acc)))
+        jax.lax.fori_loop(walk.first, walk.stop, forward, walk.start(s0_ref, z0_ref, D, acc))
 
     def walking_back(parts):  # dk and/or dv, from the last chunk to the first
         def visit(chunk, c, do, dA, d_den, dS, dz):
@@ -769,14 +804,16 @@ def backward_kernel(*refs, C, num_chunks, has_decay, has_valid, has_segments, ep
             _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs, parts)
 
         final = (ds0_ref, dz0_ref) if "key" in parts else (None, None)
-        walk = _Walk(0, num_chunks)
         return lambda: _walk_chunks_back(cotangents, (ds_ref, dz_ref), final, visit, walk)
 
-    _run_passes(pl.program_id(3), passes, query_pass, walking_back)
+    # program_id(3) itself where one walk makes the sequence: the kernels Triton compiles without
+    # walks stay as they were (a remainder moves ptxas's register allocation).
+    program = pl.program_id(3) % passes if walk.index is not None else pl.program_id(3)
+    _run_passes(program, passes, query_pass, walking_back)
 
 
 def backward_states_kernel(
-    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, **chunk_options
+    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, write_chunks, **chunk_options
 ):
     """The parallel backward's first kernel (`pallas.Tuning.parallel_backward`), two programs a
     walk (the grid's last axis: the walks forward, then those back): refs: q, k, v, [g],
@@ -789,20 +826,24 @@ def backward_states_kernel(
     cotangent; neither makes a score or a gradient of q, k or v. With several walks each starts
     from s0 and z0, or d_s and d_z (zero: `pallas.py` joins the walks), d_s0 and d_z0 hold the
     cotangents of the states entering each walk [walks * D, ...], and d factors the factor each
-    walk's last cotangent reaches the states leaving each of its chunks with."""
+    walk's last cotangent reaches the states leaving each of its chunks with.
+
+    `write_chunks` False: nothing is written for each chunk (no states, d states, factors or d
+    factors), only each walk's final states, total factor and first states' cotangents (the
+    one-pass backward's walks: `backward_kernel`)."""
     normalize, refs = eps is not None, iter(refs)
     inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents = _backward_operands(
         refs, C, has_decay, has_valid, has_segments, eps, chunk_options
     )
-    states_ref, z_states_ref = _state_refs(refs, normalize)
-    d_states_ref, dz_states_ref = _state_refs(refs, normalize)
+    states_ref, z_states_ref = _state_refs(refs, normalize) if write_chunks else (None, None)
+    d_states_ref, dz_states_ref = _state_refs(refs, normalize) if write_chunks else (None, None)
     ds0_ref, dz0_ref = _state_refs(refs, normalize)
     walks = walk_count(walk_chunks, num_chunks)
     program = pl.program_id(3)
     walk = _Walk.of(program % walks, walk_chunks, num_chunks)
     s_ref, z_ref = _state_refs(refs, normalize) if walks > 1 else (None, None)
-    factor_refs = _factor_refs(refs, walk, has_decay or has_segments)
-    d_factors_ref = None if factor_refs is None else next(refs)
+    factor_refs = _factor_refs(refs, walk, has_decay or has_segments, write_chunks)
+    d_factors_ref = next(refs) if factor_refs is not None and write_chunks else None
 
     def states_pass():
         visit = _state_writer(states_ref, z_states_ref)
