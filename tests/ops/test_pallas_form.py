@@ -169,15 +169,24 @@ def test_dq_dk_and_dv_in_programs_of_their_own_give_the_same_result(x64, paralle
         ("step", {}, True),
         ("step", {"parallel_backward": True}, True),
         ("feature", {"split_key_value": True}, True),
+        ("step", {"walks": 2}, True),
     ],
-    ids=["one-program", "two-programs", "two-programs-normalised", "parallel-normalised", "three-programs"],
+    ids=[
+        "one-program",
+        "two-programs",
+        "two-programs-normalised",
+        "parallel-normalised",
+        "three-programs",
+        "walks-normalised",
+    ],
 )
 def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, launch, normalize):
     """With programs of 16 value features (M = 20: two blocks, the second mostly padding), each
     backward program's part of dq, dk and the decays' cotangent sums to the whole, the
     normaliser's part counted once, with the backward's passes in one program, in two (the
-    default, which every other test runs), in three (dq, dk and dv apart) or in parallel:
-    values and gradients equal the dense reference in float64."""
+    default, which every other test runs), in three (dq, dk and dv apart), in parallel, or
+    in two a walk of the sequence's stretches (three chunks in walks of two and one): values
+    and gradients equal the dense reference in float64."""
     rng = np.random.default_rng(5)
     q, k = (jnp.asarray(rng.standard_normal((1, 40, 2, 3))) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((1, 40, 2, 20)))
