@@ -19,7 +19,7 @@ What the matmul precision never touches, on any platform:
 - sums written as products with a 0/1 matrix (the decays' cumulative log sums, which XLA runs
   faster as a matmul than as `cumsum`) are pinned to `EXACT`: rounding a log decay of 30 to
   TF32 would change its decay by 1.5%; the Pallas kernels take them in three bfloat16 parts on
-  tensor cores, as exact (`gated_linear/pallas_kernels._sums`);
+  tensor cores, as exact (`gated_linear/pallas_chunk.sums`);
 - products that make a discrete choice are pinned to `EXACT` too: LSH's hash projections, so
   that every platform puts a key in the same bucket (at TF32 some keys changed buckets, and
   their outputs by far more than rounding).

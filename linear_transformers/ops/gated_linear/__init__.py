@@ -11,7 +11,8 @@ chunk_scores.py      the chunked form's decayed scores within a chunk
 chunk_segments.py    the chunked form's segment loop and its recomputing backward pass
 scan.py              "scan": the RNN
 pallas.py            "pallas": the GPU kernel (Triton; Pallas's interpreter on a CPU)
-pallas_kernels.py    its forward and backward kernels
+pallas_kernels.py    its forward and backward kernels: the loops over the chunks
+pallas_chunk.py      one chunk in those kernels: its scores, output, state and cotangents
 totals.py            what a stretch of steps does to the state; sums of log decays
 nonfinite.py         the guard of the forms that multiply by masked weights
 """

@@ -50,7 +50,7 @@ gradients stay within 1.1e-2 of the float64 reference's scale where float32 prod
 4e-3 (bfloat16 outputs alone round by 4e-3). Other products follow `jax.default_matmul_precision`
 as XLA's do (TF32 for float32 on an NVIDIA GPU by default; exact in interpret mode on a CPU),
 but for the sums written as products with a 0/1 matrix (the decays' log sums, the decays'
-cotangent), which keep float32's full precision whatever it says (`pallas_kernels._sums`: three
+cotangent), which keep float32's full precision whatever it says (`pallas_chunk.sums`: three
 bfloat16 parts on tensor cores).
 
 The form interface is in `forms.py`; the caller binds `chunk_size`.
@@ -416,7 +416,7 @@ def _attend(config, q, k, v, g, valid, runs, before, s0, z0):
     """(out [B, T, H, M] in v's dtype, s [B, H, D, M], z [B, H, D] or None, clean [B, H, value
     blocks]) of padded inputs, prepared by the kernels (`config.prepare`) or before them; z0
     None: no normaliser; clean (int32): 1 where the program's raw v were finite and log decays
-    <= 0 (`pallas_kernels._Chunk.clean`)."""
+    <= 0 (`pallas_chunk.Chunk.clean`)."""
     out, s, z, _, clean = _forward(config, q, k, v, g, valid, runs, before, s0, z0)
     return out, s, z, clean
 

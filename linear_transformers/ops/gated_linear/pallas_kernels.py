@@ -1,36 +1,14 @@
 """The Pallas kernels of the "pallas" form: the chunked recurrence of one (batch, head) per
-program, its state kept on chip from the first chunk to the last. Each chunk is prepared as it
-is loaded (`inputs.Preparation`: feature map, scale, the keys that do not count, the finite part
-of v and g), where `pallas.py` leaves that to the kernels.
+program, its state kept on chip from the first chunk to the last. Each chunk is loaded, prepared
+and computed with by `pallas_chunk.Chunk` (its scores, its output from the state entering it,
+the state leaving it, and their cotangents); here are the loops over the chunks, what each
+kernel reads and writes, and the walks.
 
 Legend: B batch, T time (a whole number of chunks), H heads, D key/query features (feature-map
 features, after `prepare`), M value features, C chunk length, X decay features (1 or D).
 
 Each program walks its sequence chunk by chunk with `lax.fori_loop`, carrying the [D, M] state
-in float32 (float64 for float64 inputs). Within a chunk, with L[t, s] the log decays summed over
-(s, t], P[t] those up to t and Q[s] those after s (within the chunk), and Gamma their total:
-
-  A[t, s]   = sum_x q[t] k[s] exp(L[t, s, x])              t >= s, same segment (else 0)
-  out[t]    = A[t] @ v + reads[t] * (q[t] * exp(P[t])) @ S
-  S        <- survives * exp(Gamma) * S + (tail * k * exp(Q))^T @ v
-
-`reads[t]`: no segment began in the chunk up to t (the query reads the state carried in);
-`tail[s]`: s is in the chunk's last segment (it reaches the state carried out); `survives`: no
-segment began in the chunk. Segments come in as two int32 [B, T] counts of segment starts, up to
-and including t (`runs`) and before t (`before`); without segments neither is passed. The keys
-that count come in as an int32 [B, T] (`valid`, nonzero: counts) where some do not.
-
-Every sum of log decays is a sum of same-sign terms (a cumulative sum, or a product with a 0/1
-matrix at float32's full precision on tensor cores: `_sums`), never the difference of two
-running sums, and every exponent is <= 0:
-exact and finite whatever the decays, as the XLA forms are (`totals.py`). With a decay per
-feature a chunk's scores are, as in the chunked form (`chunk_scores.py`), one matmul of q and k
-rescaled from the chunk's midpoint where its decays stay within exp(+-FACTOR_RANGE) of it (exact
-to a relative eps * FACTOR_RANGE), else every pair's decay on its own (`lax.cond` per chunk):
-a loop over the chunk's keys, each with its decays to every later step of the chunk, [C, D] at a
-time, where all the pairs' decays at once would be [C, C, D] (FLA's GLA kernels loop over the
-keys of a chunk's diagonal blocks the same way); so a decay per feature takes the chunks the
-others take.
+in float32 (float64 for float64 inputs).
 
 The backward kernel recomputes what it needs: one pass forward over the chunks (carrying S)
 gives dq; one pass backward (carrying dS, the cotangent of the state) gives dk, dv and the
@@ -72,278 +50,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from linear_transformers.ops.gated_linear.chunk_scores import FACTOR_RANGE
-from linear_transformers.ops.precision import EXACT
-
-
-def _chunk_masks(c, runs_ref, before_ref, C: int):
-    """(keep [C, C], reads [C], tail [C], survives) of chunk c; all None without segments but keep
-    (the causal mask)."""
-    t = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    s = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    keep = t >= s
-    if runs_ref is None:
-        return keep, None, None, None
-    rows = pl.ds(c * C, C)
-    runs = runs_ref[rows]
-    entering = jnp.min(before_ref[rows])  # the segment count the carried state belongs to
-    last = jnp.max(runs)
-    keep = keep & (runs[:, None] == runs[None, :])
-    return keep, runs == entering, runs == last, last == entering
-
-
-class _Chunk:
-    """One chunk's inputs, prepared (`inputs.Preparation`, where the kernel applies it) and in
-    `acc`, its masks, and the factors that carry its queries to the state entering it (`into`)
-    and its keys to the state leaving it (`out_of`): [C, X] or None (1)."""
-
-    def __init__(self, c, refs, C: int, acc, *, per_feature: bool, prepare, features: int, products):
-        q_ref, k_ref, v_ref, g_ref, valid_ref, runs_ref, before_ref = refs
-        self.products = products
-        rows = pl.ds(c * C, C)
-        valid = None if valid_ref is None else valid_ref[rows] != 0
-        self._raw = {"q": q_ref[rows, :], "k": k_ref[rows, :], "v": v_ref[rows, :]}
-        self._prepare = _chunk_preparation(prepare, valid, features, acc)
-        self.q, self.k, self.v = (self._prepare[name](self._raw[name]) for name in ("q", "k", "v"))
-        self.keep, reads, tail, self.survives = _chunk_masks(c, runs_ref, before_ref, C)
-        self.per_feature = per_feature
-        self.g = self.decay = self.into = self.out_of = self.E = self.u = self.factored = None
-        if g_ref is not None:
-            self._raw["g"] = g_ref[rows, :] if per_feature else g_ref[rows][:, None]  # [C, X]
-            g = self._raw["g"]
-            g = g.astype(acc) if prepare is None else prepare.log_decays(g, valid)
-            after = _later(C)  # after[s, i]: i > s
-            if per_feature:
-                prefix = jnp.cumsum(g, axis=0)
-                suffix = _sums(after, g)
-            else:  # Triton 3.6's scan lowering asserts for a [C, 1] block: sums along rows
-                prefix = jnp.sum(jnp.where(_upto(C), jnp.transpose(g), 0), axis=1, keepdims=True)
-                suffix = jnp.sum(jnp.where(after, jnp.transpose(g), 0), axis=1, keepdims=True)
-            gamma = jnp.sum(g, axis=0, keepdims=True)  # [1, X]
-            self.g, self.decay = g, jnp.exp(gamma)
-            self.into, self.out_of = jnp.exp(prefix), jnp.exp(suffix)
-            if per_feature:
-                self.u = _from_midpoint(g)
-                self.factored = jnp.max(jnp.abs(self.u)) <= FACTOR_RANGE
-            else:  # the [C, C] pair decays every pass reads, once per chunk
-                self.E = self._step_pair_decays()
-        if reads is not None:
-            one = jnp.ones((C, 1), acc)
-            self.into = jnp.where(reads[:, None], one if self.into is None else self.into, 0)
-            self.out_of = jnp.where(tail[:, None], one if self.out_of is None else self.out_of, 0)
-        self.q_in = _times(self.q, self.into)
-        self.k_out = _times(self.k, self.out_of)
-
-    def dot(self, a, b, *, trans_a=False, trans_b=False):
-        """a @ b (each transposed as asked), summed in float32 (float64 for float64 inputs), its
-        operands cast to `products` (`pallas.Config`) where that is not None."""
-        if self.products is not None:
-            a, b = a.astype(self.products), b.astype(self.products)
-        return pltriton.dot(a, b, trans_a=trans_a, trans_b=trans_b)
-
-    def clean(self):
-        """1 where every raw v of the chunk is finite and every raw log decay <= 0 (not NaN),
-        else 0: what the non-finite guard checks (`nonfinite.py`), seen as the chunk is loaded."""
-        one, zero = jnp.int32(1), jnp.int32(0)
-        ok = jnp.min(jnp.where(jnp.isfinite(self._raw["v"]), one, zero))
-        if "g" in self._raw:
-            ok = jnp.minimum(ok, jnp.min(jnp.where(self._raw["g"] <= 0, one, zero)))
-        return ok
-
-    def raw_cotangent(self, name: str, cotangent):
-        """The cotangent of the chunk of raw input `name` ("q", "k" or "v"), given that of its
-        prepared chunk: back through the preparation, in the raw input's dtype."""
-        _, pullback = jax.vjp(self._prepare[name], self._raw[name])
-        return pullback(cotangent)[0]
-
-    def log_decay_cotangent(self, x, dx):
-        """x . dx of a prepared chunk and its cotangent, summed at and after each step within
-        the chunk and the step's segment: per feature [C, D], or summed over the features too
-        [C] with a decay per step (`pallas.py` adds what the steps after the chunk give)."""
-        keep = self.keep  # [i, t]: i >= t in t's segment
-        if self.per_feature:
-            return _sums(keep, x * dx, transpose=True)
-        return jnp.sum(jnp.where(keep, jnp.sum(x * dx, axis=1, keepdims=True), 0), axis=0)
-
-    def _step_pair_decays(self):
-        """exp(L[t, s]) where kept, else 0, [C, C], with one decay per step: L[t, s] = sum_i
-        [i <= t] g[i] [i > s], the log decays in (s, t] as a product with a 0/1 matrix at full
-        precision (`_sums`): a sum of same-sign terms, never a difference of two running sums,
-        which would lose eps * |sum|."""
-        C = self.g.shape[0]
-        i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-        s = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-        L = _sums(_upto(C), jnp.where(i > s, self.g, 0))  # [t, i] @ [i, s]
-        return jnp.exp(jnp.where(self.keep, L, -jnp.inf))
-
-    def _decays_from(self, s):
-        """[C, D]: per feature, the decay from step s to each step t >= s of the chunk, exp of
-        sum_{s < i <= t} g[i] (a cumulative sum of same-sign terms, never a difference of two
-        running sums), and 0 before s."""
-        row = jax.lax.broadcasted_iota(jnp.int32, self.g.shape, 0)
-        L = jnp.cumsum(jnp.where(row > s, self.g, 0), axis=0)
-        return jnp.where(row >= s, jnp.exp(L), 0)
-
-    def _per_feature(self, factored, column, init):
-        """`factored(exp(u), exp(-u))` where the chunk's decays stay within exp(+-FACTOR_RANGE)
-        of its midpoint (u: the log decays from the midpoint to each step), else every pair's
-        decay on its own: a loop over the chunk's steps s from `init`, `column(s, decays from s
-        [C, D], carry) -> carry` (`_decays_from`), which holds [C, D] values at a time where
-        the pair decays of a chunk would be [C, C, D]."""
-        C = self.g.shape[0]
-        return jax.lax.cond(
-            self.factored,
-            lambda: factored(jnp.exp(self.u), jnp.exp(-self.u)),
-            lambda: jax.lax.fori_loop(0, C, lambda s, carry: column(s, self._decays_from(s), carry), init),
-        )
-
-    def scores(self):
-        """A [C, C]: q[t] . (decayed) k[s] where kept, else 0."""
-        if self.g is None:
-            return jnp.where(self.keep, self.dot(self.q, self.k, trans_b=True), 0)
-        if not self.per_feature:
-            return self.dot(self.q, self.k, trans_b=True) * self.E
-        columns = jax.lax.broadcasted_iota(jnp.int32, self.keep.shape, 1)
-
-        def column(s, E, A):  # column s of A
-            a = jnp.sum(self.q * _row_of(self.k, s) * E, axis=1, keepdims=True)
-            return jnp.where(self.keep & (columns == s), a, A)
-
-        return self._per_feature(
-            lambda up, down: jnp.where(self.keep, self.dot(self.q * up, self.k * down, trans_b=True), 0),
-            column,
-            jnp.zeros(self.keep.shape, self.q.dtype),
-        )
-
-    def query_cotangent(self, dA):
-        """dq of the scores, given their cotangent dA [C, C] (zero where not kept)."""
-        if self.g is None:
-            return self.dot(dA, self.k)
-        if not self.per_feature:
-            return self.dot(dA * self.E, self.k)
-        return self._per_feature(
-            lambda up, down: self.dot(dA, self.k * down) * up,
-            lambda s, E, dq: dq + _column_of(dA, s) * _row_of(self.k, s) * E,  # key s's part
-            jnp.zeros_like(self.q),
-        )
-
-    def key_cotangent(self, dA):
-        """dk of the scores, given their cotangent dA [C, C] (zero where not kept)."""
-        if self.g is None:
-            return self.dot(dA, self.q, trans_a=True)
-        if not self.per_feature:
-            return self.dot(dA * self.E, self.q, trans_a=True)
-        rows = jax.lax.broadcasted_iota(jnp.int32, self.k.shape, 0)
-
-        def column(s, E, dk):  # row s of dk
-            return jnp.where(rows == s, jnp.sum(_column_of(dA, s) * self.q * E, axis=0, keepdims=True), dk)
-
-        return self._per_feature(
-            lambda up, down: self.dot(dA, self.q * up, trans_a=True) * down,
-            column,
-            jnp.zeros_like(self.k),
-        )
-
-    def carry_over(self, S):
-        """What the chunk leaves of the state carried into it: S decayed (per row), or 0."""
-        if self.decay is not None:
-            S = S * jnp.transpose(self.decay)  # [X, 1] against S's rows
-        return S if self.survives is None else jnp.where(self.survives, S, 0)
-
-    def carry_over_normaliser(self, z):
-        """The same for the normaliser's state z [1, D] (or its cotangent): a row."""
-        if self.decay is not None:
-            z = z * self.decay
-        return z if self.survives is None else jnp.where(self.survives, z, 0)
-
-
-def _row_of(x, s):
-    """Row s of x [R, N], as [1, N] (Triton has no slicing of values)."""
-    return jnp.sum(
-        jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) == s, x, 0), axis=0, keepdims=True
-    )
-
-
-def _column_of(x, s):
-    """Column s of x [N, R], as [N, 1]."""
-    return jnp.sum(
-        jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) == s, x, 0), axis=1, keepdims=True
-    )
-
-
-def _later(C: int):
-    """[C, C] bool: [s, i] is i > s."""
-    return jax.lax.broadcasted_iota(jnp.int32, (C, C), 1) > jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-
-
-def _upto(C: int):
-    """[C, C] bool: [t, i] is i <= t."""
-    return jax.lax.broadcasted_iota(jnp.int32, (C, C), 1) <= jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-
-
-def _from_midpoint(g):
-    """u [C, X]: the log decays summed from the chunk's midpoint m to each step (after m:
-    sum_{m < i <= t} g_i; before it: -sum_{t < i <= m} g_i), each a sum of same-sign terms, as
-    `chunk_scores.from_midpoint`. exp(u_t - u_s) is the decay from s to t."""
-    C = g.shape[0]
-    t = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    m = C // 2
-    signed = ((m < i) & (i <= t)).astype(g.dtype) - ((t < i) & (i <= m)).astype(g.dtype)
-    return _sums(signed, g)
-
-
-def _sums(mask, x, *, transpose: bool = False):
-    """mask @ x (mask^T @ x with `transpose`) at x's full precision, mask holding only 0 and
-    +-1: sums of x's rows, chosen and signed by mask (the decays' cumulative and windowed log
-    sums; Triton has no reverse `cumsum`). A float32 product at full precision (`EXACT`) would
-    run as C * C * D fused multiply-adds on the CUDA cores, in the loop each program walks; here
-    it runs on tensor cores: x is split into three bfloat16 parts (8 significant bits each,
-    float32's 24: their sum is x exactly, for |x| above 1e-31), each multiplied by the mask
-    exactly and summed in float32. float64 keeps its own exact product."""
-    if x.dtype == jnp.float64:
-        return pltriton.dot(mask.astype(x.dtype), x, trans_a=transpose, precision=EXACT)
-    parts, rest = [], x.astype(jnp.float32)
-    for _ in range(3):
-        parts.append(rest.astype(jnp.bfloat16))
-        rest = rest - parts[-1].astype(jnp.float32)
-    mask = mask.astype(jnp.bfloat16)  # 0 and +-1: exact
-    high, middle, low = (pltriton.dot(mask, part, trans_a=transpose) for part in parts)
-    return (low + middle) + high  # the smallest first
-
-
-def _times(x, factor):
-    return x if factor is None else x * factor
-
-
-def _chunk_preparation(prepare, valid, features: int, acc):
-    """{"q", "k", "v"}: a raw chunk -> the prepared one, in `acc` (Triton has no bfloat16
-    division, which the feature maps' derivatives use), as `prepare` makes it (None: the inputs
-    come prepared), with the features past `features` (padding, which a feature map need not
-    keep at 0) zeroed in q and k."""
-
-    def queries(q):
-        q = q.astype(acc)
-        return _first_features(q if prepare is None else prepare.queries(q), features, prepare)
-
-    def keys(k):
-        k = k.astype(acc)
-        return _first_features(k if prepare is None else prepare.keys(k, valid), features, prepare)
-
-    def values(v):
-        v = v.astype(acc)
-        return v if prepare is None else prepare.values(v, valid)
-
-    return {"q": queries, "k": keys, "v": values}
-
-
-def _first_features(x, features: int, prepare):
-    if prepare is None or x.shape[1] == features:
-        return x
-    kept = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < features
-    return jnp.where(kept, x, 0)
+from linear_transformers.ops.gated_linear.pallas_chunk import Chunk, times
 
 
 def _split_refs(refs, has_decay: bool, has_valid: bool, has_segments: bool):
@@ -395,7 +103,7 @@ def forward_kernel(
     *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, **chunk_options
 ):
     """refs: q, k, v, [g], [valid], [runs, before], s0, [z0] -> out, s (the state after the
-    last chunk), [z, den], clean (`_Chunk.clean` of every chunk: int32 1 or 0).
+    last chunk), [z, den], clean (`Chunk.clean` of every chunk: int32 1 or 0).
 
     With `walk_chunks` < `num_chunks` each sequence is walked in stretches of that many chunks,
     one program a walk (the grid's last axis, `_Walk`), each from the state entering its walk
@@ -406,7 +114,7 @@ def forward_kernel(
     carried beside S as an implicit column of ones in v: den[t] = the scores' row sum +
     q_in[t] . z, and out = num / (den + eps), written in out's dtype; den (float32 [T]) is
     kept for the backward. Programs of other value blocks compute the same z and den and write
-    the same values. `chunk_options`: per_feature, acc, prepare, features (`_Chunk`)."""
+    the same values. `chunk_options`: per_feature, acc, prepare, features (`Chunk`)."""
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
     s0_ref, z0_ref = _state_refs(refs, normalize)
@@ -424,7 +132,7 @@ def forward_kernel(
 def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, walk, chunk_options, factor_refs=None):
     """The forward's loop over the chunks of `walk` (`_Walk`): `visit(chunk, c, S, z)`
     with the states entering chunk c (z None without a normaliser), carried from (s0, z0) in
-    `initial_refs`; then the states after the last chunk and the guard's flag (`_Chunk.clean`
+    `initial_refs`; then the states after the last chunk and the guard's flag (`Chunk.clean`
     of every chunk) written to (s, z, clean) in `final_refs` (all None: not written; s and z
     at the walk's rows). `factor_refs` (factors, total; None: none): the factor each of the
     walk's first state's rows reaches chunk c with, written at rows c * D of factors [num chunks
@@ -435,7 +143,7 @@ def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, walk, chunk_op
 
     def body(c, carry):
         (S, z), clean, factor = _unpack(carry[0], normalize), carry[1], carry[2]
-        chunk = _Chunk(c, inputs, C, **chunk_options)
+        chunk = Chunk(c, inputs, C, **chunk_options)
         visit(chunk, c, S, z)
         if factor_refs is not None:
             factor = _write_factor(factor_refs[0], c, chunk, factor)
@@ -552,7 +260,7 @@ def _state_writer(states_ref, z_states_ref):
     c * D of states_ref [num_chunks * D, M] and z_states_ref [num_chunks * D] (None: no
     normaliser; states_ref None: nothing written): the parallel forward's and backward's states
     (and their cotangents), which `_chunk_state` reads. S in states_ref's dtype: the products'
-    (`_Chunk.dot`) where they round it (`pallas.Config.products`), as the chunks' programs use
+    (`Chunk.dot`) where they round it (`pallas.Config.products`), as the chunks' programs use
     it only in products."""
 
     def visit(chunk, c, S, z):
@@ -590,9 +298,9 @@ class _Joins:
         walks_ref, z_walks_ref, factors_ref = self.refs
         first, rows = pl.ds((c // self.walk_chunks) * D, D), pl.ds(c * D, D)
         factor = None if factors_ref is None else factors_ref[rows][None, :]  # [1, D]
-        S = S.astype(acc) + _times(walks_ref[first, :].astype(acc), _column(factor))
+        S = S.astype(acc) + times(walks_ref[first, :].astype(acc), _column(factor))
         if z is not None:
-            z = z + _times(z_walks_ref[first][None, :], factor)
+            z = z + times(z_walks_ref[first][None, :], factor)
         return S, z
 
 
@@ -627,7 +335,7 @@ def chunk_outputs_kernel(
     o_ref = next(refs)
     den_ref = next(refs) if normalize else None
     c = pl.program_id(3)
-    chunk = _Chunk(c, inputs, C, **chunk_options)
+    chunk = Chunk(c, inputs, C, **chunk_options)
     S, z = joins.chunk_state(states_ref, z_states_ref, c, chunk.q.shape[1], chunk_options["acc"])
     _write_chunk_output(chunk, c, C, S, z, o_ref, den_ref, eps)
 
@@ -648,7 +356,7 @@ class _OutputCotangents:
         kept), den's cotangent [C, 1] in the first value block's programs (else 0; None without
         a normaliser))."""
         C, eps = self.C, self.eps
-        chunk = _Chunk(c, self.inputs, C, **self.chunk_options)
+        chunk = Chunk(c, self.inputs, C, **self.chunk_options)
         rows = pl.ds(c * C, C)
         do = self.do_ref[rows, :].astype(self.chunk_options["acc"])
         d_den = None
@@ -673,7 +381,7 @@ def _write_query_cotangent(chunk, c, C: int, do, dA, d_den, S, z, dq_ref, dG_ref
     entering = chunk.dot(do, S, trans_b=True)
     if z is not None:
         entering = entering + d_den * z
-    dq = dq + _times(entering, chunk.into)
+    dq = dq + times(entering, chunk.into)
     dq_ref[rows, :] = chunk.raw_cotangent("q", dq).astype(dq_ref.dtype)
     if dG_ref is not None:
         dG_ref[rows] = chunk.log_decay_cotangent(chunk.q, dq)
@@ -696,7 +404,7 @@ def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, r
         leaving = chunk.dot(chunk.v, dS, trans_b=True)
         if dz is not None:
             leaving = leaving + dz * first_block
-        dk = dk + _times(leaving, chunk.out_of)
+        dk = dk + times(leaving, chunk.out_of)
         dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
     if value:
         dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
@@ -763,7 +471,7 @@ def backward_kernel(
 ):
     """refs: q, k, v, [g], [valid], [runs, before], s0, [z0], d_out, d_s, [den, d_den, d_z]
     -> dq, dk, dv, d_s0, [d_z0], [q . dq, k . dk] (of the prepared chunks, with a decay:
-    `_Chunk.log_decay_cotangent`). The grid's last axis has `passes` programs per sequence
+    `Chunk.log_decay_cotangent`). The grid's last axis has `passes` programs per sequence
     (`_run_passes`): with 1 it runs every pass, with 2 the pass that gives dq and the one that
     gives the rest, with 3 the pass that gives dq, one that gives dk, d_s0 and d_z0 and one
     that gives dv (each of the last two walking back with the states' cotangents).
