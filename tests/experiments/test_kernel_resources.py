@@ -51,7 +51,7 @@ def test_the_normalised_kernels_compile_too(tmp_path):
 
 
 @pytest.mark.parametrize("parallel,walks", [(True, 1), (True, 2), (False, 2)])
-def test_the_parallel_kernels_compile_too(tmp_path, parallel, walks):
+def test_the_parallel_kernels_and_the_walks_compile_too(tmp_path, parallel, walks):
     """The parallel forward's and backward's kernels (states, then one program a chunk), with a
     decay per feature (its per-chunk choice of form) and the normaliser, the chunks walked in
     one stretch or two (each walk's kernel writing factors, each chunk's adding its walk's

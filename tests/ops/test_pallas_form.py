@@ -185,8 +185,8 @@ def test_a_grid_over_value_blocks_gives_the_same_result(x64, decay, launch, norm
     backward program's part of dq, dk and the decays' cotangent sums to the whole, the
     normaliser's part counted once, with the backward's passes in one program, in two (the
     default, which every other test runs), in three (dq, dk and dv apart), in parallel, or
-    in two a walk of the sequence's stretches (three chunks in walks of two and one): values
-    and gradients equal the dense reference in float64."""
+    in two for each walk over a stretch of the sequence (three chunks in walks of two and
+    one): values and gradients equal the dense reference in float64."""
     rng = np.random.default_rng(5)
     q, k = (jnp.asarray(rng.standard_normal((1, 40, 2, 3))) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((1, 40, 2, 20)))

@@ -452,7 +452,7 @@ def _walk_starts(config, value_block: int, walks, inputs, s0, z0):
     and [B, H, walks * D] (z None without a normaliser), the final states), from
     `chunk_states_kernel`'s walks from zero, each writing only its final states and total
     factor, joined. `inputs`: (q, k, v, g, valid, runs, before)."""
-    q, _, v, g, valid, runs, _ = inputs
+    q, _, _, g, valid, runs, _ = inputs
     B, H, _, M = s0.shape
     flags = jax.ShapeDtypeStruct((B, H, M // value_block * walks.count), jnp.int32)
     outputs = walks.finals(s0, z0) + walks.factors(s0, chunks=False) + [(flags, "walk flags")]
