@@ -452,41 +452,47 @@ def _walk_starts(config, value_block: int, walks, inputs, s0, z0):
     and [B, H, walks * D] (z None without a normaliser), the final states), from
     `chunk_states_kernel`'s walks from zero, each writing only its final states and total
     factor, joined. `inputs`: (q, k, v, g, valid, runs, before)."""
+    _, finals, factors, _ = _walk_states(config, value_block, walks, inputs, s0, z0, write_chunks=False)
+    return walks.join((s0, z0), finals, factors, config.acc)  # the flags: the forward's
+
+
+def _walk_states(config, value_block: int, walks, inputs, s0, z0, *, write_chunks: bool):
+    """`chunk_states_kernel`'s results: ([the states entering each chunk, [z's]] with
+    `write_chunks`, else []; (s, z): the final states, each walk's; [the walks' factors];
+    clean [B, H, value blocks]). `inputs`: (q, k, v, g, valid, runs, before)."""
     q, _, _, g, valid, runs, _ = inputs
-    B, H, _, M = s0.shape
+    B, H, D, M = s0.shape
+    normalize = z0 is not None
+    outputs = []
+    if write_chunks:  # chunk c's at rows c * D
+        outputs += [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D, M), config.snapshots), "state")]
+        if normalize:
+            outputs += [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D), config.acc), "row")]
+    n = len(outputs)
+    outputs += walks.finals(s0, z0) + walks.factors(s0, chunks=write_chunks)
     flags = jax.ShapeDtypeStruct((B, H, M // value_block * walks.count), jnp.int32)
-    outputs = walks.finals(s0, z0) + walks.factors(s0, chunks=False) + [(flags, "walk flags")]
-    walk = dict(walk_chunks=walks.chunks, write_chunks=False)
+    outputs += [(flags, "walk flags" if walks.joined else "flags")]
+    walk = dict(walk_chunks=walks.chunks, write_chunks=write_chunks)
     kernel = _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs, **walk)
     operands = _operands(*inputs, *walks.starts(s0, z0))
-    s, *rest = _call(kernel, config, value_block, operands, outputs, passes=walks.count)
-    z = rest.pop(0) if z0 is not None else None
-    return walks.join((s0, z0), (s, z), rest[:-1], config.acc)  # the flags: the forward's
+    results = _call(kernel, config, value_block, operands, outputs, passes=walks.count)
+    finals = results[n], results[n + 1] if normalize else None
+    clean = jnp.min(results[-1].reshape(B, H, -1, walks.count), axis=-1)
+    return results[:n], finals, results[n + 1 + normalize : -1], clean
 
 
 def _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0):
     """`_forward`'s outputs from `Tuning.parallel_forward`'s two kernels."""
     B, T, H, M = v.shape
-    D, num_chunks = q.shape[-1], T // config.C
+    num_chunks = T // config.C
     value_block = config.value_block(M)
     normalize = z0 is not None
     walks = _Walks(config, num_chunks, g, runs)
-    # The states entering each chunk (chunk c's at rows c * D), the final states (each walk's),
-    # [the walks' factors], the flags.
-    outputs = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.snapshots), "state")]
-    if normalize:
-        outputs += [(jax.ShapeDtypeStruct((B, H, num_chunks * D), config.acc), "row")]
-    outputs += walks.finals(s0, z0) + walks.factors(s0)
-    flags = (B, H, M // value_block * walks.count)
-    outputs += [(jax.ShapeDtypeStruct(flags, jnp.int32), "walk flags" if walks.joined else "flags")]
-    walk = dict(walk_chunks=walks.chunks, write_chunks=True)
-    kernel = _kernel(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs, **walk)
-    operands = _operands(q, k, v, g, valid, runs, before, *walks.starts(s0, z0))
-    results = list(_call(kernel, config, value_block, operands, outputs, passes=walks.count))
-    states, z_states = results.pop(0), results.pop(0) if normalize else None
-    s, z = results.pop(0), results.pop(0) if normalize else None
-    factors = results[:-1]
-    clean = jnp.min(results[-1].reshape(B, H, -1, walks.count), axis=-1)
+    inputs = (q, k, v, g, valid, runs, before)
+    chunk_states, (s, z), factors, clean = _walk_states(
+        config, value_block, walks, inputs, s0, z0, write_chunks=True
+    )
+    states, z_states = chunk_states[0], chunk_states[1] if normalize else None
     joins = []
     if walks.joined:
         entering, (s, z) = walks.join((s0, z0), (s, z), factors, config.snapshots)
@@ -668,19 +674,43 @@ def _walk_ends(config, bind, value_block: int, walks, walk_operands, ends):
     normaliser), (d_s0, d_z0)), from `backward_states_kernel`'s walks from zero, each writing
     only its ends and total factor, joined. `walk_operands`, `ends`: `_parallel_backward`'s."""
     s0, z0, d_s, d_z = ends
+    _, _, d_finals, finals, factors = _backward_walks(
+        config, bind, value_block, walks, walk_operands, ends, write_chunks=False
+    )
+    first, _ = walks.join((s0, z0), finals, factors, config.acc)
+    last, joined = walks.join((d_s, d_z), d_finals, factors, config.acc, reverse=True)
+    return (*first, *last), joined
+
+
+def _backward_walks(config, bind, value_block: int, walks, walk_operands, ends, *, write_chunks: bool):
+    """`backward_states_kernel`'s results: (the states entering each chunk, the cotangents of
+    those leaving it: [S, [z]] each with `write_chunks`, else []; (d_s0, d_z0): each walk's;
+    with several walks (s, z), each walk's final states, and [the factors: to each chunk with
+    `write_chunks`, out of each walk, back to each chunk with `write_chunks`], else None and
+    []). Arguments: `_parallel_backward`'s."""
+    s0, z0, d_s, d_z = ends
     normalize = z0 is not None
+    B, H, D, M = s0.shape
+    rows = []
+    if write_chunks:
+        rows = [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D, M), config.snapshots), "state")]
+        if normalize:
+            rows += [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D), config.acc), "row")]
     finals = walks.finals(s0, z0)
-    # The cotangents of the states entering each walk, its final states, [its total factor].
-    outputs = finals + finals + walks.factors(s0, chunks=False)
-    kernel = bind(pallas_kernels.backward_states_kernel, walk_chunks=walks.chunks, write_chunks=False)
+    outputs = rows + rows + finals
+    if walks.joined:
+        outputs += finals + walks.factors(s0, chunks=write_chunks)
+        outputs += walks.factors(s0, backward=True) if write_chunks else []
+    kernel = bind(pallas_kernels.backward_states_kernel, walk_chunks=walks.chunks, write_chunks=write_chunks)
     operands = walk_operands(*walks.starts(s0, z0), *walks.starts(d_s, d_z))
     walked = _call(kernel, config, value_block, operands, outputs, passes=2 * walks.count)
-    n = len(finals)
-    d_finals, finals, factors = walked[:n], walked[n : 2 * n], walked[2 * n :]
+    n, f = len(rows), len(finals)
     pair = lambda x: (x[0], x[1] if normalize else None)  # noqa: E731
-    first, _ = walks.join((s0, z0), pair(finals), factors, config.acc)
-    last, joined = walks.join((d_s, d_z), pair(d_finals), factors, config.acc, reverse=True)
-    return (*first, *last), joined
+    d_first = pair(walked[2 * n : 2 * n + f])
+    if not walks.joined:
+        return walked[:n], walked[n : 2 * n], d_first, None, []
+    final = pair(walked[2 * n + f : 2 * n + 2 * f])
+    return walked[:n], walked[n : 2 * n], d_first, final, walked[2 * n + 2 * f :]
 
 
 def _parallel_backward(config, bind, value_block: int, walks, walk_operands, chunk_operands, gradients, ends):
@@ -691,35 +721,18 @@ def _parallel_backward(config, bind, value_block: int, walks, walk_operands, chu
     parts], `ends` the initial states and the final states' cotangents (s0, z0, d_s, d_z; z0
     and d_z None without a normaliser)."""
     s0, z0, d_s, d_z = ends
-    normalize = z0 is not None
-    B, H, D, M = s0.shape
-    num_chunks = walks.num_chunks
-    rows = [(jax.ShapeDtypeStruct((B, H, num_chunks * D, M), config.snapshots), "state")]
-    if normalize:
-        rows += [(jax.ShapeDtypeStruct((B, H, num_chunks * D), config.acc), "row")]
-    # The states entering each chunk and the cotangents of those leaving it, then the initial
-    # states' cotangents (each walk's), [each walk's final states and factors].
-    finals = walks.finals(s0, z0)
-    outputs = rows + rows + finals
-    if walks.joined:
-        outputs += finals + walks.factors(s0) + walks.factors(s0, backward=True)
-    kernel = bind(pallas_kernels.backward_states_kernel, walk_chunks=walks.chunks, write_chunks=True)
-    operands = walk_operands(*walks.starts(s0, z0), *walks.starts(d_s, d_z))
-    walked = _call(kernel, config, value_block, operands, outputs, passes=2 * walks.count)
-    n = len(rows)
-    entering, leaving = walked[:n], walked[n : 2 * n]
-    ds0, dz0 = walked[2 * n], walked[2 * n + 1] if normalize else None
-    layouts = [layout for _, layout in rows]
+    entering, leaving, (ds0, dz0), final, factors = _backward_walks(
+        config, bind, value_block, walks, walk_operands, ends, write_chunks=True
+    )
+    layouts = ["state", "row"][: len(entering)]
     operands = chunk_operands + list(zip(entering, layouts)) + list(zip(leaving, layouts))
-    if walks.joined:
-        s, z = walked[3 * n], walked[3 * n + 1] if normalize else None
-        factors = walked[4 * n :]  # to each chunk, out of each walk, back to each chunk
-        first, _ = walks.join((s0, z0), (s, z), factors[:2], config.snapshots)
+    if walks.joined:  # factors: to each chunk, out of each walk, back to each chunk
+        first, _ = walks.join((s0, z0), final, factors[:2], config.snapshots)
         last, (ds0, dz0) = walks.join((d_s, d_z), (ds0, dz0), factors[1:2], config.snapshots, reverse=True)
         operands += walks.join_operands(first, factors[:1]) + walks.join_operands(last, factors[2:])
     passes = config.tuning.backward_passes
     kernel = bind(pallas_kernels.chunk_gradients_kernel, walk_chunks=walks.chunks, passes=passes)
-    grads = _call(kernel, config, value_block, operands, gradients, passes=num_chunks * passes)
+    grads = _call(kernel, config, value_block, operands, gradients, passes=walks.num_chunks * passes)
     return (*grads, ds0, dz0)
 
 
