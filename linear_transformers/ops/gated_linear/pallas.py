@@ -126,11 +126,12 @@ class Tuning:
       `totals.apply_totals`), and each chunk's program adds its walk's first state, carried
       to the chunk, to what the walk wrote (a factor per chunk with a decay or segments).
       With a one-pass form, a first kernel walks the stretches from zero writing only those
-      ends (reading k and v, and backward q and the output's cotangent: not the states
-      entering each chunk), XLA joins them, and each stretch's program of the one-pass kernel
-      walks it from the state entering it (backward, also from the cotangent of the state
-      leaving it): the one-pass kernels' bytes, and k and v once more, for the parallel
-      forms' parallel walks.
+      ends (reading k and v: not the states entering each chunk), XLA joins them, and each
+      stretch's program of the one-pass kernel walks it from the state entering it; the
+      backward keeps those states, walks the stretches back from zero (reading q and the
+      output's cotangent), joins them, and its passes walk each stretch from its first state
+      and the cotangent of its last: the one-pass kernels' bytes, and k and v forward, q and
+      the output's cotangent backward, once more, for the parallel forms' parallel walks.
     num_warps, num_stages: Triton's. Eight warps: a program holds some ten [64, 64] float32
       tensors at once (the scores, their decays, q, k, v, the state and, backward, their
       cotangents): 16 registers a thread each at 256 threads.
@@ -417,21 +418,25 @@ def _attend(config, q, k, v, g, valid, runs, before, s0, z0):
     blocks]) of padded inputs, prepared by the kernels (`config.prepare`) or before them; z0
     None: no normaliser; clean (int32): 1 where the program's raw v were finite and log decays
     <= 0 (`pallas_chunk.Chunk.clean`)."""
-    out, s, z, _, clean = _forward(config, q, k, v, g, valid, runs, before, s0, z0)
+    out, s, z, _, clean, _ = _forward(config, q, k, v, g, valid, runs, before, s0, z0)
     return out, s, z, clean
 
 
 def _forward(config, q, k, v, g, valid, runs, before, s0, z0):
     """`_attend`'s outputs, with the normaliser's den [B, T, H] (float32) before clean (None
-    without a normaliser)."""
+    without a normaliser), and after it the one-pass forward's joined walks (`_walk_starts`:
+    the states entering each walk and the walks' total factors, which the backward's walks
+    start from) or None."""
     if config.tuning.parallel_forward:
         return _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0)
     B, T, H, M = v.shape
     value_block = config.value_block(M)
     walks = _Walks(config, T // config.C, g, runs)
-    starts = (s0, z0)
+    starts, walked = (s0, z0), None
     if walks.joined:
-        starts, final = _walk_starts(config, value_block, walks, (q, k, v, g, valid, runs, before), s0, z0)
+        inputs = (q, k, v, g, valid, runs, before)
+        starts, final, walk_totals = _walk_starts(config, value_block, walks, inputs, s0, z0)
+        walked = starts, walk_totals
     out = jax.ShapeDtypeStruct((B, T, H, M), v.dtype)
     clean = jax.ShapeDtypeStruct((B, H, M // value_block * walks.count), jnp.int32)
     kernel = _kernel(pallas_kernels.forward_kernel, config, q, g, valid, runs, walk_chunks=walks.chunks)
@@ -444,16 +449,16 @@ def _forward(config, q, k, v, g, valid, runs, before, s0, z0):
     z, den = results[:2] if z0 is not None else (None, None)
     if walks.joined:  # the last walk's final states are the join's
         s, z = final
-    return out, s, z, den, jnp.min(results[-1].reshape(B, H, -1, walks.count), axis=-1)
+    return out, s, z, den, jnp.min(results[-1].reshape(B, H, -1, walks.count), axis=-1), walked
 
 
 def _walk_starts(config, value_block: int, walks, inputs, s0, z0):
     """((s, z): the states entering each walk of the one-pass forward, [B, H, walks * D, M]
-    and [B, H, walks * D] (z None without a normaliser), the final states), from
-    `chunk_states_kernel`'s walks from zero, each writing only its final states and total
-    factor, joined. `inputs`: (q, k, v, g, valid, runs, before)."""
-    _, finals, factors, _ = _walk_states(config, value_block, walks, inputs, s0, z0, write_chunks=False)
-    return walks.join((s0, z0), finals, factors, config.acc)  # the flags: the forward's
+    and [B, H, walks * D] (z None without a normaliser), the final states, [the walks' total
+    factors]), from `chunk_states_kernel`'s walks from zero, each writing only its final
+    states and total factor, joined. `inputs`: (q, k, v, g, valid, runs, before)."""
+    _, finals, walk_totals, _ = _walk_states(config, value_block, walks, inputs, s0, z0, write_chunks=False)
+    return *walks.join((s0, z0), finals, walk_totals, config.acc), walk_totals  # the flags: the forward's
 
 
 def _walk_states(config, value_block: int, walks, inputs, s0, z0, *, write_chunks: bool):
@@ -505,7 +510,7 @@ def _parallel_forward(config, q, k, v, g, valid, runs, before, s0, z0):
     operands = _operands(q, k, v, g, valid, runs, before, None, None) + [(states, "state")]
     operands += [(z_states, "row")] if normalize else []
     out, *den = _call(kernel, config, value_block, operands + joins, outputs, passes=num_chunks)
-    return out, s, z, den[0] if normalize else None, clean
+    return out, s, z, den[0] if normalize else None, clean, None
 
 
 class _Walks:
@@ -581,12 +586,12 @@ class _Walks:
 
 
 def _attend_fwd(config, q, k, v, g, valid, runs, before, s0, z0):
-    out, s, z, den, clean = _forward(config, q, k, v, g, valid, runs, before, s0, z0)
-    return (out, s, z, clean), (q, k, v, g, valid, runs, before, s0, z0, s, z, out, den)
+    out, s, z, den, clean, walked = _forward(config, q, k, v, g, valid, runs, before, s0, z0)
+    return (out, s, z, clean), (q, k, v, g, valid, runs, before, s0, z0, s, z, out, den, walked)
 
 
 def _attend_bwd(config, residuals, cotangents):
-    q, k, v, g, valid, runs, before, s0, z0, s, z, out, den = residuals
+    q, k, v, g, valid, runs, before, s0, z0, s, z, out, den, walked = residuals
     d_out, d_s, d_z, _ = cotangents  # the last: of the int32 flags, none
     value_block = config.value_block(v.shape[-1])
     parts = v.shape[-1] // value_block
@@ -628,7 +633,7 @@ def _attend_bwd(config, residuals, cotangents):
         )
     else:
         dq, dk, dv, *dG, ds0, dz0 = _one_pass_backward(
-            config, bind, value_block, walks, walk_operands, gradients, ends
+            config, bind, value_block, walks, walk_operands, gradients, ends, walked
         )
     if parts > 1:
         dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
@@ -647,14 +652,15 @@ def _attend_bwd(config, residuals, cotangents):
     return dq, dk, dv, dg, *no_cotangent, ds0, dz0
 
 
-def _one_pass_backward(config, bind, value_block: int, walks, walk_operands, gradients, ends):
+def _one_pass_backward(config, bind, value_block: int, walks, walk_operands, gradients, ends, walked):
     """`_parallel_backward`'s results, from `backward_kernel`: its passes a program each per
-    sequence, or per walk of it (from the ends `_walk_ends` joins). The arguments are
+    sequence, or per walk of it (from the ends `_walk_ends` joins). `walked`: the one-pass
+    forward's joined walks (`_forward`'s) or None; the other arguments are
     `_parallel_backward`'s."""
     z0 = ends[1]
     joined = None
     if walks.joined:
-        ends, joined = _walk_ends(config, bind, value_block, walks, walk_operands, ends)
+        ends, joined = _walk_ends(config, bind, value_block, walks, walk_operands, ends, walked)
     passes = config.tuning.backward_passes
     kernel = bind(pallas_kernels.backward_kernel, passes=passes, walk_chunks=walks.chunks)
     # d_s0 and d_z0: each walk's, at its rows
@@ -668,26 +674,42 @@ def _one_pass_backward(config, bind, value_block: int, walks, walk_operands, gra
     return (dq, dk, dv, *dG, ds0, dz0)
 
 
-def _walk_ends(config, bind, value_block: int, walks, walk_operands, ends):
+def _walk_ends(config, bind, value_block: int, walks, walk_operands, ends, walked):
     """((s, z, d_s, d_z): the states entering each walk of the one-pass backward and the
     cotangents of those leaving it, [B, H, walks * D, ...] (z and d_z None without a
     normaliser), (d_s0, d_z0)), from `backward_states_kernel`'s walks from zero, each writing
-    only its ends and total factor, joined. `walk_operands`, `ends`: `_parallel_backward`'s."""
+    only its ends (and total factor), joined; the states entering each walk and the totals
+    are the one-pass forward's where it kept them (`walked`, else None: a parallel forward's
+    walks wrote every chunk's). `walk_operands`, `ends`: `_parallel_backward`'s."""
     s0, z0, d_s, d_z = ends
     _, _, d_finals, finals, factors = _backward_walks(
-        config, bind, value_block, walks, walk_operands, ends, write_chunks=False
+        config, bind, value_block, walks, walk_operands, ends, write_chunks=False, walk_states=walked is None
     )
-    first, _ = walks.join((s0, z0), finals, factors, config.acc)
+    if walked is None:
+        first, _ = walks.join((s0, z0), finals, factors, config.acc)
+    else:
+        first, factors = walked
     last, joined = walks.join((d_s, d_z), d_finals, factors, config.acc, reverse=True)
     return (*first, *last), joined
 
 
-def _backward_walks(config, bind, value_block: int, walks, walk_operands, ends, *, write_chunks: bool):
+def _backward_walks(
+    config,
+    bind,
+    value_block: int,
+    walks,
+    walk_operands,
+    ends,
+    *,
+    write_chunks: bool,
+    walk_states: bool = True,
+):
     """`backward_states_kernel`'s results: (the states entering each chunk, the cotangents of
     those leaving it: [S, [z]] each with `write_chunks`, else []; (d_s0, d_z0): each walk's;
     with several walks (s, z), each walk's final states, and [the factors: to each chunk with
     `write_chunks`, out of each walk, back to each chunk with `write_chunks`], else None and
-    []). Arguments: `_parallel_backward`'s."""
+    []; without `walk_states`, only the cotangents' walks: ([], [], (d_s0, d_z0), None,
+    [])). Arguments: `_parallel_backward`'s."""
     s0, z0, d_s, d_z = ends
     normalize = z0 is not None
     B, H, D, M = s0.shape
@@ -698,16 +720,18 @@ def _backward_walks(config, bind, value_block: int, walks, walk_operands, ends, 
             rows += [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D), config.acc), "row")]
     finals = walks.finals(s0, z0)
     outputs = rows + rows + finals
-    if walks.joined:
+    if walks.joined and walk_states:
         outputs += finals + walks.factors(s0, chunks=write_chunks)
         outputs += walks.factors(s0, backward=True) if write_chunks else []
-    kernel = bind(pallas_kernels.backward_states_kernel, walk_chunks=walks.chunks, write_chunks=write_chunks)
+    walk = dict(walk_chunks=walks.chunks, write_chunks=write_chunks, walk_states=walk_states)
+    kernel = bind(pallas_kernels.backward_states_kernel, **walk)
     operands = walk_operands(*walks.starts(s0, z0), *walks.starts(d_s, d_z))
-    walked = _call(kernel, config, value_block, operands, outputs, passes=2 * walks.count)
+    programs = (1 + walk_states) * walks.count
+    walked = _call(kernel, config, value_block, operands, outputs, passes=programs)
     n, f = len(rows), len(finals)
     pair = lambda x: (x[0], x[1] if normalize else None)  # noqa: E731
     d_first = pair(walked[2 * n : 2 * n + f])
-    if not walks.joined:
+    if not (walks.joined and walk_states):
         return walked[:n], walked[n : 2 * n], d_first, None, []
     final = pair(walked[2 * n + f : 2 * n + 2 * f])
     return walked[:n], walked[n : 2 * n], d_first, final, walked[2 * n + 2 * f :]

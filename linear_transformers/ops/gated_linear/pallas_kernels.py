@@ -521,7 +521,17 @@ def backward_kernel(
 
 
 def backward_states_kernel(
-    *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, write_chunks, **chunk_options
+    *refs,
+    C,
+    num_chunks,
+    walk_chunks,
+    has_decay,
+    has_valid,
+    has_segments,
+    eps,
+    write_chunks,
+    walk_states=True,
+    **chunk_options,
 ):
     """The parallel backward's first kernel (`pallas.Tuning.parallel_backward`), two programs a
     walk (the grid's last axis: the walks forward, then those back): refs: q, k, v, [g],
@@ -538,7 +548,9 @@ def backward_states_kernel(
 
     `write_chunks` False: nothing is written for each chunk (no states, d states, factors or d
     factors), only each walk's final states, total factor and first states' cotangents (the
-    one-pass backward's walks: `backward_kernel`)."""
+    one-pass backward's walks: `backward_kernel`). `walk_states` False (with `write_chunks`
+    False): the states entering each walk are known (the one-pass forward's joined ones), so
+    one program a walk walks back and writes only d_s0 and [d_z0]."""
     normalize, refs = eps is not None, iter(refs)
     inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents = _backward_operands(
         refs, C, has_decay, has_valid, has_segments, eps, chunk_options
@@ -549,8 +561,8 @@ def backward_states_kernel(
     walks = walk_count(walk_chunks, num_chunks)
     program = pl.program_id(3)
     walk = _Walk.of(program % walks, walk_chunks, num_chunks)
-    s_ref, z_ref = _state_refs(refs, normalize) if walks > 1 else (None, None)
-    factor_refs = _factor_refs(refs, walk, has_decay or has_segments, write_chunks)
+    s_ref, z_ref = _state_refs(refs, normalize) if walks > 1 and walk_states else (None, None)
+    factor_refs = _factor_refs(refs, walk, walk_states and (has_decay or has_segments), write_chunks)
     d_factors_ref = next(refs) if factor_refs is not None and write_chunks else None
 
     def states_pass():
@@ -567,6 +579,9 @@ def backward_states_kernel(
         finals = (ds0_ref, dz0_ref)
         _walk_chunks_back(cotangents, (ds_ref, dz_ref), finals, write_cotangents, walk, d_factors_ref)
 
+    if not walk_states:
+        cotangents_pass()
+        return
     pl.when(program < walks)(states_pass)
     pl.when(program >= walks)(cotangents_pass)
 
