@@ -5,10 +5,12 @@ shared memory. A kernel that Triton cannot compile shows here as a failed row.
 
 Legend: N sequence length, D key/query features = value features M.
 
-Cases: every (kernel, decay, launch): kernel "forward" or "backward" (the two `pallas_call`s of
-`ops/gated_linear/pallas.py`; with `parallel`, "chunk_states" and "chunk_outputs" forward,
-"backward_states" and "chunk_gradients" backward), decay none, head, step or feature, launch `pallas.Tuning`'s
-value block, warps and pipeline stages. The kernels take one (batch, head) per program, so B and
+Cases: every (kernel, decay, launch): kernel "forward" or "backward" (the one-pass kernels of
+`ops/gated_linear/pallas_forward.py` and `pallas_backward.py`; with `parallel`, "chunk_states"
+and "chunk_outputs" forward, "backward_states" and "chunk_gradients" backward; with `walks`
+and no `parallel`, "chunk_states" and "backward_states" walking the stretches before them),
+decay none, head, step or feature, launch `pallas.Tuning`'s value block, warps and pipeline
+stages. The kernels take one (batch, head) per program, so B and
 H do not change them; N changes only their loop's bound.
 
 Why here and not on a GPU: a GPU is lent rarely, and for minutes; the registers a program needs

@@ -11,6 +11,10 @@ chunk_scores.py      the chunked form's decayed scores within a chunk
 chunk_segments.py    the chunked form's segment loop and its recomputing backward pass
 scan.py              "scan": the RNN
 pallas.py            "pallas": the GPU kernel (Triton; Pallas's interpreter on a CPU)
+pallas_forward.py    its forward: the one-pass kernel, or the parallel forward's two
+pallas_backward.py   its backward: the one-pass passes, or the parallel backward's two
+pallas_launch.py     how a kernel is launched: its grid, layouts and `Tuning`
+pallas_walks.py      the walks over each sequence's chunks in stretches, and their join
 pallas_kernels.py    its forward and backward kernels: the loops over the chunks
 pallas_chunk.py      one chunk in those kernels: its scores, output, state and cotangents
 totals.py            what a stretch of steps does to the state; sums of log decays

@@ -128,7 +128,8 @@ class Chunk:
     def log_decay_cotangent(self, x, dx):
         """x . dx of a prepared chunk and its cotangent, summed at and after each step within
         the chunk and the step's segment: per feature [C, D], or summed over the features too
-        [C] with a decay per step (`pallas.py` adds what the steps after the chunk give)."""
+        [C] with a decay per step (`pallas_backward.py` adds what the steps after the chunk
+        give)."""
         keep = self.keep  # [i, t]: i >= t in t's segment
         if self.per_feature:
             return sums(keep, x * dx, transpose=True)

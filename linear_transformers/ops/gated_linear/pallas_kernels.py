@@ -18,7 +18,8 @@ share nothing but their inputs, so they may run in programs of their own
 programs of its own for dk and for dv). Each cotangent goes back through the chunk's preparation
 before it is written. With a decay the passes also write q . dq and k . dk of the prepared
 chunks, summed within each chunk from each step to the end of its segment there, from which
-`pallas.py` forms the decays' cotangent (adding what the later chunks give: a sum per chunk).
+`pallas_backward.py` forms the decays' cotangent (adding what the later chunks give: a sum per
+chunk).
 
 The parallel forms (`pallas.Tuning.parallel_forward`, `parallel_backward`) cut each loop down
 to the state's update: a loop writes the state entering every chunk (backward, a second loop
@@ -27,12 +28,12 @@ output (`chunk_outputs_kernel`) or its gradients (`chunk_gradients_kernel`) from
 the same per-chunk functions as the one-pass kernels. With `pallas.Tuning.walks` the loop is
 cut into walks over stretches of the sequence, a program each, each from a zero state: S
 entering chunk c is then what its walk wrote plus the state entering the walk (joined by
-`pallas.py` from each walk's final state and total factor) carried to c, rows scaled by the
+`pallas_walks.py` from each walk's final state and total factor) carried to c, rows scaled by the
 factor the walk wrote for c, the product of the chunks' decays since the walk's start (0 past a
 segment's start): `carry_over_normaliser` applied to a row of ones, chunk by chunk (`_Joins`).
 Backward the same holds for the cotangents, from the end of each walk. The one-pass kernels
 walk in stretches the same way, each stretch's program from the state entering it (and,
-backward, the cotangent of the state leaving it), which `pallas.py` joins from a first walk of
+backward, the cotangent of the state leaving it), which `pallas_walks.py` joins from a first walk of
 the stretches from zero that writes only their ends (`chunk_states_kernel`,
 `backward_states_kernel` with `write_chunks` False).
 
@@ -108,7 +109,7 @@ def forward_kernel(
     With `walk_chunks` < `num_chunks` each sequence is walked in stretches of that many chunks,
     one program a walk (the grid's last axis, `_Walk`), each from the state entering its walk
     (s0 and z0 hold each walk's, [walks * D, ...]: `chunk_states_kernel`'s walks joined by
-    `pallas.py`); s, z and clean are each walk's, at its rows and its entry.
+    `pallas_walks.py`); s, z and clean are each walk's, at its rows and its entry.
 
     eps None: no normaliser. Else the normaliser runs in the same program, its state z [1, D]
     carried beside S as an implicit column of ones in v: den[t] = the scores' row sum +
@@ -136,7 +137,7 @@ def _walk_chunks(inputs, initial_refs, final_refs, visit, C: int, walk, chunk_op
     of every chunk) written to (s, z, clean) in `final_refs` (all None: not written; s and z
     at the walk's rows). `factor_refs` (factors, total; None: none): the factor each of the
     walk's first state's rows reaches chunk c with, written at rows c * D of factors [num chunks
-    * D], and the one it leaves the walk with to total (`_Walks`)."""
+    * D], and the one it leaves the walk with to total (`pallas_walks.Walks`)."""
     (s0_ref, z0_ref), (s_ref, z_ref, clean_ref) = initial_refs, final_refs
     normalize, acc = z0_ref is not None, chunk_options["acc"]
     D = inputs[0].shape[1]  # q's features
@@ -223,11 +224,11 @@ def chunk_states_kernel(
     else: no query, score or output.
 
     With `walk_chunks` < `num_chunks` each sequence is walked in stretches of that many chunks,
-    one program a walk (the grid's last axis, `_Walk`), each from s0 and z0 (zero: `pallas.py`
-    joins the walks): the states each writes are its own, s and z hold each walk's final ones
-    [walks * D, ...], and with a decay or segments each walk writes the factor its first state
-    reaches each of its chunks with (factors [num_chunks * D]) and leaves it with (totals
-    [walks * D]), which `_Joins` reads.
+    one program a walk (the grid's last axis, `_Walk`), each from s0 and z0 (zero:
+    `pallas_walks.py` joins the walks): the states each writes are its own, s and z hold each
+    walk's final ones [walks * D, ...], and with a decay or segments each walk writes the
+    factor its first state reaches each of its chunks with (factors [num_chunks * D]) and
+    leaves it with (totals [walks * D]), which `_Joins` reads.
 
     `write_chunks` False: neither the states entering each chunk nor the factors to each chunk
     are written, only each walk's final states and total factor (the one-pass kernels' walks,
@@ -277,7 +278,7 @@ def _state_writer(states_ref, z_states_ref):
 class _Joins:
     """What makes the states a walk of several wrote from zero (`chunk_states_kernel`) the
     sequence's: the states each walk starts from ([walks * D, M], and z's [walks * D]: the
-    walks' joined in XLA, `pallas.py`) and, with a decay or segments, the factor each reaches
+    walks' joined in XLA, `pallas_walks.py`) and, with a decay or segments, the factor each reaches
     each chunk with ([num_chunks * D]; else 1). Backward, the same for the cotangents of the
     states leaving each chunk and each walk. `refs`: the next refs of an iterator, read only
     where `walk_chunks` < `num_chunks`."""
@@ -478,11 +479,12 @@ def backward_kernel(
 
     With `walk_chunks` < `num_chunks`, `passes` programs a walk (`forward_kernel`'s walks):
     s0 and z0 hold the states entering each walk, d_s and d_z the cotangents of those leaving
-    it ([walks * D, ...]: `backward_states_kernel`'s walks joined by `pallas.py`), and d_s0 and
+    it ([walks * D, ...]: the forward's walks and `backward_states_kernel`'s, joined by
+    `pallas_walks.py`), and d_s0 and
     d_z0 are written at each walk's rows.
 
     eps None: no normaliser. Else d_out is the normalised output's cotangent, den the
-    forward's, and d_den that of den (-sum_m d_out * out / (den + eps), made by `pallas.py`):
+    forward's, and d_den that of den (-sum_m d_out * out / (den + eps), made by `pallas_backward.py`):
     num's cotangent is d_out / (den + eps), and den's, an implicit column of ones in v, adds
     d_den[t] to every kept score's cotangent and d_den[t] * z to q[t]'s state term; z's
     cotangent dz is carried beside dS. Only the first value block's programs take den's part
@@ -542,7 +544,7 @@ def backward_states_kernel(
     [z], [factors, totals] as `chunk_states_kernel` writes them, then [d factors]. The first
     program walks the chunks forward carrying the state, the second backward carrying its
     cotangent; neither makes a score or a gradient of q, k or v. With several walks each starts
-    from s0 and z0, or d_s and d_z (zero: `pallas.py` joins the walks), d_s0 and d_z0 hold the
+    from s0 and z0, or d_s and d_z (zero: `pallas_walks.py` joins the walks), d_s0 and d_z0 hold the
     cotangents of the states entering each walk [walks * D, ...], and d factors the factor each
     walk's last cotangent reaches the states leaving each of its chunks with.
 

@@ -1,0 +1,230 @@
+"""The "pallas" form's backward: the one-pass kernel's passes (`pallas_kernels.backward_kernel`),
+a program each a sequence or, with several walks, a stretch, from the states and cotangents
+joined for it; or the parallel backward (`pallas.Tuning.parallel_backward`): the states
+entering every chunk and the cotangents of those leaving it first, then every chunk's
+gradients at once. Then, in XLA, the decays' cotangent from the kernels' sums within each
+chunk.
+
+Legend: B batch, T time, H heads, D key/query features, M value features, C chunk length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linear_transformers.ops.gated_linear import pallas_kernels, pallas_launch, pallas_walks, totals
+
+
+def backward(config, residuals, cotangents):
+    q, k, v, g, valid, runs, before, s0, z0, s, z, out, den, walked = residuals
+    d_out, d_s, d_z, _ = cotangents  # the last: of the int32 flags, none
+    value_block = config.value_block(v.shape[-1])
+    parts = v.shape[-1] // value_block
+    inputs = pallas_launch.operands(q, k, v, g, valid, runs, before, None, None)
+    d_s = d_s.astype(s0.dtype)
+    d_z = None if z0 is None else d_z.astype(z0.dtype)
+    chunk_operands = inputs + [(d_out, "values")]  # what a program of one chunk reads
+    if z0 is not None:
+        # den's cotangent, a sum over every value feature: -sum_m d out * num / (den + eps)**2
+        # (FlashAttention's backward reads its stored output the same way).
+        d_den = -jnp.sum(d_out.astype(den.dtype) * out.astype(den.dtype), axis=-1) / (den + config.eps)
+        chunk_operands += [(den, "time"), (d_den, "time")]
+
+    def walk_operands(s0, z0, d_s, d_z):
+        """What the loops over the chunks read (`backward_kernel`'s operands), from these states
+        and cotangents."""
+        operands = inputs + [(s0, "state")] + ([(z0, "row")] if z0 is not None else [])
+        operands += [(d_out, "values"), (d_s, "state")]
+        return operands + ([(den, "time"), (d_den, "time"), (d_z, "row")] if z0 is not None else [])
+
+    def summed(x, dtype):
+        """An output of x's shape; with several value blocks, each block's part, summed after."""
+        if parts == 1:
+            return jax.ShapeDtypeStruct(x.shape, dtype), "time"
+        return jax.ShapeDtypeStruct((parts, *x.shape), config.acc), "part"
+
+    gradients = [summed(q, q.dtype), summed(k, k.dtype), (v, "values")]
+    if g is not None:  # q . dq and k . dk of the prepared q and k: the decays' cotangent
+        gradients += 2 * [summed(g, config.acc)]
+
+    def bind(kernel, **options):
+        return pallas_launch.bind(kernel, config, q, g, valid, runs, **options)
+
+    walks = pallas_walks.Walks(config, v.shape[1] // config.C, g, runs)
+    ends = (s0, z0, d_s, d_z)
+    if config.tuning.parallel_backward:
+        dq, dk, dv, *dG, ds0, dz0 = _parallel_backward(
+            config, bind, value_block, walks, walk_operands, chunk_operands, gradients, ends
+        )
+    else:
+        dq, dk, dv, *dG, ds0, dz0 = _one_pass_backward(
+            config, bind, value_block, walks, walk_operands, gradients, ends, walked
+        )
+    if parts > 1:
+        dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
+        dq, dk = dq.astype(q.dtype), dk.astype(k.dtype)
+    dg = None
+    if g is not None:
+        dg = _log_decay_cotangent(dG[0] - dG[1], config.C, (s, z), (d_s, d_z), runs, before)
+        if config.prepare is not None:  # through the preparation the kernels applied
+            _, pullback = jax.vjp(
+                lambda g: config.prepare.log_decays(g, None if valid is None else valid != 0), g
+            )
+            (dg,) = pullback(dg)
+    no_cotangent = tuple(
+        None if x is None else np.zeros(x.shape, jax.dtypes.float0) for x in (valid, runs, before)
+    )
+    return dq, dk, dv, dg, *no_cotangent, ds0, dz0
+
+
+def _one_pass_backward(config, bind, value_block: int, walks, walk_operands, gradients, ends, walked):
+    """`_parallel_backward`'s results, from `backward_kernel`: its passes a program each per
+    sequence, or per walk of it (from the ends `_walk_ends` joins). `walked`: the one-pass
+    forward's joined walks (`pallas_forward.forward`'s) or None; the other arguments are
+    `_parallel_backward`'s."""
+    z0 = ends[1]
+    joined = None
+    if walks.joined:
+        ends, joined = _walk_ends(config, bind, value_block, walks, walk_operands, ends, walked)
+    passes = config.tuning.backward_passes
+    kernel = bind(pallas_kernels.backward_kernel, passes=passes, walk_chunks=walks.chunks)
+    # d_s0 and d_z0: each walk's, at its rows
+    states = [(ends[0], "state")] + ([(ends[1], "row")] if z0 is not None else [])
+    outputs = gradients[:3] + states + gradients[3:]
+    operands, programs = walk_operands(*ends), passes * walks.count
+    dq, dk, dv, ds0, *dG = pallas_launch.call(kernel, config, value_block, operands, outputs, passes=programs)
+    dz0 = dG.pop(0) if z0 is not None else None
+    if joined is not None:  # the first walk's are the join's
+        ds0, dz0 = joined
+    return (dq, dk, dv, *dG, ds0, dz0)
+
+
+def _walk_ends(config, bind, value_block: int, walks, walk_operands, ends, walked):
+    """((s, z, d_s, d_z): the states entering each walk of the one-pass backward and the
+    cotangents of those leaving it, [B, H, walks * D, ...] (z and d_z None without a
+    normaliser), (d_s0, d_z0)), from `backward_states_kernel`'s walks from zero, each writing
+    only its ends (and total factor), joined; the states entering each walk and the totals
+    are the one-pass forward's where it kept them (`walked`, else None: a parallel forward's
+    walks wrote every chunk's). `walk_operands`, `ends`: `_parallel_backward`'s."""
+    s0, z0, d_s, d_z = ends
+    _, _, d_finals, finals, factors = _backward_walks(
+        config, bind, value_block, walks, walk_operands, ends, write_chunks=False, walk_states=walked is None
+    )
+    if walked is None:
+        first, _ = walks.join((s0, z0), finals, factors, config.acc)
+    else:
+        first, factors = walked
+    last, joined = walks.join((d_s, d_z), d_finals, factors, config.acc, reverse=True)
+    return (*first, *last), joined
+
+
+def _backward_walks(
+    config,
+    bind,
+    value_block: int,
+    walks,
+    walk_operands,
+    ends,
+    *,
+    write_chunks: bool,
+    walk_states: bool = True,
+):
+    """`backward_states_kernel`'s results: (the states entering each chunk, the cotangents of
+    those leaving it: [S, [z]] each with `write_chunks`, else []; (d_s0, d_z0): each walk's;
+    with several walks (s, z), each walk's final states, and [the factors: to each chunk with
+    `write_chunks`, out of each walk, back to each chunk with `write_chunks`], else None and
+    []; without `walk_states`, only the cotangents' walks: ([], [], (d_s0, d_z0), None,
+    [])). Arguments: `_parallel_backward`'s."""
+    s0, z0, d_s, d_z = ends
+    normalize = z0 is not None
+    B, H, D, M = s0.shape
+    rows = []
+    if write_chunks:
+        rows = [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D, M), config.snapshots), "state")]
+        if normalize:
+            rows += [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D), config.acc), "row")]
+    finals = walks.finals(s0, z0)
+    outputs = rows + rows + finals
+    if walks.joined and walk_states:
+        outputs += finals + walks.factors(s0, chunks=write_chunks)
+        outputs += walks.factors(s0, backward=True) if write_chunks else []
+    walk = dict(walk_chunks=walks.chunks, write_chunks=write_chunks, walk_states=walk_states)
+    kernel = bind(pallas_kernels.backward_states_kernel, **walk)
+    operands = walk_operands(*walks.starts(s0, z0), *walks.starts(d_s, d_z))
+    programs = (1 + walk_states) * walks.count
+    walked = pallas_launch.call(kernel, config, value_block, operands, outputs, passes=programs)
+    n, f = len(rows), len(finals)
+    pair = lambda x: (x[0], x[1] if normalize else None)  # noqa: E731
+    d_first = pair(walked[2 * n : 2 * n + f])
+    if not (walks.joined and walk_states):
+        return walked[:n], walked[n : 2 * n], d_first, None, []
+    final = pair(walked[2 * n + f : 2 * n + 2 * f])
+    return walked[:n], walked[n : 2 * n], d_first, final, walked[2 * n + 2 * f :]
+
+
+def _parallel_backward(config, bind, value_block: int, walks, walk_operands, chunk_operands, gradients, ends):
+    """(dq, dk, dv, [q . dq, k . dk], d_s0, d_z0 or None) from `Tuning.parallel_backward`'s two
+    kernels, `bind(kernel, **options)` binding each to its options: `walks` the `pallas_walks.Walks`,
+    `walk_operands(s0, z0, d_s, d_z)` those of `backward_kernel`, `chunk_operands` the inputs
+    and the output's cotangents, `gradients` the outputs of dq, dk, dv [and the decays'
+    parts], `ends` the initial states and the final states' cotangents (s0, z0, d_s, d_z; z0
+    and d_z None without a normaliser)."""
+    s0, z0, d_s, d_z = ends
+    entering, leaving, (ds0, dz0), final, factors = _backward_walks(
+        config, bind, value_block, walks, walk_operands, ends, write_chunks=True
+    )
+    layouts = ["state", "row"][: len(entering)]
+    operands = chunk_operands + list(zip(entering, layouts)) + list(zip(leaving, layouts))
+    if walks.joined:  # factors: to each chunk, out of each walk, back to each chunk
+        first, _ = walks.join((s0, z0), final, factors[:2], config.snapshots)
+        last, (ds0, dz0) = walks.join((d_s, d_z), (ds0, dz0), factors[1:2], config.snapshots, reverse=True)
+        operands += walks.join_operands(first, factors[:1]) + walks.join_operands(last, factors[2:])
+    passes = config.tuning.backward_passes
+    kernel = bind(pallas_kernels.chunk_gradients_kernel, walk_chunks=walks.chunks, passes=passes)
+    grads = pallas_launch.call(
+        kernel, config, value_block, operands, gradients, passes=walks.num_chunks * passes
+    )
+    return (*grads, ds0, dz0)
+
+
+def _log_decay_cotangent(local, C: int, state, d_state, runs, before):
+    """d g [B, T, H(, D)] from `local` of the same shape, the kernels' sums of d G within each
+    chunk of C steps (from each step to the end of its segment there; the module docstring),
+    without the term at the last step (of the final state (s, z), z None without a normaliser,
+    and its cotangent): each step's sum gains that of the later chunks its segment reaches, 0 at
+    a segment's first step."""
+    (s, z), (d_s, d_z) = state, d_state
+    last = jnp.sum(d_s.astype(local.dtype) * s.astype(local.dtype), axis=-1)  # [B, H, D]
+    if z is not None:
+        last = last + d_z.astype(local.dtype) * z.astype(local.dtype)
+    if local.ndim == 3:
+        last = jnp.sum(last, axis=-1)
+    B, T = local.shape[:2]
+    by_chunk = local.reshape(B, T // C, C, *local.shape[2:])
+    heads = by_chunk[:, :, 0]  # each chunk's first step's sum
+    if runs is None:
+        sums = jax.lax.cumsum(heads.at[:, -1].add(last), axis=1, reverse=True)
+    else:
+        # reaches: the step's segment reaches the next chunk's first step (the end, after the
+        # last chunk): its count of segment starts is the same there.
+        by_step = runs.reshape(B, -1, C)
+        next_runs = jnp.concatenate([by_step[:, 1:, 0], runs[:, -1:]], axis=1)
+        reaches = totals.expand(by_step == next_runs[:, :, None], by_chunk.ndim)
+        heads = heads.at[:, -1].add(jnp.where(reaches[:, -1, 0], last, 0))
+        ends = jnp.broadcast_to(~reaches[:, :, 0], heads.shape)  # the chunk's first segment ends in it
+
+        def combine(later, earlier):  # reverse scan: `later` in time comes first
+            x_later, end_later = later
+            x_earlier, end_earlier = earlier
+            return jnp.where(end_earlier, x_earlier, x_later + x_earlier), end_later | end_earlier
+
+        sums, _ = jax.lax.associative_scan(combine, (heads, ends), reverse=True, axis=1)
+    # From each chunk's next chunk's first step to its segment's end.
+    after = jnp.concatenate([sums[:, 1:], last[:, None]], axis=1)[:, :, None]
+    if runs is None:
+        return (by_chunk + after).reshape(local.shape)
+    dg = by_chunk + jnp.where(reaches, after, 0)
+    reset = totals.expand((runs != before).reshape(by_step.shape), by_chunk.ndim)
+    return jnp.where(reset, 0, dg).reshape(local.shape)
