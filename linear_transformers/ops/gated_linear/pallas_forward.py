@@ -52,13 +52,14 @@ def _walk_starts(config, value_block: int, walks, inputs, s0, z0):
     factors]), from `chunk_states_kernel`'s walks from zero, each writing only its final
     states and total factor, joined. `inputs`: (q, k, v, g, valid, runs, before)."""
     _, finals, walk_totals, _ = _walk_states(config, value_block, walks, inputs, s0, z0, write_chunks=False)
-    return *walks.join((s0, z0), finals, walk_totals, config.acc), walk_totals  # the flags: the forward's
+    return *walks.join((s0, z0), finals, walk_totals, config.acc), walk_totals
 
 
 def _walk_states(config, value_block: int, walks, inputs, s0, z0, *, write_chunks: bool):
     """`chunk_states_kernel`'s results: ([the states entering each chunk, [z's]] with
     `write_chunks`, else []; (s, z): the final states, each walk's; [the walks' factors];
-    clean [B, H, value blocks]). `inputs`: (q, k, v, g, valid, runs, before)."""
+    clean [B, H, value blocks] with `write_chunks`, else None: the one-pass forward's programs
+    write their own). `inputs`: (q, k, v, g, valid, runs, before)."""
     q, _, _, g, valid, runs, _ = inputs
     B, H, D, M = s0.shape
     normalize = z0 is not None
@@ -69,13 +70,16 @@ def _walk_states(config, value_block: int, walks, inputs, s0, z0, *, write_chunk
             outputs += [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D), config.acc), "row")]
     n = len(outputs)
     outputs += walks.finals(s0, z0) + walks.factors(s0, chunks=write_chunks)
-    flags = jax.ShapeDtypeStruct((B, H, M // value_block * walks.count), jnp.int32)
-    outputs += [(flags, "walk flags" if walks.joined else "flags")]
+    if write_chunks:
+        flags = jax.ShapeDtypeStruct((B, H, M // value_block * walks.count), jnp.int32)
+        outputs += [(flags, "walk flags" if walks.joined else "flags")]
     walk = dict(walk_chunks=walks.chunks, write_chunks=write_chunks)
     kernel = pallas_launch.bind(pallas_kernels.chunk_states_kernel, config, q, g, valid, runs, **walk)
     operands = pallas_launch.operands(*inputs, *walks.starts(s0, z0))
     results = pallas_launch.call(kernel, config, value_block, operands, outputs, passes=walks.count)
     finals = results[n], results[n + 1] if normalize else None
+    if not write_chunks:
+        return [], finals, results[n + 1 + normalize :], None
     clean = jnp.min(results[-1].reshape(B, H, -1, walks.count), axis=-1)
     return results[:n], finals, results[n + 1 + normalize : -1], clean
 

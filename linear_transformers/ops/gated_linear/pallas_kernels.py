@@ -230,9 +230,10 @@ def chunk_states_kernel(
     factor its first state reaches each of its chunks with (factors [num_chunks * D]) and
     leaves it with (totals [walks * D]), which `_Joins` reads.
 
-    `write_chunks` False: neither the states entering each chunk nor the factors to each chunk
-    are written, only each walk's final states and total factor (the one-pass kernels' walks,
-    which start from their joined states: `forward_kernel`)."""
+    `write_chunks` False: neither the states entering each chunk, the factors to each chunk
+    nor clean are written, only each walk's final states and total factor (the one-pass
+    kernels' walks, which start from their joined states: `forward_kernel`, whose programs
+    write clean)."""
     normalize, refs = eps is not None, iter(refs)
     inputs = _split_refs(refs, has_decay, has_valid, has_segments)
     s0_ref, z0_ref = _state_refs(refs, normalize)
@@ -240,7 +241,7 @@ def chunk_states_kernel(
     s_ref, z_ref = _state_refs(refs, normalize)
     walk = _Walk.of(pl.program_id(3), walk_chunks, num_chunks)
     factor_refs = _factor_refs(refs, walk, has_decay or has_segments, write_chunks)
-    clean_ref = next(refs)
+    clean_ref = next(refs) if write_chunks else None
     visit = _state_writer(states_ref, z_states_ref)
     _walk_chunks(
         inputs, (s0_ref, z0_ref), (s_ref, z_ref, clean_ref), visit, C, walk, chunk_options, factor_refs
