@@ -10,6 +10,9 @@ Legend: B batch, T time, H heads, D key/query features, M value features, C chun
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,26 +21,17 @@ from linear_transformers.ops.gated_linear import pallas_kernels, pallas_launch, 
 
 
 def backward(config, residuals, cotangents):
+    """`pallas._attend`'s VJP: the cotangents of its arguments from `residuals`
+    (`pallas._attend_fwd`'s) and those of its outputs."""
     q, k, v, g, valid, runs, before, s0, z0, s, z, out, den, walked = residuals
     d_out, d_s, d_z, _ = cotangents  # the last: of the int32 flags, none
     value_block = config.value_block(v.shape[-1])
     parts = v.shape[-1] // value_block
-    inputs = pallas_launch.operands(q, k, v, g, valid, runs, before, None, None)
-    d_s = d_s.astype(s0.dtype)
-    d_z = None if z0 is None else d_z.astype(z0.dtype)
-    chunk_operands = inputs + [(d_out, "values")]  # what a program of one chunk reads
+    d_den = None
     if z0 is not None:
         # den's cotangent, a sum over every value feature: -sum_m d out * num / (den + eps)**2
         # (FlashAttention's backward reads its stored output the same way).
         d_den = -jnp.sum(d_out.astype(den.dtype) * out.astype(den.dtype), axis=-1) / (den + config.eps)
-        chunk_operands += [(den, "time"), (d_den, "time")]
-
-    def walk_operands(s0, z0, d_s, d_z):
-        """What the loops over the chunks read (`backward_kernel`'s operands), from these states
-        and cotangents."""
-        operands = inputs + [(s0, "state")] + ([(z0, "row")] if z0 is not None else [])
-        operands += [(d_out, "values"), (d_s, "state")]
-        return operands + ([(den, "time"), (d_den, "time"), (d_z, "row")] if z0 is not None else [])
 
     def summed(x, dtype):
         """An output of x's shape; with several value blocks, each block's part, summed after."""
@@ -48,20 +42,21 @@ def backward(config, residuals, cotangents):
     gradients = [summed(q, q.dtype), summed(k, k.dtype), (v, "values")]
     if g is not None:  # q . dq and k . dk of the prepared q and k: the decays' cotangent
         gradients += 2 * [summed(g, config.acc)]
-
-    def bind(kernel, **options):
-        return pallas_launch.bind(kernel, config, q, g, valid, runs, **options)
-
-    walks = pallas_walks.Walks(config, v.shape[1] // config.C, g, runs)
-    ends = (s0, z0, d_s, d_z)
+    d_s, d_z = d_s.astype(s0.dtype), None if z0 is None else d_z.astype(z0.dtype)
+    bwd = _Backward(
+        config=config,
+        value_block=value_block,
+        walks=pallas_walks.Walks(config, v.shape[1] // config.C, g, runs),
+        static=(q, g, valid, runs),
+        inputs=pallas_launch.operands(q, k, v, g, valid, runs, before, None, None),
+        output_cotangents=(d_out, den, d_den),
+        ends=(s0, z0, d_s, d_z),
+        gradients=gradients,
+    )
     if config.tuning.parallel_backward:
-        dq, dk, dv, *dG, ds0, dz0 = _parallel_backward(
-            config, bind, value_block, walks, walk_operands, chunk_operands, gradients, ends
-        )
+        dq, dk, dv, *dG, ds0, dz0 = _parallel_backward(bwd)
     else:
-        dq, dk, dv, *dG, ds0, dz0 = _one_pass_backward(
-            config, bind, value_block, walks, walk_operands, gradients, ends, walked
-        )
+        dq, dk, dv, *dG, ds0, dz0 = _one_pass_backward(bwd, walked)
     if parts > 1:
         dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
         dq, dk = dq.astype(q.dtype), dk.astype(k.dtype)
@@ -79,71 +74,105 @@ def backward(config, residuals, cotangents):
     return dq, dk, dv, dg, *no_cotangent, ds0, dz0
 
 
-def _one_pass_backward(config, bind, value_block: int, walks, walk_operands, gradients, ends, walked):
-    """`_parallel_backward`'s results, from `backward_kernel`: its passes a program each per
-    sequence, or per walk of it (from the ends `_walk_ends` joins). `walked`: the one-pass
-    forward's joined walks (`pallas_forward.forward`'s) or None; the other arguments are
-    `_parallel_backward`'s."""
-    z0 = ends[1]
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+    """What one backward's kernels share: the static `config`, the `value_block`, the `walks`
+    (`pallas_walks.Walks`), the inputs that fix the kernels' static options `static` (q, g,
+    valid, runs), their operands `inputs` (`pallas_launch.operands` of q, k, v, g, valid,
+    runs, before), `output_cotangents` (d_out, den, d_den; den and d_den None without a
+    normaliser), `ends` (the initial states and the final states' cotangents: s0, z0, d_s,
+    d_z; z0 and d_z None without a normaliser) and the outputs `gradients` (dq, dk, dv [and
+    the decays' parts])."""
+
+    config: Any
+    value_block: int
+    walks: pallas_walks.Walks
+    static: tuple
+    inputs: list
+    output_cotangents: tuple
+    ends: tuple
+    gradients: list
+
+    @property
+    def normalize(self) -> bool:
+        return self.ends[1] is not None
+
+    def bind(self, kernel, **options):
+        """`kernel` bound to this call's static options and `options`."""
+        return pallas_launch.bind(kernel, self.config, *self.static, **options)
+
+    def launch(self, kernel, operands, outputs, *, programs: int):
+        """`kernel` (bound) over `programs` programs a sequence and value block."""
+        return pallas_launch.call(kernel, self.config, self.value_block, operands, outputs, passes=programs)
+
+    def walk_operands(self, s0, z0, d_s, d_z):
+        """What the loops over the chunks read (`backward_kernel`'s operands), from these states
+        and cotangents."""
+        d_out, den, d_den = self.output_cotangents
+        operands = self.inputs + [(s0, "state")] + ([(z0, "row")] if self.normalize else [])
+        operands += [(d_out, "values"), (d_s, "state")]
+        return operands + ([(den, "time"), (d_den, "time"), (d_z, "row")] if self.normalize else [])
+
+    def chunk_operands(self):
+        """What a program of one chunk reads (`chunk_gradients_kernel`'s first operands)."""
+        d_out, den, d_den = self.output_cotangents
+        operands = self.inputs + [(d_out, "values")]
+        return operands + ([(den, "time"), (d_den, "time")] if self.normalize else [])
+
+
+def _one_pass_backward(bwd, walked):
+    """(dq, dk, dv, [q . dq, k . dk], d_s0, d_z0 or None) from `backward_kernel`: its passes a
+    program each per sequence, or per walk of it (from the ends `_walk_ends` joins).
+    `walked`: the one-pass forward's joined walks (`pallas_forward.forward`'s) or None."""
+    config, walks, ends = bwd.config, bwd.walks, bwd.ends
     joined = None
     if walks.joined:
-        ends, joined = _walk_ends(config, bind, value_block, walks, walk_operands, ends, walked)
+        ends, joined = _walk_ends(bwd, walked)
     passes = config.tuning.backward_passes
-    kernel = bind(pallas_kernels.backward_kernel, passes=passes, walk_chunks=walks.chunks)
+    kernel = bwd.bind(pallas_kernels.backward_kernel, passes=passes, walk_chunks=walks.chunks)
     # d_s0 and d_z0: each walk's, at its rows
-    states = [(ends[0], "state")] + ([(ends[1], "row")] if z0 is not None else [])
-    outputs = gradients[:3] + states + gradients[3:]
-    operands, programs = walk_operands(*ends), passes * walks.count
-    dq, dk, dv, ds0, *dG = pallas_launch.call(kernel, config, value_block, operands, outputs, passes=programs)
-    dz0 = dG.pop(0) if z0 is not None else None
+    states = [(ends[0], "state")] + ([(ends[1], "row")] if bwd.normalize else [])
+    outputs = bwd.gradients[:3] + states + bwd.gradients[3:]
+    operands = bwd.walk_operands(*ends)
+    dq, dk, dv, ds0, *dG = bwd.launch(kernel, operands, outputs, programs=passes * walks.count)
+    dz0 = dG.pop(0) if bwd.normalize else None
     if joined is not None:  # the first walk's are the join's
         ds0, dz0 = joined
     return (dq, dk, dv, *dG, ds0, dz0)
 
 
-def _walk_ends(config, bind, value_block: int, walks, walk_operands, ends, walked):
+def _walk_ends(bwd, walked):
     """((s, z, d_s, d_z): the states entering each walk of the one-pass backward and the
     cotangents of those leaving it, [B, H, walks * D, ...] (z and d_z None without a
     normaliser), (d_s0, d_z0)), from `backward_states_kernel`'s walks from zero, each writing
     only its ends (and total factor), joined; the states entering each walk and the totals
     are the one-pass forward's where it kept them (`walked`, else None: a parallel forward's
-    walks wrote every chunk's). `walk_operands`, `ends`: `_parallel_backward`'s."""
-    s0, z0, d_s, d_z = ends
-    _, _, d_finals, finals, factors = _backward_walks(
-        config, bind, value_block, walks, walk_operands, ends, write_chunks=False, walk_states=walked is None
-    )
+    walks wrote every chunk's)."""
+    s0, z0, d_s, d_z = bwd.ends
+    acc = bwd.config.acc
+    _, _, d_finals, finals, factors = _backward_walks(bwd, write_chunks=False, walk_states=walked is None)
     if walked is None:
-        first, _ = walks.join((s0, z0), finals, factors, config.acc)
+        first, _ = bwd.walks.join((s0, z0), finals, factors, acc)
     else:
         first, factors = walked
-    last, joined = walks.join((d_s, d_z), d_finals, factors, config.acc, reverse=True)
+    last, joined = bwd.walks.join((d_s, d_z), d_finals, factors, acc, reverse=True)
     return (*first, *last), joined
 
 
-def _backward_walks(
-    config,
-    bind,
-    value_block: int,
-    walks,
-    walk_operands,
-    ends,
-    *,
-    write_chunks: bool,
-    walk_states: bool = True,
-):
+def _backward_walks(bwd, *, write_chunks: bool, walk_states: bool = True):
     """`backward_states_kernel`'s results: (the states entering each chunk, the cotangents of
     those leaving it: [S, [z]] each with `write_chunks`, else []; (d_s0, d_z0): each walk's;
     with several walks (s, z), each walk's final states, and [the factors: to each chunk with
     `write_chunks`, out of each walk, back to each chunk with `write_chunks`], else None and
     []; without `walk_states`, only the cotangents' walks: ([], [], (d_s0, d_z0), None,
-    [])). Arguments: `_parallel_backward`'s."""
-    s0, z0, d_s, d_z = ends
-    normalize = z0 is not None
+    []))."""
+    config, walks = bwd.config, bwd.walks
+    s0, z0, d_s, d_z = bwd.ends
     B, H, D, M = s0.shape
     rows = []
     if write_chunks:
         rows = [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D, M), config.snapshots), "state")]
-        if normalize:
+        if bwd.normalize:
             rows += [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D), config.acc), "row")]
     finals = walks.finals(s0, z0)
     outputs = rows + rows + finals
@@ -151,12 +180,11 @@ def _backward_walks(
         outputs += finals + walks.factors(s0, chunks=write_chunks)
         outputs += walks.factors(s0, backward=True) if write_chunks else []
     walk = dict(walk_chunks=walks.chunks, write_chunks=write_chunks, walk_states=walk_states)
-    kernel = bind(pallas_kernels.backward_states_kernel, **walk)
-    operands = walk_operands(*walks.starts(s0, z0), *walks.starts(d_s, d_z))
-    programs = (1 + walk_states) * walks.count
-    walked = pallas_launch.call(kernel, config, value_block, operands, outputs, passes=programs)
+    kernel = bwd.bind(pallas_kernels.backward_states_kernel, **walk)
+    operands = bwd.walk_operands(*walks.starts(s0, z0), *walks.starts(d_s, d_z))
+    walked = bwd.launch(kernel, operands, outputs, programs=(1 + walk_states) * walks.count)
     n, f = len(rows), len(finals)
-    pair = lambda x: (x[0], x[1] if normalize else None)  # noqa: E731
+    pair = lambda x: (x[0], x[1] if bwd.normalize else None)  # noqa: E731
     d_first = pair(walked[2 * n : 2 * n + f])
     if not (walks.joined and walk_states):
         return walked[:n], walked[n : 2 * n], d_first, None, []
@@ -164,28 +192,22 @@ def _backward_walks(
     return walked[:n], walked[n : 2 * n], d_first, final, walked[2 * n + 2 * f :]
 
 
-def _parallel_backward(config, bind, value_block: int, walks, walk_operands, chunk_operands, gradients, ends):
+def _parallel_backward(bwd):
     """(dq, dk, dv, [q . dq, k . dk], d_s0, d_z0 or None) from `Tuning.parallel_backward`'s two
-    kernels, `bind(kernel, **options)` binding each to its options: `walks` the `pallas_walks.Walks`,
-    `walk_operands(s0, z0, d_s, d_z)` those of `backward_kernel`, `chunk_operands` the inputs
-    and the output's cotangents, `gradients` the outputs of dq, dk, dv [and the decays'
-    parts], `ends` the initial states and the final states' cotangents (s0, z0, d_s, d_z; z0
-    and d_z None without a normaliser)."""
-    s0, z0, d_s, d_z = ends
-    entering, leaving, (ds0, dz0), final, factors = _backward_walks(
-        config, bind, value_block, walks, walk_operands, ends, write_chunks=True
-    )
+    kernels: the states entering each chunk and the cotangents of those leaving it, then each
+    chunk's gradients."""
+    config, walks = bwd.config, bwd.walks
+    s0, z0, d_s, d_z = bwd.ends
+    entering, leaving, (ds0, dz0), final, factors = _backward_walks(bwd, write_chunks=True)
     layouts = ["state", "row"][: len(entering)]
-    operands = chunk_operands + list(zip(entering, layouts)) + list(zip(leaving, layouts))
+    operands = bwd.chunk_operands() + list(zip(entering, layouts)) + list(zip(leaving, layouts))
     if walks.joined:  # factors: to each chunk, out of each walk, back to each chunk
         first, _ = walks.join((s0, z0), final, factors[:2], config.snapshots)
         last, (ds0, dz0) = walks.join((d_s, d_z), (ds0, dz0), factors[1:2], config.snapshots, reverse=True)
         operands += walks.join_operands(first, factors[:1]) + walks.join_operands(last, factors[2:])
     passes = config.tuning.backward_passes
-    kernel = bind(pallas_kernels.chunk_gradients_kernel, walk_chunks=walks.chunks, passes=passes)
-    grads = pallas_launch.call(
-        kernel, config, value_block, operands, gradients, passes=walks.num_chunks * passes
-    )
+    kernel = bwd.bind(pallas_kernels.chunk_gradients_kernel, walk_chunks=walks.chunks, passes=passes)
+    grads = bwd.launch(kernel, operands, bwd.gradients, programs=walks.num_chunks * passes)
     return (*grads, ds0, dz0)
 
 
