@@ -235,6 +235,43 @@ def test_numpy_float64_inputs_without_x64_run_as_float32():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("decay", ["step", "feature"])
+def test_bfloat16_inputs_with_a_float64_state_accumulate_in_float64(x64, decay):
+    """A float64 initial state makes the op accumulate in float64 (`input_checks`); the kernels
+    then multiply in float64 too, not in bfloat16 (whose products sum in float32): the output,
+    final state and gradients equal the dense reference's on the same inputs in float64. (A
+    scale of 1: the XLA forms scale bfloat16 queries in bfloat16, the kernels in float64.)"""
+    q, k, v, g, s0, _, w = _inputs(5, decay, normalize=False)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+
+    def loss(q, k, v, g, s0, implementation):
+        out, state = ops.gated_linear_attention(
+            q,
+            k,
+            v,
+            log_decay=g,
+            scale=1.0,
+            implementation=implementation,
+            chunk_size=CHUNK if implementation == "pallas" else None,
+            initial_state=ops.LinearState(s0, None),
+            return_state=True,
+        )
+        return jnp.sum(jnp.sin(out) * w) + jnp.sum(state.s_BHFM**2), (out, state)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+    (value, (out, state)), grads = grad(q, k, v, g, s0, "pallas")
+    (want_value, (want_out, want_state)), want_grads = grad(q, k, v, g, s0, "reference")
+    assert out.dtype == jnp.bfloat16 and state.s_BHFM.dtype == jnp.float64
+    # The output is bfloat16, rounded from equal float64 values.
+    chex.assert_trees_all_close((value, out, state), (want_value, want_out, want_state), rtol=1e-9, atol=1e-9)
+    chex.assert_trees_all_close(grads[3:], want_grads[3:], rtol=1e-9, atol=1e-9)  # dg, ds0
+    # q, k and v's cotangents are bfloat16, where the reference's XLA gradient sums some parts
+    # in bfloat16: within a rounding of their scale.
+    for got_x, want_x in zip(grads[:3], want_grads[:3]):
+        got_x, want_x = np.asarray(got_x, np.float64), np.asarray(want_x, np.float64)
+        np.testing.assert_allclose(got_x, want_x, rtol=0, atol=8e-3 * np.abs(want_x).max())
+
+
 @pytest.mark.parametrize("parallel", [False, True], ids=["one-pass", "parallel"])
 def test_every_walk_reports_the_non_finite_values_it_reads(parallel):
     """With walks (`Tuning.walks`) and value blocks, each program of the one-pass forward, or

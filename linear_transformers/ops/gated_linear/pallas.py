@@ -149,7 +149,7 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
         features=F,
         tuning=pallas_launch.current_tuning(),
         eps=None if z0_BHF is None else _static_eps(eps),
-        products=products_dtype(raw_dtype),
+        products=products_dtype(raw_dtype, acc),
     )
     s0 = _pad_axis(_pad_axis(s0_BHFM.astype(acc), 2, Fp), 3, Mp)
     z0 = None if z0_BHF is None else _pad_axis(z0_BHF.astype(acc), 2, Fp)
@@ -166,12 +166,15 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
 _BFLOAT16_PRECISIONS = (None, "default", "bfloat16", "BF16_BF16_F32")
 
 
-def products_dtype(dtype):
-    """The dtype the kernels' matrix products take their operands in, for inputs of `dtype`:
-    bfloat16 for bfloat16 inputs while `jax.default_matmul_precision` asks for no more than a
-    bfloat16 pass (JAX's default); else None: in the accumulation dtype, at that precision."""
+def products_dtype(dtype, acc):
+    """The dtype the kernels' matrix products take their operands in, for inputs of `dtype`
+    accumulated in `acc`: bfloat16 for bfloat16 inputs accumulated in float32 while
+    `jax.default_matmul_precision` asks for no more than a bfloat16 pass (JAX's default); else
+    None: in acc, at that precision (a float64 state asks for float64 sums: bfloat16
+    products, summed in float32, would give float32)."""
     precision = jax.config.jax_default_matmul_precision
-    if jnp.dtype(dtype) == jnp.bfloat16 and precision in _BFLOAT16_PRECISIONS:
+    bfloat16_pass = precision in _BFLOAT16_PRECISIONS
+    if jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(acc) == jnp.float32 and bfloat16_pass:
         return jnp.dtype(jnp.bfloat16)
     return None
 
