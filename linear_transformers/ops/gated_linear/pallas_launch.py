@@ -140,7 +140,7 @@ class Config:
     inputs come prepared); the feature count before padding (the padding features, which a
     feature map may not keep at 0, are zeroed after it); the launch's `Tuning`; the
     normaliser's eps (None: no normaliser); the dtype the matrix products' operands are cast
-    to (`products_dtype`; None: they stay in acc, at the matmul precision)."""
+    to (`pallas.products_dtype`; None: they stay in acc, at the matmul precision)."""
 
     C: int
     per_feature: bool
