@@ -47,8 +47,7 @@ def backward(config, residuals, cotangents):
         config=config,
         value_block=value_block,
         walks=pallas_walks.Walks(config, v.shape[1] // config.C, g, runs),
-        static=(q, g, valid, runs),
-        inputs=pallas_launch.operands(q, k, v, g, valid, runs, before, None, None),
+        arrays=(q, k, v, g, valid, runs, before),
         output_cotangents=(d_out, den, d_den),
         ends=(s0, z0, d_s, d_z),
         gradients=gradients,
@@ -77,9 +76,8 @@ def backward(config, residuals, cotangents):
 @dataclasses.dataclass(frozen=True)
 class _Backward:
     """What one backward's kernels share: the static `config`, the `value_block`, the `walks`
-    (`pallas_walks.Walks`), the inputs that fix the kernels' static options `static` (q, g,
-    valid, runs), their operands `inputs` (`pallas_launch.operands` of q, k, v, g, valid,
-    runs, before), `output_cotangents` (d_out, den, d_den; den and d_den None without a
+    (`pallas_walks.Walks`), the padded inputs `arrays` (q, k, v, g, valid, runs, before),
+    `output_cotangents` (d_out, den, d_den; den and d_den None without a
     normaliser), `ends` (the initial states and the final states' cotangents: s0, z0, d_s,
     d_z; z0 and d_z None without a normaliser) and the outputs `gradients` (dq, dk, dv [and
     the decays' parts])."""
@@ -87,8 +85,7 @@ class _Backward:
     config: Any
     value_block: int
     walks: pallas_walks.Walks
-    static: tuple
-    inputs: list
+    arrays: tuple
     output_cotangents: tuple
     ends: tuple
     gradients: list
@@ -99,24 +96,29 @@ class _Backward:
 
     def bind(self, kernel, **options):
         """`kernel` bound to this call's static options and `options`."""
-        return pallas_launch.bind(kernel, self.config, *self.static, **options)
+        q, _, _, g, valid, runs, _ = self.arrays
+        return pallas_launch.bind(kernel, self.config, q, g, valid, runs, **options)
 
     def launch(self, kernel, operands, outputs, *, programs: int):
         """`kernel` (bound) over `programs` programs a sequence and value block."""
         return pallas_launch.call(kernel, self.config, self.value_block, operands, outputs, passes=programs)
 
+    def inputs(self):
+        """The inputs' operands (`pallas_launch.operands`), with no states."""
+        return pallas_launch.operands(*self.arrays, None, None)
+
     def walk_operands(self, s0, z0, d_s, d_z):
         """What the loops over the chunks read (`backward_kernel`'s operands), from these states
         and cotangents."""
         d_out, den, d_den = self.output_cotangents
-        operands = self.inputs + [(s0, "state")] + ([(z0, "row")] if self.normalize else [])
+        operands = self.inputs() + [(s0, "state")] + ([(z0, "row")] if self.normalize else [])
         operands += [(d_out, "values"), (d_s, "state")]
         return operands + ([(den, "time"), (d_den, "time"), (d_z, "row")] if self.normalize else [])
 
     def chunk_operands(self):
         """What a program of one chunk reads (`chunk_gradients_kernel`'s first operands)."""
         d_out, den, d_den = self.output_cotangents
-        operands = self.inputs + [(d_out, "values")]
+        operands = self.inputs() + [(d_out, "values")]
         return operands + ([(den, "time"), (d_den, "time")] if self.normalize else [])
 
 
