@@ -77,40 +77,40 @@ def _can_mount_a_tmpfs(directory) -> bool:
     return probe.returncode == 0
 
 
-def _tmpfs_usage(step_dir: pathlib.Path) -> int:
-    """The bytes the files under step_dir take on a tmpfs: each file's size in whole pages. Not
-    their st_blocks where the fixture wrote them: that counts what that filesystem allocated,
-    which ext4 can leave well above it for a while (a CI run measured 240 KiB for a checkpoint
-    that the tmpfs then held in 172 KiB, and the tmpfs had room for a second one)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    return sum(-(-p.stat().st_size // page) * page for p in step_dir.rglob("*") if p.is_file())
-
-
 def test_a_full_disk_during_a_save_is_one_line_naming_the_path_and_the_free_space(
     trained, data_dir, environment, tmp_path
 ):
     workdir = tmp_path / "run"
-    (workdir / "checkpoints").mkdir(parents=True)
-    if not _can_mount_a_tmpfs(workdir / "checkpoints"):
-        pytest.skip("no small filesystem to fill: `unshare -rm` cannot mount a tmpfs here")
-    # Room for one checkpoint and a half: step 2 is saved, the disk fills while step 4 is.
-    size = _tmpfs_usage(trained / "checkpoints" / "2") * 3 // 2
     checkpoint_dir = workdir / "checkpoints"
-    # What the user then finds there: the space free and what checkpoint 2 takes, on the tmpfs.
-    measure = tmp_path / "measure.py"
-    measure.write_text(
+    checkpoint_dir.mkdir(parents=True)
+    if not _can_mount_a_tmpfs(checkpoint_dir):
+        pytest.skip("no small filesystem to fill: `unshare -rm` cannot mount a tmpfs here")
+    # The checkpoints live on a tmpfs that holds step 2 and a file filling it to half of what
+    # step 2 takes there: step 4 cannot fit, however much more than its final size Orbax's save
+    # writes on the way (a CI run's save of a 172 KiB checkpoint failed in 260 KiB).
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    helper = tmp_path / "disk_helper.py"
+    helper.write_text(
         "import pathlib, shutil, sys\n"
-        "d = pathlib.Path(sys.argv[1])\n"
-        "print(shutil.disk_usage(d).free, sum(p.lstat().st_blocks * 512 for p in (d / '2').rglob('*')))\n"
+        "disk, checkpoints = map(pathlib.Path, sys.argv[2:4])\n"
+        "taken = sum(p.lstat().st_blocks * 512 for p in (checkpoints / '2').rglob('*'))\n"
+        "if sys.argv[1] == 'fill':\n"
+        "    (disk / 'filler').write_bytes(bytes(shutil.disk_usage(disk).free - taken // 2))\n"
+        "else:\n"
+        "    print(shutil.disk_usage(checkpoints).free, taken)\n"
     )
+    helper_command = f"{sys.executable} {helper} {{}} {disk} {checkpoint_dir}"
     script = (
-        f'mount -t tmpfs -o size={size} tmpfs "$1" && shift && "$@"; status=$?; '
-        f"{sys.executable} {measure} {checkpoint_dir}; "
+        f"mount -t tmpfs -o size=16m tmpfs {disk} && mkdir {disk}/checkpoints && "
+        f"mount --bind {disk}/checkpoints {checkpoint_dir} && "
+        f"cp -a {trained}/checkpoints/2 {checkpoint_dir}/ && {helper_command.format('fill')} && "
+        f'"$@"; status=$?; {helper_command.format("measure")}; '
         f"cp -a {checkpoint_dir}/. {tmp_path / 'left'}/; exit $status"
     )
     (tmp_path / "left").mkdir()
     result = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, "sh", str(checkpoint_dir), *_train_command(workdir, data_dir)],
+        ["unshare", "-rm", "sh", "-c", script, "sh", *_train_command(workdir, data_dir)],
         cwd=ROOT,
         env=environment,
         capture_output=True,
