@@ -17,12 +17,14 @@ Legend: B batch, T time.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import pathlib
 
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 DATA, SEQUENCE = "data", "sequence"
@@ -158,6 +160,34 @@ def sequence_axis(mesh: jax.sharding.Mesh) -> str | None:
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
     """Every device holds the whole array (parameters, optimizer state, scalars)."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def replicate(tree, mesh: jax.sharding.Mesh):
+    """`tree` (numpy or process-local JAX arrays holding the same values in every process: the
+    state built from the config's seed) on every device of `mesh`.
+
+    With several processes, one gather of a digest checks that they agree: `jax.device_put`
+    would gather every leaf whole to each process to compare it (a collective per leaf, and the
+    model's size times the process count through each host)."""
+    sharding = replicated(mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    multihost_utils.assert_equal(
+        digest(tree),
+        fail_message="the processes' replicated states differ (each builds them from the config's "
+        "seed: the same code and config must give the same values)",
+    )
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+
+
+def digest(tree) -> np.ndarray:
+    """A SHA-256 of `tree`'s structure and every leaf's dtype, shape and bytes, as 8 uint32."""
+    sha = hashlib.sha256(str(jax.tree.structure(tree)).encode())
+    for leaf in jax.tree.leaves(tree):
+        leaf = np.asarray(leaf)
+        sha.update(f"{leaf.dtype}{leaf.shape}".encode())
+        sha.update(np.ascontiguousarray(leaf).tobytes())
+    return np.frombuffer(sha.digest(), np.uint32)
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, ndim: int) -> NamedSharding:

@@ -160,7 +160,7 @@ class Trainer:
             "opt_state": self.tx.init(params),
             "rest": rest,
         }
-        self.state = jax.device_put(state, mesh_lib.replicated(mesh))
+        self.state = mesh_lib.replicate(state, mesh)
         self.dropout_key = jax.random.key(config.seed + 2)
         self._train_step = jax.jit(self._train_step_fn, donate_argnums=0)
         self._eval_step = jax.jit(self._eval_step_fn)

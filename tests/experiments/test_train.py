@@ -212,6 +212,31 @@ def test_mesh_shape_resolves_the_rest_of_the_devices():
     assert (config.mesh.data, config.mesh.sequence) == (2, 4)
 
 
+def test_the_digest_that_processes_compare_sees_every_value_dtype_shape_and_name():
+    # With several processes, `mesh.replicate` compares this digest where `jax.device_put`
+    # would gather every leaf; one process can check what the digest tells apart.
+    import jax.numpy as jnp
+
+    def state(**changes):
+        tree = {"step": jnp.int32(3), "w": np.arange(6, dtype=np.float32), "b": jnp.ones(2, jnp.bfloat16)}
+        return {**tree, **changes}
+
+    same = mesh_lib.digest(state())
+    assert same.dtype == np.uint32 and same.shape == (8,)
+    np.testing.assert_array_equal(mesh_lib.digest(state()), same)
+    w = np.arange(6, dtype=np.float32)
+    one_ulp = w.copy()
+    one_ulp[5] = np.nextafter(w[5], np.float32(7))
+    changed = [
+        state(w=one_ulp),
+        state(w=w.view(np.int32)),  # the same bytes as another dtype
+        state(w=w.reshape(2, 3)),
+        {"step": jnp.int32(3), "v": w, "b": jnp.ones(2, jnp.bfloat16)},  # a leaf renamed
+    ]
+    for tree in changed:
+        assert not np.array_equal(mesh_lib.digest(tree), same)
+
+
 def test_mesh_sequence_one_builds_the_model_without_sequence_parallelism(data_dir):
     from flax import nnx
 
