@@ -369,17 +369,20 @@ def test_with_several_processes_a_second_sigint_is_only_recorded():
 
 
 @slow
-def test_the_processes_benchmark_times_each_setup(tmp_path):
+def test_the_processes_benchmark_times_each_setup(tmp_path, cache, straight, monkeypatch):
     from experiments.benchmarking import processes_bench
 
+    # The setups and steps of the runs above (their learning-rate schedule and mesh): their
+    # training steps come from the compilation cache.
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
     opts = processes_bench.ProcessesBenchOptions(
         config=CONFIG,
-        num_steps=6,
-        log_every=2,
-        setups=(processes_bench.Setup(1, 2), processes_bench.Setup(2, 1)),
+        num_steps=RUN["num_steps"],
+        log_every=5,
+        setups=(processes_bench.Setup(1, 4), processes_bench.Setup(2, 2)),
     )
     rows = processes_bench.run_and_report(opts, tmp_path)
-    assert [(r["processes"], r["devices"], r["windows"]) for r in rows] == [(1, 2, 2), (2, 2, 2)]
+    assert [(r["processes"], r["devices"], r["windows"]) for r in rows] == [(1, 4, 3), (2, 4, 3)]
     assert all(r["step_ms"] > 0 for r in rows) and rows[0]["vs_first"] == 1.0
     assert (tmp_path / "processes.csv").read_text().splitlines()[0].startswith("setup,processes,devices")
 
