@@ -172,12 +172,13 @@ def replicate(tree, mesh: jax.sharding.Mesh):
     sharding = replicated(mesh)
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
+    tree = jax.tree.map(np.asarray, tree)  # on the host once: digested, then put
     multihost_utils.assert_equal(
         digest(tree),
         fail_message="the processes' replicated states differ (each builds them from the config's "
         "seed: the same code and config must give the same values)",
     )
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
 
 def digest(tree) -> np.ndarray:
