@@ -388,6 +388,29 @@ def test_float32_decays_are_summed_at_float32_precision(decay, float32_products)
         np.testing.assert_allclose(got_x, want_x, rtol=0, atol=1e-6 * np.abs(want_x).max())
 
 
+def test_a_strong_decay_per_head_keeps_its_small_gradient(float32_products):
+    """A head whose decay (exp(-12) a step) lets nothing through has a gradient a millionth of
+    the weak head's; summed over every step of q . dq - k . dk, each step's own score, in both
+    terms, would cancel only up to its rounding: 1.4 times that gradient. Each head's gradient
+    within 1e-4 of its own value (float32 against the float64 reference)."""
+    rng = np.random.default_rng(5)
+    q, k, v, w = (rng.standard_normal((2, 64, 2, 16)).astype(np.float32) for _ in range(4))
+    g = np.asarray([-0.05, -12.0], np.float32)
+
+    def loss(g, implementation):
+        chunk = CHUNK if implementation == "pallas" else None
+        out = ops.gated_linear_attention(
+            q, k, v, log_decay=g, implementation=implementation, chunk_size=chunk
+        )
+        return jnp.sum(out * w.astype(out.dtype))
+
+    got = jax.grad(loss)(g, "pallas")
+    with jax.enable_x64(True):
+        want = np.asarray(jax.grad(loss)(g.astype(np.float64), "reference"))
+    assert np.abs(want[1]) < 1e-5 * np.abs(want[0])
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
 def test_bfloat16_inputs_keep_float32_states(float32_products):
     q, k, v, g, s0, _, _ = _inputs(2, "step", normalize=False)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))

@@ -39,11 +39,12 @@ What the kernels do not do, and these files do in XLA around them:
   cotangents, for the parallel forms' chunks or the one-pass kernels' walks to start from;
 - the decays' cotangent: with d G[t] = q[t] . dq[t] - k[t] . dk[t] of the prepared q and k
   (per feature, or summed over them with a decay per step; + d S_T * S_T + d z_T * z_T at the
-  last step) the cotangent of the log decays summed up to t, each g's is the sum of those at and
-  after it in its segment (0 at a segment's first step, whose decay meets a dropped state),
-  taken back through the decays' preparation. The backward kernels return the two terms'
-  sums within each chunk (from each step to the end of its segment there); XLA adds the sums
-  of the later chunks, one value per chunk.
+  last step; dq and dk there without the part of each step's own score q[t] . k[t], the same in
+  both: `pallas_kernels.off_diagonal`) the cotangent of the log decays summed up to t, each g's
+  is the sum of those at and after it in its segment (0 at a segment's first step, whose
+  decay meets a dropped state), taken back through the decays' preparation. The backward
+  kernels return the two terms' sums within each chunk (from each step to the end of its
+  segment there); XLA adds the sums of the later chunks, one value per chunk.
 
 The kernels compute in float32 (float64 for float64 inputs) whatever the input dtype, and their
 matrix products sum in it. With bfloat16 inputs the products take bfloat16 operands (the
@@ -76,9 +77,9 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "Config", "Tuning", "form", "kernel_mode", "pro
 # The chunk length when the caller gives none, for every decay: the longest whose kernels spill
 # few registers when compiled for an H100 (bf16 inputs and products, D = M = 64, eight warps;
 # Triton 3.9: BENCHMARKS.md, "The Pallas kernel", `experiments/kernel_resources.py`). With a
-# decay per step or head, chunks of 64 spill 36 bytes and 0.7 KB a thread forward and backward,
-# chunks of 32 nothing forward and 136 bytes backward; with a decay per feature, at 64 0.8 and
-# 5.0 KB, at 32 nothing forward and 0.6 KB backward.
+# decay per step or head, chunks of 64 spill 36 bytes and 0.9 KB a thread forward and backward,
+# chunks of 32 nothing forward and 76 bytes backward; with a decay per feature, at 64 0.8 and
+# 5.1 KB, at 32 nothing forward and 0.6 KB backward.
 DEFAULT_CHUNK_SIZE = 32
 
 

@@ -126,8 +126,9 @@ class Chunk:
         return pullback(cotangent)[0]
 
     def log_decay_cotangent(self, x, dx):
-        """x . dx of a prepared chunk and its cotangent, summed at and after each step within
-        the chunk and the step's segment: per feature [C, D], or summed over the features too
+        """x . dx of a prepared chunk and its cotangent (dx without each step's own score's
+        part, `pallas_kernels.off_diagonal`), summed at and after each step within the chunk
+        and the step's segment: per feature [C, D], or summed over the features too
         [C] with a decay per step (`pallas_backward.py` adds what the steps after the chunk
         give)."""
         keep = self.keep  # [i, t]: i >= t in t's segment

@@ -377,22 +377,27 @@ class _OutputCotangents:
 
 def _write_query_cotangent(chunk, c, C: int, do, dA, d_den, S, z, dq_ref, dG_ref):
     """Chunk c's dq, from its cotangents (`_OutputCotangents.load`) and the states entering it
-    (z None without a normaliser), written to dq_ref, with q . dq to dG_ref (None: no decay)."""
+    (z None without a normaliser), written to dq_ref, with q . dq to dG_ref (None: no decay;
+    dq there without each step's own score's part, `off_diagonal`)."""
     rows = pl.ds(c * C, C)
+    if dG_ref is not None:
+        dA, own = off_diagonal(dA)
     dq = chunk.query_cotangent(dA)  # first: the order Triton schedules in, and spills least
     entering = chunk.dot(do, S, trans_b=True)
     if z is not None:
         entering = entering + d_den * z
     dq = dq + times(entering, chunk.into)
-    dq_ref[rows, :] = chunk.raw_cotangent("q", dq).astype(dq_ref.dtype)
     if dG_ref is not None:
         dG_ref[rows] = chunk.log_decay_cotangent(chunk.q, dq)
+        dq = dq + own * chunk.k
+    dq_ref[rows, :] = chunk.raw_cotangent("q", dq).astype(dq_ref.dtype)
 
 
 def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, refs, parts):
     """Chunk c's dk and dv, or one of them (`parts`: "key" and/or "value"), from its cotangents
     and those of the states leaving it (dz None without a normaliser; its part of dk taken in
-    the first value block's programs only), written to refs (dk, dv, and k . dk with a decay)."""
+    the first value block's programs only), written to refs (dk, dv, and k . dk with a decay,
+    dk there without each step's own score's part: `off_diagonal`)."""
     dk_ref, dv_ref, dG_ref = refs
     rows = pl.ds(c * C, C)
     key, value = "key" in parts, "value" in parts
@@ -402,16 +407,32 @@ def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, r
     if value:
         dv = chunk.dot(chunk.scores(), do, trans_a=True) + chunk.dot(chunk.k_out, dS)
     if key:
+        if dG_ref is not None:
+            dA, own = off_diagonal(dA)
         dk = chunk.key_cotangent(dA)
         leaving = chunk.dot(chunk.v, dS, trans_b=True)
         if dz is not None:
             leaving = leaving + dz * first_block
         dk = dk + times(leaving, chunk.out_of)
+        if dG_ref is not None:
+            dG_ref[rows] = chunk.log_decay_cotangent(chunk.k, dk)
+            dk = dk + own * chunk.q
         dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
     if value:
         dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
-    if key and dG_ref is not None:
-        dG_ref[rows] = chunk.log_decay_cotangent(chunk.k, dk)
+
+
+def off_diagonal(dA):
+    """(dA with its diagonal 0, its diagonal [C, 1]): the scores' cotangent without each
+    step's own score q[t] . k[t], and that score's cotangent. Its part of q[t] . dq[t] and of
+    k[t] . dk[t] is the same, so it cancels in the decays' cotangent, their difference
+    (`Chunk.log_decay_cotangent`), exactly only where neither holds it: rounded in each, where
+    strong decays make the difference small (and a decay per head sums it over every step),
+    the rounding would be most of it (float32, a head decaying by exp(-12) a step: 1.4 times
+    its gradient). dq and dk take the diagonal's part after (its decay is exp(0) = 1)."""
+    rows, columns = (jax.lax.broadcasted_iota(jnp.int32, dA.shape, axis) for axis in (0, 1))
+    diagonal = rows == columns
+    return jnp.where(diagonal, 0, dA), jnp.sum(jnp.where(diagonal, dA, 0), axis=1, keepdims=True)
 
 
 def _carry_back_chunk(chunk, do, d_den, dS, dz):
