@@ -411,6 +411,37 @@ def test_a_strong_decay_per_head_keeps_its_small_gradient(float32_products):
     np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
+def test_bfloat16_products_keep_a_strong_head_s_small_gradient():
+    """The decays' gradient is formed within each chunk. Summed across chunks instead (q . dq
+    less k . dk of every later chunk, and the final state times its cotangent), the state
+    rounded to bfloat16 for the products against its rounded cotangent leaves errors that do
+    not cancel: -92 for the strong head's -0.009 here, where the loss squares the final state.
+    Each head within 2% of the float64 reference of the same bfloat16 inputs."""
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 16)), jnp.bfloat16) for _ in range(3))
+    w = rng.standard_normal((1, 64, 2, 16)).astype(np.float32)
+    g = np.asarray([-0.05, -10.0], np.float32)
+
+    def loss(q, k, v, g, implementation):
+        out, state = ops.gated_linear_attention(
+            q,
+            k,
+            v,
+            log_decay=g,
+            normalize=True,
+            feature_map="elu",
+            implementation=implementation,
+            chunk_size=CHUNK if implementation == "pallas" else None,
+            return_state=True,
+        )
+        return jnp.sum(out.astype(g.dtype) * w.astype(g.dtype)) + jnp.sum(state.s_BHFM.astype(g.dtype) ** 2)
+
+    got = jax.grad(loss, argnums=3)(q, k, v, g, "pallas")
+    with jax.enable_x64(True):
+        want = jax.grad(loss, argnums=3)(*(x.astype(jnp.float64) for x in (q, k, v, g)), "reference")
+    np.testing.assert_allclose(got, np.asarray(want), rtol=2e-2)
+
+
 def test_bfloat16_inputs_keep_float32_states(float32_products):
     q, k, v, g, s0, _, _ = _inputs(2, "step", normalize=False)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -521,7 +552,10 @@ def test_the_parallel_forms_keep_bfloat16_states_where_the_products_round_them(d
     """With bfloat16 products the states the parallel forms write for every chunk (and their
     cotangents) are bfloat16, half the bytes, with the one-pass kernels' results: each chunk's
     program uses them only in products, which round them to bfloat16 anyway (equal here, in the
-    interpreter; on a GPU within a bfloat16 rounding). With float32 products they stay float32."""
+    interpreter; on a GPU within a bfloat16 rounding). With float32 products they stay float32.
+    The decays' gradient through the state carried through each chunk is the one place where
+    the rounding differs (the one-pass backward rounds that state after its decay, the
+    parallel before): within 2e-4 of its scale (measured: 5.6e-5)."""
     value_and_grads, inputs = _bfloat16_case(decay, normalize)
     one_pass = jax.tree.leaves(value_and_grads(*inputs, "pallas"))
     with pallas.tuning(parallel_forward=True, parallel_backward=True):
@@ -529,10 +563,13 @@ def test_the_parallel_forms_keep_bfloat16_states_where_the_products_round_them(d
         assert _snapshot_dtypes(value_and_grads, *inputs) == {"bfloat16"}
         with jax.default_matmul_precision("float32"):
             assert _snapshot_dtypes(value_and_grads, *inputs) == {"float32"}
-    for got, want in zip(parallel, one_pass):
+    for i, (got, want) in enumerate(zip(parallel, one_pass)):
         want = np.asarray(want, np.float64)
-        tolerance = 0 if jax.default_backend() == "cpu" else 8e-3 * np.abs(want).max()
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=tolerance)
+        tolerance = 0 if jax.default_backend() == "cpu" else 8e-3
+        if decay != "none" and i == len(one_pass) - 1:  # the decays' gradient
+            tolerance = max(tolerance, 2e-4)
+        atol = tolerance * np.abs(want).max()
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=atol)
 
 
 def _product_operands(decay: str, dtype: str, precision: str | None) -> set:

@@ -204,7 +204,7 @@ def _attend_fwd(config, q, k, v, g, valid, runs, before, s0, z0):
     out, s, z, den, clean, walked = pallas_forward.forward(config, q, k, v, g, valid, runs, before, s0, z0)
     if config.tuning.parallel_backward:  # it walks every chunk's states itself
         walked = None
-    return (out, s, z, clean), (q, k, v, g, valid, runs, before, s0, z0, s, z, out, den, walked)
+    return (out, s, z, clean), (q, k, v, g, valid, runs, before, s0, z0, out, den, walked)
 
 
 _attend.defvjp(_attend_fwd, pallas_backward.backward)

@@ -2,8 +2,8 @@
 a program each a sequence or, with several walks, a stretch, from the states and cotangents
 joined for it; or the parallel backward (`pallas.Tuning.parallel_backward`): the states
 entering every chunk and the cotangents of those leaving it first, then every chunk's
-gradients at once. Then, in XLA, the decays' cotangent from the kernels' sums within each
-chunk.
+gradients at once. Then, in XLA, the decays' cotangent from the kernels' query and key sides
+(`pallas_kernels.py`), with the one-pass backward's carried states times their cotangents.
 
 Legend: B batch, T time, H heads, D key/query features, M value features, C chunk length.
 """
@@ -23,7 +23,7 @@ from linear_transformers.ops.gated_linear import pallas_kernels, pallas_launch, 
 def backward(config, residuals, cotangents):
     """`pallas._attend`'s VJP: the cotangents of its arguments from `residuals`
     (`pallas._attend_fwd`'s) and those of its outputs."""
-    q, k, v, g, valid, runs, before, s0, z0, s, z, out, den, walked = residuals
+    q, k, v, g, valid, runs, before, s0, z0, out, den, walked = residuals
     d_out, d_s, d_z, _ = cotangents  # the last: of the int32 flags, none
     value_block = config.value_block(v.shape[-1])
     parts = v.shape[-1] // value_block
@@ -40,7 +40,7 @@ def backward(config, residuals, cotangents):
         return jax.ShapeDtypeStruct((parts, *x.shape), config.acc), "part"
 
     gradients = [summed(q, q.dtype), summed(k, k.dtype), (v, "values")]
-    if g is not None:  # q . dq and k . dk of the prepared q and k: the decays' cotangent
+    if g is not None:  # the decays' cotangent's query and key sides
         gradients += 2 * [summed(g, config.acc)]
     d_s, d_z = d_s.astype(s0.dtype), None if z0 is None else d_z.astype(z0.dtype)
     bwd = _Backward(
@@ -53,15 +53,15 @@ def backward(config, residuals, cotangents):
         gradients=gradients,
     )
     if config.tuning.parallel_backward:
-        dq, dk, dv, *dG, ds0, dz0 = _parallel_backward(bwd)
+        dq, dk, dv, *dG, ds0, dz0, carried = _parallel_backward(bwd)
     else:
-        dq, dk, dv, *dG, ds0, dz0 = _one_pass_backward(bwd, walked)
+        dq, dk, dv, *dG, ds0, dz0, carried = _one_pass_backward(bwd, walked)
     if parts > 1:
         dq, dk, *dG = (jnp.sum(x, axis=0) for x in (dq, dk, *dG))
         dq, dk = dq.astype(q.dtype), dk.astype(k.dtype)
     dg = None
     if g is not None:
-        dg = _log_decay_cotangent(dG[0] - dG[1], config.C, (s, z), (d_s, d_z), runs, before)
+        dg = _log_decay_cotangent(dG[0] - dG[1], config.C, carried, runs, before)
         if config.prepare is not None:  # through the preparation the kernels applied
             _, pullback = jax.vjp(
                 lambda g: config.prepare.log_decays(g, None if valid is None else valid != 0), g
@@ -103,6 +103,15 @@ class _Backward:
         """`kernel` (bound) over `programs` programs a sequence and value block."""
         return pallas_launch.call(kernel, self.config, self.value_block, operands, outputs, passes=programs)
 
+    def chunk_states(self):
+        """The outputs of a state per chunk: [B, H, num_chunks * D, M] in `Config.snapshots`
+        and, with a normaliser, its row [B, H, num_chunks * D] in acc."""
+        B, H, D, M = self.ends[0].shape
+        rows = [(jax.ShapeDtypeStruct((B, H, self.walks.num_chunks * D, M), self.config.snapshots), "state")]
+        if self.normalize:
+            rows += [(jax.ShapeDtypeStruct((B, H, self.walks.num_chunks * D), self.config.acc), "row")]
+        return rows
+
     def inputs(self):
         """The inputs' operands (`pallas_launch.operands`), with no states."""
         return pallas_launch.operands(*self.arrays, None, None)
@@ -123,9 +132,11 @@ class _Backward:
 
 
 def _one_pass_backward(bwd, walked):
-    """(dq, dk, dv, [q . dq, k . dk], d_s0, d_z0 or None) from `backward_kernel`: its passes a
-    program each per sequence, or per walk of it (from the ends `_walk_ends` joins).
-    `walked`: the one-pass forward's joined walks (`pallas_forward.forward`'s) or None."""
+    """(dq, dk, dv, [the decays' cotangent's query and key sides], d_s0, d_z0 or None, the
+    carried states' part of the decays' cotangent (`_carried_product`) or None) from
+    `backward_kernel`: its passes a program each per sequence, or per walk of it (from the
+    ends `_walk_ends` joins). `walked`: the one-pass forward's joined walks
+    (`pallas_forward.forward`'s) or None."""
     config, walks, ends = bwd.config, bwd.walks, bwd.ends
     joined = None
     if walks.joined:
@@ -135,12 +146,34 @@ def _one_pass_backward(bwd, walked):
     # d_s0 and d_z0: each walk's, at its rows
     states = [(ends[0], "state")] + ([(ends[1], "row")] if bwd.normalize else [])
     outputs = bwd.gradients[:3] + states + bwd.gradients[3:]
+    if len(bwd.gradients) > 3:  # a decay: the states each chunk carries over, the cotangents leaving it
+        outputs += 2 * bwd.chunk_states()
     operands = bwd.walk_operands(*ends)
-    dq, dk, dv, ds0, *dG = bwd.launch(kernel, operands, outputs, programs=passes * walks.count)
-    dz0 = dG.pop(0) if bwd.normalize else None
+    dq, dk, dv, ds0, *rest = bwd.launch(kernel, operands, outputs, programs=passes * walks.count)
+    dz0 = rest.pop(0) if bwd.normalize else None
     if joined is not None:  # the first walk's are the join's
         ds0, dz0 = joined
-    return (dq, dk, dv, *dG, ds0, dz0)
+    dG, carried = rest[:2], None
+    if dG:
+        carried = _carried_product(rest[2:], bwd.ends[0].shape[2], bwd.normalize, config)
+    return (dq, dk, dv, *dG, ds0, dz0, carried)
+
+
+def _carried_product(states, D: int, normalize: bool, config):
+    """[B, num_chunks, H(, D)]: each chunk's `pallas_kernels.carried_product` (summed over
+    the features with a decay per step), from `backward_kernel`'s states each chunk carries
+    over and the cotangents of those leaving it (`_Backward.chunk_states` each)."""
+    if normalize:
+        carried, z_carried, leaving, z_leaving = states
+    else:
+        carried, leaving = states
+    acc = config.acc
+    product = jnp.sum(carried.astype(acc) * leaving.astype(acc), axis=-1)  # [B, H, num_chunks * D]
+    if normalize:
+        product = product + z_carried * z_leaving
+    B, H, _ = product.shape
+    product = jnp.moveaxis(product.reshape(B, H, -1, D), 1, 2)
+    return product if config.per_feature else jnp.sum(product, axis=-1)
 
 
 def _walk_ends(bwd, walked):
@@ -168,14 +201,9 @@ def _backward_walks(bwd, *, write_chunks: bool, walk_states: bool = True):
     `write_chunks`, out of each walk, back to each chunk with `write_chunks`], else None and
     []; without `walk_states`, only the cotangents' walks: ([], [], (d_s0, d_z0), None,
     []))."""
-    config, walks = bwd.config, bwd.walks
+    walks = bwd.walks
     s0, z0, d_s, d_z = bwd.ends
-    B, H, D, M = s0.shape
-    rows = []
-    if write_chunks:
-        rows = [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D, M), config.snapshots), "state")]
-        if bwd.normalize:
-            rows += [(jax.ShapeDtypeStruct((B, H, walks.num_chunks * D), config.acc), "row")]
+    rows = bwd.chunk_states() if write_chunks else []
     finals = walks.finals(s0, z0)
     outputs = rows + rows + finals
     if walks.joined and walk_states:
@@ -195,7 +223,8 @@ def _backward_walks(bwd, *, write_chunks: bool, walk_states: bool = True):
 
 
 def _parallel_backward(bwd):
-    """(dq, dk, dv, [q . dq, k . dk], d_s0, d_z0 or None) from `Tuning.parallel_backward`'s two
+    """(dq, dk, dv, [the decays' cotangent's query and key sides, the key side with the
+    carried states' part], d_s0, d_z0 or None, None) from `Tuning.parallel_backward`'s two
     kernels: the states entering each chunk and the cotangents of those leaving it, then each
     chunk's gradients."""
     config, walks = bwd.config, bwd.walks
@@ -210,45 +239,18 @@ def _parallel_backward(bwd):
     passes = config.tuning.backward_passes
     kernel = bwd.bind(pallas_kernels.chunk_gradients_kernel, walk_chunks=walks.chunks, passes=passes)
     grads = bwd.launch(kernel, operands, bwd.gradients, programs=walks.num_chunks * passes)
-    return (*grads, ds0, dz0)
+    return (*grads, ds0, dz0, None)
 
 
-def _log_decay_cotangent(local, C: int, state, d_state, runs, before):
-    """d g [B, T, H(, D)] from `local` of the same shape, the kernels' sums of d G within each
-    chunk of C steps (from each step to the end of its segment there; the module docstring),
-    without the term at the last step (of the final state (s, z), z None without a normaliser,
-    and its cotangent): each step's sum gains that of the later chunks its segment reaches, 0 at
-    a segment's first step."""
-    (s, z), (d_s, d_z) = state, d_state
-    last = jnp.sum(d_s.astype(local.dtype) * s.astype(local.dtype), axis=-1)  # [B, H, D]
-    if z is not None:
-        last = last + d_z.astype(local.dtype) * z.astype(local.dtype)
-    if local.ndim == 3:
-        last = jnp.sum(last, axis=-1)
+def _log_decay_cotangent(local, C: int, carried, runs, before):
+    """d g [B, T, H(, D)] from `local` of the same shape, the kernels' sums within each chunk of
+    C steps (the module docstring) and `carried` [B, T / C, H(, D)], each chunk's part through
+    the state carried through it, which every step of the chunk takes (None: in `local`); 0
+    at a segment's first step, whose decay nothing reads."""
     B, T = local.shape[:2]
-    by_chunk = local.reshape(B, T // C, C, *local.shape[2:])
-    heads = by_chunk[:, :, 0]  # each chunk's first step's sum
+    if carried is not None:
+        by_chunk = local.reshape(B, T // C, C, *local.shape[2:]) + carried[:, :, None]
+        local = by_chunk.reshape(local.shape)
     if runs is None:
-        sums = jax.lax.cumsum(heads.at[:, -1].add(last), axis=1, reverse=True)
-    else:
-        # reaches: the step's segment reaches the next chunk's first step (the end, after the
-        # last chunk): its count of segment starts is the same there.
-        by_step = runs.reshape(B, -1, C)
-        next_runs = jnp.concatenate([by_step[:, 1:, 0], runs[:, -1:]], axis=1)
-        reaches = totals.expand(by_step == next_runs[:, :, None], by_chunk.ndim)
-        heads = heads.at[:, -1].add(jnp.where(reaches[:, -1, 0], last, 0))
-        ends = jnp.broadcast_to(~reaches[:, :, 0], heads.shape)  # the chunk's first segment ends in it
-
-        def combine(later, earlier):  # reverse scan: `later` in time comes first
-            x_later, end_later = later
-            x_earlier, end_earlier = earlier
-            return jnp.where(end_earlier, x_earlier, x_later + x_earlier), end_later | end_earlier
-
-        sums, _ = jax.lax.associative_scan(combine, (heads, ends), reverse=True, axis=1)
-    # From each chunk's next chunk's first step to its segment's end.
-    after = jnp.concatenate([sums[:, 1:], last[:, None]], axis=1)[:, :, None]
-    if runs is None:
-        return (by_chunk + after).reshape(local.shape)
-    dg = by_chunk + jnp.where(reaches, after, 0)
-    reset = totals.expand((runs != before).reshape(by_step.shape), by_chunk.ndim)
-    return jnp.where(reset, 0, dg).reshape(local.shape)
+        return local
+    return jnp.where(totals.expand(runs != before, local.ndim), 0, local)

@@ -128,13 +128,33 @@ class Chunk:
     def log_decay_cotangent(self, x, dx):
         """x . dx of a prepared chunk and its cotangent (dx without each step's own score's
         part, `pallas_kernels.off_diagonal`), summed at and after each step within the chunk
-        and the step's segment: per feature [C, D], or summed over the features too
-        [C] with a decay per step (`pallas_backward.py` adds what the steps after the chunk
-        give)."""
+        and the step's segment: per feature [C, D], or summed over the features too [C] with
+        a decay per step."""
         keep = self.keep  # [i, t]: i >= t in t's segment
         if self.per_feature:
             return sums(keep, x * dx, transpose=True)
+        if self.products is not None:
+            # x as the scores' products took it: each pair's part of q . dq and of k . dk is
+            # then the same product, and cancels, where x unrounded would leave its rounding
+            x = x.astype(self.products).astype(x.dtype)
         return jnp.sum(jnp.where(keep, jnp.sum(x * dx, axis=1, keepdims=True), 0), axis=0)
+
+    def through_leaving_state(self, k_leaving, carried):
+        """What each step's log decay gives through the state leaving the chunk, per feature
+        [C, D] or per step [C]: the decay scales every key written to it before the step
+        (`k_leaving` [C, D], k * dk of dk's part through that state, 0 outside the chunk's last
+        segment, summed over the keys before each step: those terms alone, never all of them
+        less those at and after the step, whose rounding a strong decay's small sum would not
+        survive) and the state carried through the chunk (`carried` [1, D],
+        `pallas_kernels.carried_product`; None: added after the kernel)."""
+        C = k_leaving.shape[0]
+        earlier = jnp.transpose(_later(C))  # [t, j]: j < t
+        if self.per_feature:
+            through = sums(earlier, k_leaving)
+            return through if carried is None else through + carried
+        keys = jnp.transpose(jnp.sum(k_leaving, axis=1, keepdims=True))  # [1, C]
+        through = jnp.sum(jnp.where(earlier, keys, 0), axis=1)
+        return through if carried is None else through + jnp.sum(carried)
 
     def _step_pair_decays(self):
         """exp(L[t, s]) where kept, else 0, [C, C], with one decay per step: L[t, s] = sum_i

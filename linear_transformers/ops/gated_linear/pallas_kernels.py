@@ -16,10 +16,22 @@ initial state's cotangent. Nothing the size of the sequence is kept between the 
 share nothing but their inputs, so they may run in programs of their own
 (`pallas.Tuning.split_backward`; with `split_key_value` the backward pass runs twice, in
 programs of its own for dk and for dv). Each cotangent goes back through the chunk's preparation
-before it is written. With a decay the passes also write q . dq and k . dk of the prepared
-chunks, summed within each chunk from each step to the end of its segment there, from which
-`pallas_backward.py` forms the decays' cotangent (adding what the later chunks give: a sum per
-chunk).
+before it is written.
+
+With a decay the passes also write the decays' cotangent within each chunk, as FLA's chunk
+kernels form it: for a step t of chunk c, q . dq (of the scores and of the reads of the state
+entering the chunk) less k . dk (of the scores alone) of the prepared chunk, each summed from t
+to the end of its segment in the chunk, plus what t's decay gives through the state leaving the
+chunk: k . dk of the keys before t, of dk's part through that state
+(`Chunk.through_leaving_state`), and, for every step, the state carried through the chunk
+times the cotangent of the one leaving it (`carried_product`). Nothing is summed across
+chunks: a sum over the later chunks of q . dq less k . dk, and the final state times its
+cotangent, give the same in exact arithmetic, but their terms cancel, and rounded (a state
+rounded for the products against its rounded cotangent) they leave errors many times a small
+gradient (bfloat16 products, a strong decay per head: 28 for a true 0.02). The carried state
+and its cotangent are in different passes of the one-pass backward: its forward pass writes
+the state each chunk carries over and its backward pass the cotangent of the state leaving
+each chunk, for `pallas_backward.py` to multiply; the parallel backward's programs have both.
 
 The parallel forms (`pallas.Tuning.parallel_forward`, `parallel_backward`) cut each loop down
 to the state's update: a loop writes the state entering every chunk (backward, a second loop
@@ -393,11 +405,14 @@ def _write_query_cotangent(chunk, c, C: int, do, dA, d_den, S, z, dq_ref, dG_ref
     dq_ref[rows, :] = chunk.raw_cotangent("q", dq).astype(dq_ref.dtype)
 
 
-def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, refs, parts):
+def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, refs, parts, entering=None):
     """Chunk c's dk and dv, or one of them (`parts`: "key" and/or "value"), from its cotangents
     and those of the states leaving it (dz None without a normaliser; its part of dk taken in
-    the first value block's programs only), written to refs (dk, dv, and k . dk with a decay,
-    dk there without each step's own score's part: `off_diagonal`)."""
+    the first value block's programs only), written to refs (dk, dv, and with a decay the key
+    side of the decays' cotangent: k . dk of dk's part from the scores, without each step's
+    own score's (`off_diagonal`), less what the decays give through the state leaving the
+    chunk, `Chunk.through_leaving_state`, with the carried state's part where `entering`, the
+    states entering the chunk (S, z), is not None)."""
     dk_ref, dv_ref, dG_ref = refs
     rows = pl.ds(c * C, C)
     key, value = "key" in parts, "value" in parts
@@ -410,16 +425,31 @@ def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, r
         if dG_ref is not None:
             dA, own = off_diagonal(dA)
         dk = chunk.key_cotangent(dA)
+        if dG_ref is not None:
+            dG = chunk.log_decay_cotangent(chunk.k, dk)
         leaving = chunk.dot(chunk.v, dS, trans_b=True)
         if dz is not None:
             leaving = leaving + dz * first_block
-        dk = dk + times(leaving, chunk.out_of)
+        leaving = times(leaving, chunk.out_of)
+        dk = dk + leaving
         if dG_ref is not None:
-            dG_ref[rows] = chunk.log_decay_cotangent(chunk.k, dk)
+            carried = None if entering is None else carried_product(chunk, *entering, dS, dz, first_block)
+            dG_ref[rows] = dG - chunk.through_leaving_state(chunk.k * leaving, carried)
             dk = dk + own * chunk.q
         dk_ref[rows, :] = chunk.raw_cotangent("k", dk).astype(dk_ref.dtype)
     if value:
         dv_ref[rows, :] = chunk.raw_cotangent("v", dv).astype(dv_ref.dtype)
+
+
+def carried_product(chunk, S, z, dS, dz, first_block):
+    """[1, D]: sum_m of the state the chunk carries over from the one entering it (S, z: z
+    None without a normaliser; its part in the first value block's programs only) times the
+    cotangent of the state leaving it (dS, dz), per feature: its decays' cotangent through the
+    state carried through it (0 where a segment starts in it)."""
+    product = jnp.transpose(jnp.sum(chunk.carry_over(S.astype(dS.dtype)) * dS, axis=1, keepdims=True))
+    if z is not None:
+        product = product + chunk.carry_over_normaliser(z) * dz * first_block
+    return product
 
 
 def off_diagonal(dA):
@@ -493,31 +523,38 @@ def backward_kernel(
     *refs, C, num_chunks, walk_chunks, has_decay, has_valid, has_segments, eps, passes, **chunk_options
 ):
     """refs: q, k, v, [g], [valid], [runs, before], s0, [z0], d_out, d_s, [den, d_den, d_z]
-    -> dq, dk, dv, d_s0, [d_z0], [q . dq, k . dk] (of the prepared chunks, with a decay:
-    `Chunk.log_decay_cotangent`). The grid's last axis has `passes` programs per sequence
-    (`_run_passes`): with 1 it runs every pass, with 2 the pass that gives dq and the one that
-    gives the rest, with 3 the pass that gives dq, one that gives dk, d_s0 and d_z0 and one
-    that gives dv (each of the last two walking back with the states' cotangents).
+    -> dq, dk, dv, d_s0, [d_z0], with a decay [the query and key sides of the decays' cotangent
+    (`_write_query_cotangent`, `_write_key_value_cotangents`), carried, [z carried], leaving,
+    [z leaving]] (the state each chunk carries over, `Chunk.carry_over`, and the cotangent of
+    the state leaving it, chunk c's at rows c * D: `carried_product`'s factors). The grid's
+    last axis has `passes` programs per sequence (`_run_passes`): with 1 it runs every pass,
+    with 2 the pass that gives dq and the one that gives the rest, with 3 the pass that gives
+    dq, one that gives dk, d_s0 and d_z0 (and, with a decay, leaving) and one that gives dv
+    (each of the last two walking back with the states' cotangents).
 
     With `walk_chunks` < `num_chunks`, `passes` programs a walk (`forward_kernel`'s walks):
     s0 and z0 hold the states entering each walk, d_s and d_z the cotangents of those leaving
     it ([walks * D, ...]: the forward's walks and `backward_states_kernel`'s, joined by
-    `pallas_walks.py`), and d_s0 and
-    d_z0 are written at each walk's rows.
+    `pallas_walks.py`), and d_s0 and d_z0 are written at each walk's rows.
 
     eps None: no normaliser. Else d_out is the normalised output's cotangent, den the
-    forward's, and d_den that of den (-sum_m d_out * out / (den + eps), made by `pallas_backward.py`):
-    num's cotangent is d_out / (den + eps), and den's, an implicit column of ones in v, adds
-    d_den[t] to every kept score's cotangent and d_den[t] * z to q[t]'s state term; z's
-    cotangent dz is carried beside dS. Only the first value block's programs take den's part
-    of dq and dk (they are summed over the blocks); each computes the same d_z0."""
+    forward's, and d_den that of den (-sum_m d_out * out / (den + eps), made by
+    `pallas_backward.py`): num's cotangent is d_out / (den + eps), and den's, an implicit
+    column of ones in v, adds d_den[t] to every kept score's cotangent and d_den[t] * z to
+    q[t]'s state term; z's cotangent dz is carried beside dS. Only the first value block's
+    programs take den's part of dq and dk (they are summed over the blocks); each computes the
+    same d_z0."""
     normalize, refs = eps is not None, iter(refs)
     inputs, (s0_ref, z0_ref), (ds_ref, dz_ref), cotangents = _backward_operands(
         refs, C, has_decay, has_valid, has_segments, eps, chunk_options
     )
     dq_ref, dk_ref, dv_ref = next(refs), next(refs), next(refs)
     ds0_ref, dz0_ref = _state_refs(refs, normalize)
-    dG_refs = list(refs) or [None, None]
+    dG_refs, write_carried, write_leaving = [None, None], _state_writer(None, None), _state_writer(None, None)
+    if has_decay:
+        dG_refs = [next(refs), next(refs)]
+        write_carried = _state_writer(*_state_refs(refs, normalize))
+        write_leaving = _state_writer(*_state_refs(refs, normalize))
     acc, D = chunk_options["acc"], inputs[0].shape[1]
     walk = _Walk.of(pl.program_id(3) // passes, walk_chunks, num_chunks, own_start=True)
 
@@ -525,6 +562,7 @@ def backward_kernel(
         S, z = _unpack(carry, normalize)
         chunk, do, dA, d_den = cotangents.load(c)
         _write_query_cotangent(chunk, c, C, do, dA, d_den, S, z, dq_ref, dG_refs[0])
+        write_carried(chunk, c, chunk.carry_over(S), None if z is None else chunk.carry_over_normaliser(z))
         return _pack(*_carry_over_chunk(chunk, S, z))
 
     def query_pass():
@@ -534,6 +572,8 @@ def backward_kernel(
         def visit(chunk, c, do, dA, d_den, dS, dz):
             refs = (dk_ref, dv_ref, dG_refs[1])
             _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs, parts)
+            if "key" in parts:
+                write_leaving(chunk, c, dS, dz)
 
         final = (ds0_ref, dz0_ref) if "key" in parts else (None, None)
         return lambda: _walk_chunks_back(cotangents, (ds_ref, dz_ref), final, visit, walk)
@@ -616,7 +656,8 @@ def chunk_gradients_kernel(
     """The parallel backward's second kernel: refs: q, k, v, [g], [valid], [runs, before],
     d_out, [den, d_den], states, [z states], d states, [dz states] (`backward_states_kernel`'s),
     [walks, [z walks], [factors], d walks, [dz walks], [d factors]] (`_Joins`, of the states
-    and of their cotangents) -> dq, dk, dv, [q . dq, k . dk] (as `backward_kernel`'s).
+    and of their cotangents) -> dq, dk, dv, [the decays' cotangent's query and key sides] (as
+    `backward_kernel`'s, the key side with the carried state's part).
     `passes` programs a chunk (the grid's last axis, `_run_passes`): one for all its
     gradients; or one for dq, from the states entering the chunk, and one for dk and dv, from
     the cotangents of those leaving it; or one each for dq, dk and dv. Every chunk's gradients
@@ -649,8 +690,13 @@ def chunk_gradients_kernel(
         def part():
             chunk, do, dA, _ = cotangents.load(c)
             dS, dz = d_joins.chunk_state(d_states_ref, dz_states_ref, c, D, acc)
+            entering = None
+            if has_decay and "key" in parts:  # for the decays' cotangent
+                entering = joins.chunk_state(states_ref, z_states_ref, c, D, acc)
             refs = (dk_ref, dv_ref, dG_refs[1])
-            _write_key_value_cotangents(chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs, parts)
+            _write_key_value_cotangents(
+                chunk, c, C, do, dA, dS, dz, cotangents.first_block, refs, parts, entering
+            )
 
         return part
 

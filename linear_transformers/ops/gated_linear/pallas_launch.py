@@ -56,7 +56,9 @@ class Tuning:
       each, as the forward's, made again rather than kept); then one program per chunk that
       makes its dq, dk and dv from those two (FLA's `chunk_bwd_dh` and `chunk_bwd_dqkwg`). It
       trades two [T / C, D, M] arrays per sequence, each written once and read once, for the
-      loops' work done in parallel.
+      loops' work done in parallel. With a decay the one-pass backward writes two such arrays
+      too (the state each chunk carries over and the cotangent of the state leaving it, whose
+      product is the decays' gradient through the carried state: `pallas_kernels.py`).
     walks: the walks over each sequence's chunks in as many stretches of the sequence, one
       program each. The walk a chunk at a time is the one serial part of every form:
       `walks` stretches cut its length `walks`-fold and launch that many more programs where
