@@ -150,7 +150,8 @@ class Chunk:
         C = k_leaving.shape[0]
         earlier = jnp.transpose(_later(C))  # [t, j]: j < t
         if self.per_feature:
-            through = sums(earlier, k_leaving)
+            # At the products' precision: terms of their own, not a difference to keep exact
+            through = self.dot(earlier.astype(k_leaving.dtype), k_leaving)
             return through if carried is None else through + carried
         keys = jnp.transpose(jnp.sum(k_leaving, axis=1, keepdims=True))  # [1, C]
         through = jnp.sum(jnp.where(earlier, keys, 0), axis=1)

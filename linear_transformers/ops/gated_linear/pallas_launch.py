@@ -41,7 +41,8 @@ class Tuning:
       programs per sequence (per chunk with `parallel_backward`), both walking back with the
       state's cotangent, so q, k and the output's cotangent are read twice and that walk is
       made twice, where one program holding dk's and dv's values at once spills registers
-      (a decay per step, chunks of 32: 76 bytes a thread, 64 split; BENCHMARKS.md).
+      (the paper's attention with a decay per step, chunks of 32: 1224 bytes a thread, 572 split;
+      BENCHMARKS.md).
     parallel_forward: the forward as two kernels: one that walks the chunks carrying only the
       state and writes the state entering each chunk ([T / C, D, M] per sequence: bfloat16
       where the products round it, as with bfloat16 inputs by default, else float32:
