@@ -37,14 +37,15 @@ What the kernels do not do, and these files do in XLA around them:
 - with several walks (`Tuning.walks`), their join: the state entering each walk, from the
   walks' final states and factors (a fold over the walks), and backward the same for the
   cotangents, for the parallel forms' chunks or the one-pass kernels' walks to start from;
-- the decays' cotangent: with d G[t] = q[t] . dq[t] - k[t] . dk[t] of the prepared q and k
-  (per feature, or summed over them with a decay per step; + d S_T * S_T + d z_T * z_T at the
-  last step; dq and dk there without the part of each step's own score q[t] . k[t], the same in
-  both: `pallas_kernels.off_diagonal`) the cotangent of the log decays summed up to t, each g's
-  is the sum of those at and after it in its segment (0 at a segment's first step, whose
-  decay meets a dropped state), taken back through the decays' preparation. The backward
-  kernels return the two terms' sums within each chunk (from each step to the end of its
-  segment there); XLA adds the sums of the later chunks, one value per chunk.
+- the decays' cotangent (per feature, or summed over the features with a decay per step),
+  formed within each chunk by the backward kernels (`pallas_kernels.py`): for step t, q . dq
+  less k . dk of the prepared q and k from t to the end of its segment in the chunk (without
+  each step's own score q[t] . k[t], the same in both: `pallas_kernels.off_diagonal`), plus
+  what t's decay gives through the state leaving the chunk (its keys before t, and the state
+  carried through the chunk times that state's cotangent); 0 at a segment's first step, whose
+  decay meets a dropped state; taken back through the decays' preparation. XLA adds the
+  kernels' query and key sides (and, after the one-pass backward, the carried state's part,
+  one value per chunk).
 
 The kernels compute in float32 (float64 for float64 inputs) whatever the input dtype, and their
 matrix products sum in it. With bfloat16 inputs the products take bfloat16 operands (the
