@@ -146,34 +146,33 @@ def _one_pass_backward(bwd, walked):
     # d_s0 and d_z0: each walk's, at its rows
     states = [(ends[0], "state")] + ([(ends[1], "row")] if bwd.normalize else [])
     outputs = bwd.gradients[:3] + states + bwd.gradients[3:]
-    if len(bwd.gradients) > 3:  # a decay: the states each chunk carries over, the cotangents leaving it
+    has_decay = bwd.arrays[3] is not None
+    if has_decay:  # the states each chunk carries over, the cotangents of those leaving it
         outputs += 2 * bwd.chunk_states()
     operands = bwd.walk_operands(*ends)
     dq, dk, dv, ds0, *rest = bwd.launch(kernel, operands, outputs, programs=passes * walks.count)
     dz0 = rest.pop(0) if bwd.normalize else None
     if joined is not None:  # the first walk's are the join's
         ds0, dz0 = joined
-    dG, carried = rest[:2], None
-    if dG:
-        carried = _carried_product(rest[2:], bwd.ends[0].shape[2], bwd.normalize, config)
-    return (dq, dk, dv, *dG, ds0, dz0, carried)
+    carried = _carried_product(bwd, rest[2:]) if has_decay else None
+    return (dq, dk, dv, *rest[:2], ds0, dz0, carried)
 
 
-def _carried_product(states, D: int, normalize: bool, config):
+def _carried_product(bwd, states):
     """[B, num_chunks, H(, D)]: each chunk's `pallas_kernels.carried_product` (summed over
     the features with a decay per step), from `backward_kernel`'s states each chunk carries
     over and the cotangents of those leaving it (`_Backward.chunk_states` each)."""
-    if normalize:
+    if bwd.normalize:
         carried, z_carried, leaving, z_leaving = states
     else:
         carried, leaving = states
-    acc = config.acc
+    acc = bwd.config.acc
     product = jnp.sum(carried.astype(acc) * leaving.astype(acc), axis=-1)  # [B, H, num_chunks * D]
-    if normalize:
+    if bwd.normalize:
         product = product + z_carried * z_leaving
-    B, H, _ = product.shape
+    B, H, D, _ = bwd.ends[0].shape
     product = jnp.moveaxis(product.reshape(B, H, -1, D), 1, 2)
-    return product if config.per_feature else jnp.sum(product, axis=-1)
+    return product if bwd.config.per_feature else jnp.sum(product, axis=-1)
 
 
 def _walk_ends(bwd, walked):
