@@ -6,7 +6,7 @@ XLA's CPU backend ignores the precision and multiplies in float32, so a toleranc
 on a GPU cannot fail here. `install()` makes it fail where it would: under
 `jax.default_matmul_precision("tensorfloat32")` (which binds every product left at the default
 precision as `Precision.HIGH`, TF32 on a GPU) every CPU `dot_general` at HIGH rounds its float32
-operands to TF32 (round to nearest even) first.
+operands to TF32 first (to nearest: `linear_transformers.ops.precision.round_to_tf32`).
 
 It works at lowering (`mlir.register_lowering` for the CPU platform, wrapping JAX's own rule),
 so every product is covered, those inside `jnp.einsum`, `@` and `tensordot` included; no public
@@ -24,16 +24,10 @@ import jax.numpy as jnp
 from jax._src.interpreters import mlir
 from jax._src.lax import lax as lax_internal
 
+from linear_transformers.ops.precision import round_to_tf32
+
 TF32 = "tensorfloat32"
 _installed = False
-
-
-def round_to_tf32(x_f32):
-    """float32 -> float32 holding the nearest TF32 value (ties to even); inf and NaN kept."""
-    bits = jax.lax.bitcast_convert_type(x_f32, jnp.uint32)
-    lowest_kept = (bits >> 13) & 1
-    rounded = (bits + jnp.uint32(0xFFF) + lowest_kept) & jnp.uint32(0xFFFFE000)
-    return jnp.where(jnp.isfinite(x_f32), jax.lax.bitcast_convert_type(rounded, jnp.float32), x_f32)
 
 
 def _emulating(precision) -> bool:

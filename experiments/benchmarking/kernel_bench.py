@@ -58,7 +58,7 @@ DECAY_GOAL = 1.3
 # sequential part), and at 32 with four warps (no spills there at 72 to 255 registers, so more
 # programs an SM); TF32 products of the kernels' float32 values, where by default bf16 inputs
 # multiply in bf16 (twice the tensor-core instructions, more shared-memory traffic:
-# `pallas.products_dtype`); value blocks give M / value_block programs per (batch, head), where B *
+# `pallas.products`); value blocks give M / value_block programs per (batch, head), where B *
 # H = 64 at the goals' shape leaves an H100's 132 SMs half idle; the backward's passes in one
 # program; fewer warps or more pipeline stages trade registers for latency hiding. A launch that
 # changes only the backward (`BACKWARD_ONLY`) is not timed forward, where it is the default launch.

@@ -8,7 +8,9 @@ call in `with jax.default_matmul_precision("highest"):` (or set `JAX_DEFAULT_MAT
 highest`) for float32 products everywhere. bfloat16 and float16 inputs multiply in their own
 dtype and accumulate in float32 (`einsum_in`). In a bfloat16 call the gated family's Pallas
 kernels round their float32 scores and states to bfloat16 for each product too, while the
-precision asks for no more than a bfloat16 pass (`gated_linear/pallas.products_dtype`).
+precision asks for no more than a bfloat16 pass; at TF32 they round each float32 operand to the
+nearest TF32 value (`round_to_tf32`), which Triton's TF32 products would truncate
+(`gated_linear/pallas.products`).
 
 What the matmul precision never touches, on any platform:
 
@@ -47,3 +49,15 @@ def einsum_in(acc, spec: str, *operands):
     if jax.default_backend() == "cpu":
         return jnp.einsum(spec, *(x.astype(jnp.promote_types(x.dtype, acc)) for x in operands))
     return jnp.einsum(spec, *operands, preferred_element_type=acc)
+
+
+def round_to_tf32(x_f32):
+    """float32 -> float32 holding the nearest TF32 value (8 exponent bits, 10 significand bits;
+    ties away from zero, as CUDA's `cvt.rna.tf32.f32`); NaN and inf kept. An
+    NVIDIA tensor core's TF32 product reads the TF32 part of a float32 operand as it is, the 13
+    low bits ignored (truncated: Triton's TF32 products), where this rounds it first. Integer
+    operations on the bits, which Pallas also lowers to Triton (`lax.reduce_precision` has no
+    Triton lowering)."""
+    bits = jax.lax.bitcast_convert_type(x_f32, jnp.uint32)
+    rounded = jax.lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
+    return jnp.where(jnp.isnan(x_f32), x_f32, rounded)

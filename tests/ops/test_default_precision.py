@@ -27,7 +27,7 @@ import tf32
 from conftest import enable_x64
 
 from linear_transformers import ops
-from linear_transformers.ops import softmax
+from linear_transformers.ops import precision, softmax
 from linear_transformers.ops.gated_linear import chunk_scores, totals
 
 B, T, H, D, M = 2, 48, 2, 16, 8
@@ -241,6 +241,30 @@ def test_linformer(regime):
         return ops.softmax_attention_reference(q, k_BJHD, v_BJHM)
 
     _check(regime, fast, reference, q, k, v)
+
+
+def test_round_to_tf32_rounds_to_the_nearest_tf32_value():
+    """`precision.round_to_tf32` (integer operations on the bits) against float64 arithmetic:
+    11 significant bits, ties away from zero, TF32's subnormal spacing below 2^-126, inf past
+    the largest TF32 value; NaN and inf kept."""
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32)
+    ties = (bits[:2000] & np.uint32(0xFFFFE000)) | np.uint32(0x1000)  # exactly halfway
+    x = np.concatenate([bits, ties, np.uint32([0x7F7FFFFF, 0x7F7FEFFF, 0x00000FFF, 0x3F7FF000])])
+    x = np.concatenate([x.view(np.float32), np.float32([np.inf, -np.inf, 0.0, -0.0])])
+    x = x[~np.isnan(x)]
+    got = np.asarray(precision.round_to_tf32(jnp.asarray(x)), np.float64)
+
+    x64 = x.astype(np.float64)
+    _, exponent = np.frexp(x64)
+    ulp = np.exp2(np.maximum(exponent, -125) - 11)  # 11 significant bits; subnormal below 2^-126
+    with np.errstate(invalid="ignore"):
+        want = np.sign(x64) * np.floor(np.abs(x64) / ulp + 0.5) * ulp
+    want = np.where(np.isfinite(x64), want, x64)
+    want[np.abs(want) >= 2.0**128] *= np.inf
+    np.testing.assert_array_equal(got, want)
+    nans = np.uint32([0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001]).view(np.float32)  # 0x7FFFFFFF: CUDA's
+    assert np.isnan(np.asarray(precision.round_to_tf32(jnp.asarray(nans)))).all()
 
 
 @pytest.mark.parametrize(

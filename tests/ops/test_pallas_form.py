@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tf32
 
 from experiments.benchmarking import kernel_resources
 from linear_transformers import ops
@@ -467,6 +468,54 @@ def test_the_decays_gradient_takes_q_and_k_as_the_products_rounded_them():
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-2)
 
 
+def test_tf32_products_give_the_decays_gradient_q_and_k_as_they_took_them():
+    """The same with float32 inputs at TF32 (a GPU's default; emulated on the CPU): the kernels
+    round each operand to TF32 themselves, and q . dq and k . dk take q and k so rounded. With
+    them as they are the strong head's gradient is 1.2e-2 off. Each head within 3.5e-3 of the
+    float64 reference (measured: 5.4e-6 and 9.7e-4; XLA's chunked form 7.9e-5 and 7.6e-4)."""
+    rng = np.random.default_rng(3)
+    q, k = (rng.standard_normal((1, 64, 2, 3)).astype(np.float32) for _ in range(2))
+    v, w = (rng.standard_normal((1, 64, 2, 16)).astype(np.float32) for _ in range(2))
+    g = -np.asarray([0.5, 8.0], np.float32) * rng.uniform(0.5, 1, 2).astype(np.float32)
+
+    def loss(q, k, v, g, implementation):
+        chunk = CHUNK if implementation == "pallas" else None
+        out, state = ops.gated_linear_attention(
+            q, k, v, log_decay=g, implementation=implementation, chunk_size=chunk, return_state=True
+        )
+        return jnp.sum(out * w.astype(out.dtype)) + jnp.sum(state.s_BHFM**2)
+
+    with tf32.tf32_products():
+        got = jax.grad(loss, argnums=3)(q, k, v, g, "pallas")
+    with jax.enable_x64(True):
+        want = jax.grad(loss, argnums=3)(*(x.astype(np.float64) for x in (q, k, v, g)), "reference")
+    np.testing.assert_allclose(got, np.asarray(want), rtol=3.5e-3)
+
+
+@pytest.mark.parametrize(
+    "dtype, precision, mode, products",
+    [
+        (jnp.bfloat16, None, "triton", "bfloat16"),
+        (jnp.bfloat16, None, "interpret", "bfloat16"),
+        (jnp.bfloat16, "tensorfloat32", "triton", "tensorfloat32"),
+        (jnp.bfloat16, "highest", "triton", None),
+        (jnp.float32, None, "triton", "tensorfloat32"),
+        (jnp.float32, "high", "triton", "tensorfloat32"),
+        (jnp.float32, None, "interpret", None),
+        (jnp.float32, "tensorfloat32", "interpret", "tensorfloat32"),
+        (jnp.float32, "highest", "triton", None),
+        (jnp.float32, "BF16_BF16_F32", "triton", "bfloat16"),
+        (jnp.float64, None, "triton", None),
+    ],
+)
+def test_the_products_follow_the_inputs_precision_and_platform(dtype, precision, mode, products):
+    """What the kernels' products take (`pallas.products`): what Triton would multiply on a GPU
+    at that precision (TF32 for float32 by default), what the CPU's interpreter is asked for."""
+    with jax.default_matmul_precision(precision), jax.enable_x64(dtype == jnp.float64):
+        acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+        assert pallas.products(dtype, acc, mode) == products
+
+
 def test_bfloat16_inputs_keep_float32_states(float32_products):
     q, k, v, g, s0, _, _ = _inputs(2, "step", normalize=False)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -580,14 +629,16 @@ def test_the_parallel_forms_keep_bfloat16_states_where_the_products_round_them(d
     interpreter; on a GPU within a bfloat16 rounding). With float32 products they stay float32.
     The decays' gradient through the state carried through each chunk is the one place where
     the rounding differs (the one-pass backward rounds that state after its decay, the
-    parallel before): within 2e-4 of its scale (measured: 5.6e-5)."""
+    parallel before): within 2e-4 of its scale (measured: 5.6e-5). At JAX's default precision,
+    pinned: a session at TF32 would give float32 products."""
     value_and_grads, inputs = _bfloat16_case(decay, normalize)
-    one_pass = jax.tree.leaves(value_and_grads(*inputs, "pallas"))
-    with pallas.tuning(parallel_forward=True, parallel_backward=True):
-        parallel = jax.tree.leaves(value_and_grads(*inputs, "pallas"))
-        assert _snapshot_dtypes(value_and_grads, *inputs) == {"bfloat16"}
-        with jax.default_matmul_precision("float32"):
-            assert _snapshot_dtypes(value_and_grads, *inputs) == {"float32"}
+    with jax.default_matmul_precision("default"):
+        one_pass = jax.tree.leaves(value_and_grads(*inputs, "pallas"))
+        with pallas.tuning(parallel_forward=True, parallel_backward=True):
+            parallel = jax.tree.leaves(value_and_grads(*inputs, "pallas"))
+            assert _snapshot_dtypes(value_and_grads, *inputs) == {"bfloat16"}
+            with jax.default_matmul_precision("float32"):
+                assert _snapshot_dtypes(value_and_grads, *inputs) == {"float32"}
     for i, (got, want) in enumerate(zip(parallel, one_pass)):
         want = np.asarray(want, np.float64)
         tolerance = 0 if jax.default_backend() == "cpu" else 8e-3

@@ -48,17 +48,21 @@ What the kernels do not do, and these files do in XLA around them:
   one value per chunk).
 
 The kernels compute in float32 (float64 for float64 inputs) whatever the input dtype, and their
-matrix products sum in it. With bfloat16 inputs the products take bfloat16 operands (the
-scores, the states and the rescaled q and k each rounded before a product, as FLA's kernels
-multiply), unless `jax.default_matmul_precision` asks for more than a bfloat16 pass
-(`products_dtype`). Compiled for an H100 that halves the tensor-core instructions against TF32
-and cuts the shared-memory loads by a fifth to a half (BENCHMARKS.md); the values and
-gradients stay within 1.1e-2 of the float64 reference's scale where float32 products give
-4e-3 (bfloat16 outputs alone round by 4e-3). Other products follow `jax.default_matmul_precision`
-as XLA's do (TF32 for float32 on an NVIDIA GPU by default; exact in interpret mode on a CPU),
-but for the sums written as products with a 0/1 matrix (the decays' log sums, the decays'
-cotangent), which keep float32's full precision whatever it says (`pallas_chunk.sums`: three
-bfloat16 parts on tensor cores).
+matrix products sum in it. Each product takes its operands as `products` says, rounded by the
+kernels (`pallas_chunk.Chunk.operand`), and the decays' gradient takes q and k as the products
+did. With bfloat16 inputs, bfloat16 operands (the scores, the states and the rescaled q and k
+each rounded before a product, as FLA's kernels multiply), unless `jax.default_matmul_precision`
+asks for more than a bfloat16 pass. Compiled for an H100 that halves the tensor-core
+instructions against TF32 and cuts the shared-memory loads by a quarter to a half
+(BENCHMARKS.md); the values and gradients stay within 1.1e-2 of the float64 reference's scale
+where float32 products give 4e-3 (bfloat16 outputs alone round by 4e-3). Otherwise the products
+follow `jax.default_matmul_precision` as XLA's do: TF32 for float32 on a GPU by default, each
+operand rounded to the nearest TF32 value (`precision.round_to_tf32`) where Triton would hand
+the tensor cores its float32 bits to truncate (the decays' gradient 15 times further from the
+reference at the median: BENCHMARKS.md, "TF32 products"); exact in interpret mode on a CPU by
+default. The sums written as products with a 0/1 matrix (the decays' log sums, the decays'
+cotangent) keep float32's full precision whatever it says (`pallas_chunk.sums`: three bfloat16
+parts on tensor cores).
 
 The form interface is in `forms.py`; the caller binds `chunk_size`.
 """
@@ -73,7 +77,7 @@ import jax.numpy as jnp
 from linear_transformers.ops.gated_linear import pallas_backward, pallas_forward, pallas_launch, totals
 from linear_transformers.ops.gated_linear.pallas_launch import MIN_BLOCK, Config, Tuning, tuning
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "Config", "Tuning", "form", "kernel_mode", "products_dtype", "tuning"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "Config", "Tuning", "form", "kernel_mode", "products", "tuning"]
 
 # The chunk length when the caller gives none, for every decay: the longest whose kernels spill
 # few registers when compiled for an H100 (bf16 inputs and products, D = M = 64, eight warps;
@@ -142,16 +146,17 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
         reset = _pad_axis(reset_BT.astype(jnp.int32), 1, Tp)
         runs = totals.runs(reset)
         before = runs - reset
+    mode = kernel_mode()
     config = Config(
         C=C,
         per_feature=per_feature,
-        mode=kernel_mode(),
+        mode=mode,
         acc=jnp.dtype(acc),
         prepare=prepare if in_kernel else None,
         features=F,
         tuning=pallas_launch.current_tuning(),
         eps=None if z0_BHF is None else _static_eps(eps),
-        products=products_dtype(raw_dtype, acc),
+        products=products(raw_dtype, acc, mode),
     )
     s0 = _pad_axis(_pad_axis(s0_BHFM.astype(acc), 2, Fp), 3, Mp)
     z0 = None if z0_BHF is None else _pad_axis(z0_BHF.astype(acc), 2, Fp)
@@ -164,20 +169,30 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
     return out, (s, z), clean
 
 
-# The values of `jax.default_matmul_precision` that ask for nothing above one bfloat16 pass.
-_BFLOAT16_PRECISIONS = (None, "default", "bfloat16", "BF16_BF16_F32")
+# Values of `jax.default_matmul_precision`: those that ask for nothing above one bfloat16 pass,
+# and those at which Triton multiplies float32 operands as TF32 (`Precision.DEFAULT` and `HIGH`,
+# and no preset: JAX's default on a GPU).
+_BFLOAT16_PRECISIONS = (None, "default", "bfloat16", "fastest", "BF16_BF16_F32")
+_TRITON_TF32_PRECISIONS = (None, "default", "bfloat16", "fastest", "high", "bfloat16_3x", "tensorfloat32")
+_TF32_PRECISIONS = ("tensorfloat32", "TF32_TF32_F32")
 
 
-def products_dtype(dtype, acc):
-    """The dtype the kernels' matrix products take their operands in, for inputs of `dtype`
-    accumulated in `acc`: bfloat16 for bfloat16 inputs accumulated in float32 while
-    `jax.default_matmul_precision` asks for no more than a bfloat16 pass (JAX's default); else
-    None: in acc, at that precision (a float64 state asks for float64 sums: bfloat16
-    products, summed in float32, would give float32)."""
+def products(dtype, acc, mode: str) -> str | None:
+    """How the kernels' matrix products take their operands, for inputs of `dtype` accumulated
+    in `acc` in kernel `mode` (`kernel_mode`), at `jax.default_matmul_precision`:
+    "bfloat16" (cast to it) for bfloat16 inputs accumulated in float32 while the precision asks
+    for no more than a bfloat16 pass (JAX's default), or for any inputs where it names that
+    pass; otherwise in float32, "tensorfloat32" (rounded to TF32, `precision.round_to_tf32`)
+    where it asks for TF32 or leaves a Triton product at TF32 (JAX's default for float32 on a
+    GPU); else None: as they are, at that precision (a float64 state asks for float64 sums)."""
     precision = jax.config.jax_default_matmul_precision
-    bfloat16_pass = precision in _BFLOAT16_PRECISIONS
-    if jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(acc) == jnp.float32 and bfloat16_pass:
-        return jnp.dtype(jnp.bfloat16)
+    if jnp.dtype(acc) != jnp.float32:
+        return None
+    bfloat16_inputs = jnp.dtype(dtype) == jnp.bfloat16
+    if precision == "BF16_BF16_F32" or (bfloat16_inputs and precision in _BFLOAT16_PRECISIONS):
+        return "bfloat16"
+    if precision in _TF32_PRECISIONS or (mode == "triton" and precision in _TRITON_TF32_PRECISIONS):
+        return "tensorfloat32"
     return None
 
 

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from linear_transformers.ops.gated_linear.chunk_scores import FACTOR_RANGE
-from linear_transformers.ops.precision import EXACT
+from linear_transformers.ops.precision import EXACT, round_to_tf32
 
 
 def _chunk_masks(c, runs_ref, before_ref, C: int):
@@ -103,12 +103,20 @@ class Chunk:
         self.q_in = times(self.q, self.into)
         self.k_out = times(self.k, self.out_of)
 
+    def operand(self, x):
+        """x as the matrix products take it (`pallas.products`): cast to bfloat16, rounded to
+        TF32 (`precision.round_to_tf32`; Triton would hand the tensor cores the float32 bits,
+        of which they read the TF32 part, truncated), or as it is."""
+        if self.products == "bfloat16":
+            return x.astype(jnp.bfloat16)
+        if self.products == "tensorfloat32":
+            return round_to_tf32(x)
+        return x
+
     def dot(self, a, b, *, trans_a=False, trans_b=False):
-        """a @ b (each transposed as asked), summed in float32 (float64 for float64 inputs), its
-        operands cast to `products` (`pallas.Config`) where that is not None."""
-        if self.products is not None:
-            a, b = a.astype(self.products), b.astype(self.products)
-        return pltriton.dot(a, b, trans_a=trans_a, trans_b=trans_b)
+        """a @ b (each transposed as asked), summed in float32 (float64 for float64 inputs), of
+        the operands as the products take them (`operand`)."""
+        return pltriton.dot(self.operand(a), self.operand(b), trans_a=trans_a, trans_b=trans_b)
 
     def clean(self):
         """1 where every raw v of the chunk is finite and every raw log decay <= 0 (not NaN),
@@ -133,10 +141,9 @@ class Chunk:
         keep = self.keep  # [i, t]: i >= t in t's segment
         if self.per_feature:
             return sums(keep, x * dx, transpose=True)
-        if self.products is not None:
-            # x as the scores' products took it: each pair's part of q . dq and of k . dk is
-            # then the same product, and cancels, where x unrounded would leave its rounding
-            x = x.astype(self.products).astype(x.dtype)
+        # x as the scores' products took it: each pair's part of q . dq and of k . dk is then
+        # the same product, and cancels, where x unrounded would leave its rounding
+        x = self.operand(x).astype(x.dtype)
         return jnp.sum(jnp.where(keep, jnp.sum(x * dx, axis=1, keepdims=True), 0), axis=0)
 
     def through_leaving_state(self, k_leaving, carried):

@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -142,8 +143,8 @@ class Config:
     accumulation dtype; the `inputs.Preparation` the kernels apply to each chunk (None: the
     inputs come prepared); the feature count before padding (the padding features, which a
     feature map may not keep at 0, are zeroed after it); the launch's `Tuning`; the
-    normaliser's eps (None: no normaliser); the dtype the matrix products' operands are cast
-    to (`pallas.products_dtype`; None: they stay in acc, at the matmul precision)."""
+    normaliser's eps (None: no normaliser); how the matrix products take their operands
+    (`pallas.products`: "bfloat16", "tensorfloat32", or None: as they are, in acc)."""
 
     C: int
     per_feature: bool
@@ -153,14 +154,14 @@ class Config:
     features: int
     tuning: Tuning
     eps: float | None
-    products: Any
+    products: str | None
 
     @property
     def snapshots(self):
         """The dtype of the parallel forms' states (and their cotangents) entering or leaving each
-        chunk: the products' where they round them (bfloat16: half the bytes, the same results),
-        else acc. Their normalisers stay in acc (a sum, not a product)."""
-        return self.products or self.acc
+        chunk: bfloat16 where the products take it (half the bytes, the same results), else acc.
+        Their normalisers stay in acc (a sum, not a product)."""
+        return jnp.dtype(jnp.bfloat16) if self.products == "bfloat16" else self.acc
 
     def value_block(self, M: int) -> int:
         """The value features of one program, for M (padded) value features."""
