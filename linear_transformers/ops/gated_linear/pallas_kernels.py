@@ -417,8 +417,8 @@ def _write_key_value_cotangents(chunk, c, C: int, do, dA, dS, dz, first_block, r
     rows = pl.ds(c * C, C)
     key, value = "key" in parts, "value" in parts
     # In this order (dv's products first, dk written first) ptxas allocates best when a program
-    # makes both (dv made and written first: 22 more registers without a decay; with TF32
-    # products up to 0.25 KB a thread more spilled: BENCHMARKS.md).
+    # makes both with bfloat16 products (dv made and written first: 22 more registers without a
+    # decay; with TF32 products both orders spill within 28 bytes: BENCHMARKS.md).
     if value:
         dv = chunk.dot(chunk.scores(), do, trans_a=True) + chunk.dot(chunk.k_out, dS)
     if key:
