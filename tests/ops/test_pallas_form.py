@@ -668,6 +668,22 @@ def test_bfloat16_inputs_multiply_on_bfloat16_tensor_cores(decay):
         assert ("f32", "f32") in _product_operands(decay, dtype, precision), (dtype, precision)
 
 
+def test_tf32_products_round_their_operands_on_a_gpu():
+    """Lowered for a GPU, float32 inputs at JAX's default precision (TF32 there) have the kernels
+    round their products' operands to TF32 (`precision.round_to_tf32`: the mask that clears
+    the 13 low bits), which Triton would hand the tensor cores to truncate; asked for float32,
+    they do not."""
+
+    def masks(precision):
+        modules = kernel_resources.triton_modules(
+            "step", n=64, head_dim=16, dtype="float32", chunk_size=16, tuning={}, matmul_precision=precision
+        )
+        return {name: ir.count("arith.constant -8192 : i32") for name, ir in modules.items()}
+
+    assert all(masks(None).values()), masks(None)
+    assert not any(masks("float32").values()), masks("float32")
+
+
 def _export_for_cuda(fn, *specs):
     """The StableHLO text of `fn` lowered for CUDA, here, without a GPU."""
     return kernel_resources.export_for_cuda(fn, *specs).mlir_module()
