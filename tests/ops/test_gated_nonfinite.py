@@ -108,7 +108,7 @@ def test_every_form_gives_the_stated_result_for_nan_inf_and_positive_decays(x64,
             np.testing.assert_allclose(got, want, atol=1e-12, err_msg=f"{implementation}: d{name}")
 
 
-def test_a_positive_decay_is_refused_eagerly_and_an_infinite_negative_one_is_not():
+def test_a_positive_decay_is_refused_eagerly_and_an_infinite_negative_one_is_not(float32_products):
     q, k, v, g = (x.astype(np.float32) for x in _inputs((B, T, H)))
     with pytest.raises(ValueError, match="log_decay must be <= 0.*largest value of 0.5"):
         ops.gated_linear_attention(q, k, v, log_decay=np.where(np.isnan(g), 0.0, g))
