@@ -45,7 +45,7 @@ def test_peak_bytes_counts_temporaries():
     assert measure.memory_budget_bytes(fraction=0.5) > 0
 
 
-def test_attention_cases_agree_with_each_other():
+def test_attention_cases_agree_with_each_other(float32_products):
     # Every causal kind computes the same function; the benchmark must time the right thing.
     q, k, v, _ = attention_bench.random_inputs(
         attention_bench.AttentionBenchOptions(heads=2, head_dim=8, value_dim=8), 2, 37
@@ -480,7 +480,7 @@ def test_benchmark_sequence_parallel_script_smoke(tmp_path):
 from experiments.benchmarking import gated_bench  # noqa: E402
 
 
-def test_gated_cases_time_the_decayed_op_and_its_reference():
+def test_gated_cases_time_the_decayed_op_and_its_reference(float32_products):
     opts = gated_bench.GatedBenchOptions(heads=2, head_dim=8, value_dim=8)
     q, k, v, g, _ = gated_bench.random_inputs(opts, "gated-feature/chunked", 2, 37)
     assert g.shape == (2, 37, 2, 8) and float(g.max()) < 0 and float(g.min()) > -10
@@ -520,7 +520,7 @@ def test_gated_ratios_and_goal_come_from_the_same_run():
         gated_bench.GatedBenchOptions(dtype="float16")
 
 
-def test_delta_cases_time_the_delta_rule_against_its_scan_and_the_gated_form():
+def test_delta_cases_time_the_delta_rule_against_its_scan_and_the_gated_form(float32_products):
     opts = gated_bench.GatedBenchOptions(heads=2, head_dim=8, value_dim=8)
     q, k, v, beta, g, _ = gated_bench.random_inputs(opts, "delta-feature/chunked", 2, 37)
     assert beta.shape == (2, 37, 2) and float(beta.min()) > 0 and float(beta.max()) < 1

@@ -108,7 +108,7 @@ def test_batches_are_a_function_of_seed_and_step_whatever_was_drawn_before():
 
 
 @pytest.mark.parametrize("kind", ["linear", "softmax", "retention", "simple-gla", "gla"])
-def test_the_packed_loss_is_the_mean_of_the_examples_losses_alone(kind):
+def test_the_packed_loss_is_the_mean_of_the_examples_losses_alone(kind, float32_products):
     config = copy_config.get_config(
         f"smoke,variable_length,attention={kind},num_layers=1,model_dim=32,feed_forward_dim=64"
     )

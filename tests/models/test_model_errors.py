@@ -302,7 +302,7 @@ def test_integer_options_take_numpy_integers_and_refuse_bools_and_floats_by_name
             check_attention_options(kind, {option: bad})
 
 
-def test_a_numpy_chunk_size_runs_the_layer_and_the_op():
+def test_a_numpy_chunk_size_runs_the_layer_and_the_op(float32_products):
     core = make_attention_core(
         "causal-linear",
         causal=True,
