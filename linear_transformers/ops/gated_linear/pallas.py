@@ -169,11 +169,11 @@ def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, 
     return out, (s, z), clean
 
 
-# Values of `jax.default_matmul_precision`: those that ask for nothing above one bfloat16 pass,
-# and those at which Triton multiplies float32 operands as TF32 (`Precision.DEFAULT` and `HIGH`,
-# and no preset: JAX's default on a GPU).
-_BFLOAT16_PRECISIONS = (None, "default", "bfloat16", "fastest", "BF16_BF16_F32")
-_TRITON_TF32_PRECISIONS = (None, "default", "bfloat16", "fastest", "high", "bfloat16_3x", "tensorfloat32")
+# Values of `jax.default_matmul_precision`: those that leave bfloat16 inputs at one bfloat16 pass
+# (`Precision.DEFAULT`), those at which Triton multiplies float32 operands as TF32 (`DEFAULT` and
+# `HIGH`: JAX's default on a GPU), and those that name TF32 on any platform.
+_BFLOAT16_PRECISIONS = (None, "default", "bfloat16", "fastest")
+_TRITON_TF32_PRECISIONS = _BFLOAT16_PRECISIONS + ("high", "bfloat16_3x", "tensorfloat32")
 _TF32_PRECISIONS = ("tensorfloat32", "TF32_TF32_F32")
 
 
