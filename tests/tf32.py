@@ -21,6 +21,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src.interpreters import mlir
 from jax._src.lax import lax as lax_internal
 
@@ -28,6 +29,13 @@ from linear_transformers.ops.precision import round_to_tf32
 
 TF32 = "tensorfloat32"
 _installed = False
+
+# Where products round float32 operands to TF32 (10 mantissa bits), two forms of one function
+# differ by about 1e-3 of their outputs' scale instead of float32's 1e-7 (README, "Precision and
+# the devices"): the README's examples differ by up to 1.5e-3 there.
+TF32_RELATIVE_TOLERANCE = 5e-3
+# The precisions at which a GPU multiplies float32 inputs in float32.
+_FLOAT32_PRECISIONS = ("highest", "float32", "F32_F32_F32")
 
 
 def _emulating(precision) -> bool:
@@ -63,6 +71,28 @@ def install() -> None:
 
     mlir.register_lowering(lax_internal.dot_general_p, tf32_rule, platform="cpu")
     _installed = True
+
+
+def rounds_float32_products() -> bool:
+    """Whether this run's float32 matrix products round their operands: on a GPU at any precision
+    but float32's (TF32 by default), on the CPU under `tf32_products` (emulated)."""
+    precision = jax.config.jax_default_matmul_precision
+    if jax.default_backend() == "cpu":
+        return _installed and precision in (TF32, "high")
+    return precision not in _FLOAT32_PRECISIONS
+
+
+def assert_close(actual, desired, *, atol: float, rtol: float) -> None:
+    """Two forms of one function agree: within `atol` and `rtol` (elementwise) at float32
+    products; within `TF32_RELATIVE_TOLERANCE` of `desired`'s largest magnitude where this run's
+    products round float32 operands (`rounds_float32_products`)."""
+    if not rounds_float32_products():
+        np.testing.assert_allclose(actual, desired, atol=atol, rtol=rtol)
+        return
+    actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+    bound = TF32_RELATIVE_TOLERANCE * np.max(np.abs(desired))
+    error = np.max(np.abs(actual - desired))
+    assert error <= bound, f"forms differ by {error:.3g} at TF32 products, more than {bound:.3g}"
 
 
 @contextlib.contextmanager

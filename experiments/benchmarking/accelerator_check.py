@@ -33,11 +33,11 @@ from experiments.benchmarking import accelerator_bench, pytest_results, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The tests of linear_transformers, by layer: the ops and the attention layers on them, then the
-# models. The experiments' own tests (tests/experiments: data, trainer, command lines, processes)
-# are the CPU's.
+# models and the README's examples (whose claims hold at the device's default products). The
+# experiments' own tests (tests/experiments: data, trainer, command lines, processes) are the CPU's.
 GROUPS = {
     "ops": ("tests/ops", "tests/attention"),
-    "models": ("tests/models", "tests/test_public_api.py"),
+    "models": ("tests/models", "tests/test_public_api.py", "tests/test_readme.py"),
 }
 OUTCOMES = ("passed", "failed", "skipped")
 MAX_WORKERS = 14  # a 16-core host: two cores for the controller and the compiler's own threads

@@ -284,3 +284,18 @@ def test_the_decays_sums_stay_float32_sums_under_tf32(sums):
         expected = sums(jnp.asarray(g, jnp.float64), axis=1)
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-5)
     assert float(jnp.max(jnp.abs(expected))) > 30
+
+
+def test_forms_agree_to_the_products_rounding():
+    """`tf32.assert_close` (the README's claims): float32's tolerance at float32 products, TF32's
+    (a share of the largest magnitude) where the products round float32 operands."""
+    desired = np.linspace(-1.0, 1.0, 8)
+    with jax.default_matmul_precision("highest"):
+        assert not tf32.rounds_float32_products()
+        with pytest.raises(AssertionError):
+            tf32.assert_close(desired + 1e-3, desired, atol=1e-5, rtol=1e-5)
+    with tf32.tf32_products():
+        assert tf32.rounds_float32_products()
+        tf32.assert_close(desired + 1e-3, desired, atol=1e-5, rtol=1e-5)
+        with pytest.raises(AssertionError, match="at TF32 products"):
+            tf32.assert_close(desired + 1e-2, desired, atol=1e-5, rtol=1e-5)
