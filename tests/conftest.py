@@ -5,7 +5,9 @@ tests/multidevice/ skip unless 8 devices are present.
 
 `pytest --matmul-precision=tensorfloat32` runs every test with TF32 products, as float32 inputs
 get by default on an NVIDIA GPU (emulated on the CPU: `tests/tf32.py`): on a machine without a
-GPU it shows which tests a GPU would fail. Tests that pin their precision keep it.
+GPU it shows which tests a GPU would fail. Tests that pin their precision keep it. Commands a
+test starts in another process run at the CPU's exact default: a test comparing such a run with
+one of its own fails under the flag, where on a GPU both would run at TF32.
 
 On the CPU the run compiles with LLVM's optimisation off and XLA:CPU's loop emitters; it compiles
 into one temporary compilation cache (below).
@@ -122,8 +124,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -per_file[item.path], str(item.path)))
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _session_matmul_precision(request):
+    # Session-wide, so that module-scoped fixtures (a shared training run) compute at it too.
     if request.config.getoption("--matmul-precision") == tf32.TF32:
         with tf32.tf32_products():
             yield

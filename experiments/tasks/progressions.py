@@ -117,7 +117,9 @@ class Progressions(Task):
 
     def evaluate(self, trainer: Trainer) -> dict:
         """Held-out loss, greedy continuation accuracy after prompt_len tokens (recurrent
-        form), and the largest |parallel - recurrent| logit difference."""
+        form), and the largest |parallel - recurrent| logit difference at float32 products (it
+        measures whether the two forms compute one function; a GPU's default TF32 products would
+        add their rounding, ~1e-2 here)."""
         c = self.config
         test_BT = progressions(np.random.default_rng([c.seed, 1]), c.eval_batch_size, c.seq_len, c.vocab_size)
         eval_loss = trainer.eval_sums(next_token_pairs(test_BT))["loss_sum"] / len(test_BT)
@@ -130,10 +132,11 @@ class Progressions(Task):
             temperature=0.0,
         )
         accuracy = float(jnp.mean(generated_BT[:, c.prompt_len :] == test_BT[:, c.prompt_len :]))
-        parallel_BTV = model(jnp.asarray(test_BT))
-        _, recurrent_BTV = scan_steps(
-            model, model.init_state(test_BT.shape[0], max_length=test_BT.shape[1]), jnp.asarray(test_BT)
-        )
+        with jax.default_matmul_precision("highest"):
+            parallel_BTV = model(jnp.asarray(test_BT))
+            _, recurrent_BTV = scan_steps(
+                model, model.init_state(test_BT.shape[0], max_length=test_BT.shape[1]), jnp.asarray(test_BT)
+            )
         return {
             "eval_loss": eval_loss,
             "continuation_accuracy": accuracy,

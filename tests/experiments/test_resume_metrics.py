@@ -80,6 +80,7 @@ runpy.run_module("experiments.train", run_name="__main__")
 """
 
 
+@pytest.mark.usefixtures("float32_products")  # an identity; the child's precision is pinned below
 def test_a_run_sigkilled_after_a_mid_window_checkpoint_logs_evaluates_and_samples_as_if_never_stopped(
     data_dir, compile_cache, tmp_path
 ):
@@ -101,6 +102,7 @@ def test_a_run_sigkilled_after_a_mid_window_checkpoint_logs_evaluates_and_sample
             **os.environ,
             "JAX_PLATFORMS": "cpu",
             "KILL_AFTER_CHECKPOINT": "6",
+            "JAX_DEFAULT_MATMUL_PRECISION": "highest",
             "JAX_COMPILATION_CACHE_DIR": str(compile_cache),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",

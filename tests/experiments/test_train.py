@@ -130,6 +130,7 @@ def test_sampling_from_a_workdir_recurrent_equals_recompute(data_dir, tmp_path):
     np.testing.assert_array_equal(completed["images"][:, :20], test[:3, :20])
 
 
+@pytest.mark.usefixtures("float32_products")  # an identity; the child's precision is pinned below
 def test_four_devices_give_the_same_losses_as_one(data_dir, tmp_path):
     one = tmp_path / "one"
     tasks.train_and_evaluate(_smoke(data_dir, "num_steps=4,log_every=1,sample_every=0"), one)
@@ -144,6 +145,7 @@ def test_four_devices_give_the_same_losses_as_one(data_dir, tmp_path):
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=4",
         JAX_PLATFORMS="cpu",
+        JAX_DEFAULT_MATMUL_PRECISION="highest",
         PYTHONPATH=str(ROOT),
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, env=env, timeout=600)
