@@ -6,8 +6,9 @@ tests/multidevice/ skip unless 8 devices are present.
 `pytest --matmul-precision=tensorfloat32` runs every test with TF32 products, as float32 inputs
 get by default on an NVIDIA GPU (emulated on the CPU: `tests/tf32.py`): on a machine without a
 GPU it shows which tests a GPU would fail. Tests that pin their precision keep it. Commands a
-test starts in another process run at the CPU's exact default: a test comparing such a run with
-one of its own fails under the flag, where on a GPU both would run at TF32.
+test starts in another process run without the emulation, at the CPU's exact default: a test
+comparing such a run with one of its own pins float32 products in both (the `float32_products`
+fixture, and `JAX_DEFAULT_MATMUL_PRECISION=highest` in the command's environment).
 
 On the CPU the run compiles with LLVM's optimisation off and XLA:CPU's loop emitters; it compiles
 into one temporary compilation cache (below).
