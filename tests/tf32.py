@@ -25,6 +25,7 @@ import numpy as np
 from jax._src.interpreters import mlir
 from jax._src.lax import lax as lax_internal
 
+from linear_transformers.ops.gated_linear import pallas
 from linear_transformers.ops.precision import round_to_tf32
 
 TF32 = "tensorfloat32"
@@ -34,8 +35,6 @@ _installed = False
 # differ by about 1e-3 of their outputs' scale instead of float32's 1e-7 (README, "Precision and
 # the devices"): the README's examples differ by up to 1.5e-3 there.
 TF32_RELATIVE_TOLERANCE = 5e-3
-# The precisions at which a GPU multiplies float32 inputs in float32.
-_FLOAT32_PRECISIONS = ("highest", "float32", "F32_F32_F32")
 
 
 def _emulating(precision) -> bool:
@@ -76,10 +75,10 @@ def install() -> None:
 def rounds_float32_products() -> bool:
     """Whether this run's float32 matrix products round their operands: on a GPU at any precision
     but float32's (TF32 by default), on the CPU under `tf32_products` (emulated)."""
-    precision = jax.config.jax_default_matmul_precision
     if jax.default_backend() == "cpu":
-        return _installed and precision in (TF32, "high")
-    return precision not in _FLOAT32_PRECISIONS
+        return _installed and jax.config.jax_default_matmul_precision in (TF32, "high")
+    # A GPU's products take float32 operands as the Pallas kernel's Triton products do.
+    return pallas.products(jnp.float32, jnp.float32, "triton") is not None
 
 
 def assert_close(actual, desired, *, atol: float, rtol: float) -> None:
