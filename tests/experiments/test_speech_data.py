@@ -1,6 +1,7 @@
 """The offline speech corpus: eSpeak NG synthesis and phonemes, the phoneme inventory, log-mel features
 (against a slow dense-DFT reference), the standard-library sentences and the `lt_synth_speech` builder."""
 
+import ast
 import math
 import re
 import sys
@@ -263,6 +264,89 @@ def test_stdlib_sentences_are_many_clean_and_deterministic():
         assert "  " not in text and "--" not in text
     sentences._stdlib_sentences.cache_clear()
     assert sentences.stdlib_sentences() == texts
+
+
+NESTED_DEFINITIONS = '''
+"""Module."""
+import os
+
+@decorator(lambda: None)
+class Outer:
+    """Outer."""
+    def method(self):
+        """Method."""
+        def inner():
+            """Inner."""
+    class Nested:
+        """Nested."""
+
+if os.name:
+    def in_if():
+        """In if."""
+else:
+    async def in_else():
+        """In else."""
+
+try:
+    def in_try():
+        """In try."""
+except ValueError:
+    class InHandler:
+        """In handler."""
+finally:
+    def in_finally():
+        """In finally."""
+
+match os.name:
+    case "posix" if True:
+        def in_case():
+            """In case."""
+
+for _ in ():
+    with open(os.devnull):
+        while False:
+            def deep():
+                """Deep."""
+'''
+
+
+def test_docstrings_are_those_ast_walk_meets_in_its_order(tmp_path):
+    path = tmp_path / "nested.py"
+    path.write_text(NESTED_DEFINITIONS)
+    definitions = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    tree = ast.parse(NESTED_DEFINITIONS)
+    want = [ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, definitions)]
+    assert len(want) == 12 and sentences._docstrings(path) == want
+
+
+def test_source_files_are_the_sorted_python_files_outside_the_skipped_folders(tmp_path):
+    for name in [
+        "b.py",
+        "a/z.py",
+        "a/b/c.py",
+        "a/notes.txt",
+        "a/test/t.py",
+        "tests/t.py",
+        "x/site-packages/pkg/m.py",
+        "x/idle_test/i.py",
+        "x/testing/k.py",
+        "x/test_case.py",
+    ]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    want = [
+        p
+        for p in sorted(tmp_path.rglob("*.py"))
+        if not sentences.SKIPPED_FOLDERS.intersection(p.relative_to(tmp_path).parts)
+    ]
+    assert [p.relative_to(tmp_path).as_posix() for p in want] == [
+        "a/b/c.py",
+        "a/z.py",
+        "b.py",
+        "x/test_case.py",
+        "x/testing/k.py",
+    ]
+    assert sentences._source_files(tmp_path) == want
 
 
 def test_the_cleaning_rules_reject_code_and_keep_prose():

@@ -27,7 +27,9 @@ The result is deterministic for a given Python installation (its standard librar
 from __future__ import annotations
 
 import ast
+import collections
 import functools
+import os
 import pathlib
 import re
 import sysconfig
@@ -49,15 +51,26 @@ def stdlib_sentences() -> list[str]:
 
 @functools.cache
 def _stdlib_sentences() -> tuple[str, ...]:
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     seen: dict[str, None] = {}
-    for path in sorted(root.rglob("*.py")):
-        if SKIPPED_FOLDERS.intersection(path.relative_to(root).parts):
-            continue
+    for path in _source_files(pathlib.Path(sysconfig.get_paths()["stdlib"])):
         for docstring in _docstrings(path):
             for sentence in docstring_sentences(docstring):
                 seen.setdefault(sentence, None)
     return tuple(seen)
+
+
+def _source_files(root: pathlib.Path) -> list[pathlib.Path]:
+    """The `*.py` files under `root` outside SKIPPED_FOLDERS, sorted. The skipped folders are not
+    entered: site-packages may hold far more files than the standard library."""
+    found = []
+    for directory, folders, names in os.walk(root):
+        folders[:] = [name for name in folders if name not in SKIPPED_FOLDERS]
+        found.extend(pathlib.Path(directory, name) for name in names if name.endswith(".py"))
+    return sorted(found)
+
+
+# The nodes that can hold statements; a module, class or function is a statement or the root.
+_STATEMENT_HOLDERS = (ast.stmt, ast.excepthandler, ast.match_case)
 
 
 def _docstrings(path: pathlib.Path) -> list[str]:
@@ -66,7 +79,12 @@ def _docstrings(path: pathlib.Path) -> list[str]:
     except (SyntaxError, ValueError, UnicodeDecodeError):
         return []
     found = []
-    for node in ast.walk(tree):
+    # `ast.walk`'s breadth-first order, without entering expressions (no statement is inside
+    # one): the same docstrings in the same order in under half the time.
+    todo = collections.deque([tree])
+    while todo:
+        node = todo.popleft()
+        todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _STATEMENT_HOLDERS))
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             docstring = ast.get_docstring(node, clean=True)
             if docstring:
