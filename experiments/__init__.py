@@ -20,3 +20,13 @@ def default_xla_flag(flag_and_value: str) -> None:
 
 
 default_xla_flag(YNN_REDUCE_OFF)
+
+HOST_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def with_host_devices(count: int, xla_flags: str | None = None) -> str:
+    """XLA_FLAGS for a process with `count` CPU host devices: `xla_flags` (this process's
+    XLA_FLAGS when None) with any device count it names replaced and its other flags kept."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    kept = [f for f in flags.split() if not f.startswith(HOST_DEVICE_COUNT)]
+    return " ".join([*kept, f"{HOST_DEVICE_COUNT}={count}"])

@@ -34,10 +34,10 @@ import experiments  # (sets XLA_FLAGS before the first computation starts JAX's 
 # Test programs are small and many: a run compiles ~19,000 of them, most of its CPU time on a
 # 2-core CPU. They compile with LLVM's optimisation off and with XLA:CPU's loop emitters in place
 # of its fusion emitters: the same programs in about a third of the compile time, into slower
-# machine code (these programs run for milliseconds). A flag XLA_FLAGS names is kept. The
-# multi-process trainer runs (tests/process_group.py sets their XLA_FLAGS) compile with XLA's
-# defaults, as users' runs do; so does every run that may use a GPU or TPU (python -m
-# experiments.check_accelerator runs these tests there), whose compiles the tests check as they are.
+# machine code (these programs run for milliseconds). A flag XLA_FLAGS names is kept. Commands
+# the tests start inherit the flags, the multi-process trainer runs included. A run that may use
+# a GPU or TPU (python -m experiments.check_accelerator runs these tests there) compiles with
+# XLA's defaults: the tests check its compiles as they are.
 TEST_COMPILER_FLAGS = ("--xla_backend_optimization_level=0",) + (
     # XLA in jaxlib 0.11 (jax's own version) has no other emitters, and aborts the process on a
     # flag it does not know.

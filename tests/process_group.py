@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import experiments
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -25,10 +27,16 @@ def train_command(workdir, config: str, overrides: dict, program=("-m", "experim
 
 
 def environment(devices: int, cache_dir=None, **extra) -> dict:
-    """CPU with `devices` host devices; a compilation cache shared by the runs when `cache_dir`
-    (a cached executable is the compiled one: the numbers do not change)."""
+    """CPU with `devices` host devices and the caller's other XLA flags (the tests' compiler
+    flags, tests/conftest.py); a compilation cache shared by the runs when `cache_dir` (a cached
+    executable is the compiled one: the numbers do not change).
+
+    The compiler flags matter most here: on the CPU only process 0 of a run is served by the
+    compilation cache. JAX writes entries from process 0 alone, and the other processes' keys
+    differ from its own (XLA:CPU's topology fingerprint is not the same in each process), so
+    every other process compiles every program of every run."""
     env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=experiments.with_host_devices(devices))
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     if cache_dir is not None:
         env.update(

@@ -7,9 +7,10 @@ import re
 import subprocess
 import sys
 
+import experiments
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_DEVICES = 8
-DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _tail(text, chars=6000):
@@ -17,9 +18,7 @@ def _tail(text, chars=6000):
 
 
 def test_multidevice_tests_pass_on_eight_host_devices():
-    # Keep the caller's other XLA flags; replace any device count of theirs.
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_FLAG)]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags + [f"{DEVICE_FLAG}={NUM_DEVICES}"]), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=experiments.with_host_devices(NUM_DEVICES), JAX_PLATFORMS="cpu")
     command = [
         sys.executable,
         "-m",

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 
+import experiments
 from experiments.benchmarking import report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -84,7 +85,7 @@ def run_setup(opts: ProcessesBenchOptions, setup: Setup, workdir: pathlib.Path) 
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={setup.devices_per_process}",
+        "XLA_FLAGS": experiments.with_host_devices(setup.devices_per_process),
     }
     procs = []
     for i in range(setup.processes):

@@ -60,7 +60,10 @@ def use_compilation_cache(directory: str) -> str | None:
     next run of the same programs (a resumed run, another run of one model) loads them instead
     of compiling: the first training step's compile, tens of seconds on a GPU, is paid once per
     machine. A directory JAX was already given (JAX_COMPILATION_CACHE_DIR, or the caller's
-    jax.config) is kept; "" leaves the cache off. Returns the directory in use, or None."""
+    jax.config) is kept; "" leaves the cache off. Returns the directory in use, or None.
+
+    With several processes JAX writes entries from process 0 alone; on CPU host devices the
+    other processes' cache keys differ from its own, so they compile every program each run."""
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
     if not directory:

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import experiments
 from configs import digits
 from experiments import tasks
 from experiments.tasks.image_generation import ImageGeneration
@@ -143,7 +144,7 @@ def test_four_devices_give_the_same_losses_as_one(data_dir, tmp_path):
     )
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=experiments.with_host_devices(4),
         JAX_PLATFORMS="cpu",
         JAX_DEFAULT_MATMUL_PRECISION="highest",
         PYTHONPATH=str(ROOT),
