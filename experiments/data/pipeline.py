@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from experiments.data import preparing
+
 SPLITS = ("train", "test")
 
 
@@ -120,14 +122,18 @@ def load_images(
     builder_cls = builders.BUILDERS[name]
     builder = builder_cls(data_dir=data_dir, file_format="array_record", download=download)
 
-    if not (builder.is_prepared() and split in builder.info.splits):
-        # Decide before TFDS runs: it must not get as far as a download that was not asked for.
-        if not (download or split in builder_cls.raw_splits(manual_dir)):
-            raise FileNotFoundError(
-                f"{builder_cls.missing_message(split, manual_dir)} "
-                f"(The prepared data will be written under {data_dir}.)"
-            )
-        _prepare(builder, manual_dir=manual_dir, overwrite=builder.is_prepared())
+    if not _holds(builder, split):
+        with preparing.one_at_a_time(data_dir, builder.name):
+            # Another process may have prepared it while this one waited.
+            builder = builder_cls(data_dir=data_dir, file_format="array_record", download=download)
+            if not _holds(builder, split):
+                # Decide before TFDS runs: it must not get as far as a download not asked for.
+                if not (download or split in builder_cls.raw_splits(manual_dir)):
+                    raise FileNotFoundError(
+                        f"{builder_cls.missing_message(split, manual_dir)} "
+                        f"(The prepared data will be written under {data_dir}.)"
+                    )
+                _prepare(builder, manual_dir=manual_dir, overwrite=builder.is_prepared())
         builder = builder_cls(data_dir=data_dir, file_format="array_record")
 
     source = builder.as_data_source(split)
@@ -139,6 +145,10 @@ def load_images(
             f"not uint8 {info.image_shape}: delete {builder.data_path} to prepare it again."
         )
     return images
+
+
+def _holds(builder, split: str) -> bool:
+    return builder.is_prepared() and split in builder.info.splits
 
 
 def _prepare(builder, *, manual_dir: str, overwrite: bool) -> None:

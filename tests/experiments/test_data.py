@@ -4,7 +4,9 @@ Everything runs offline on tiny files written here; no TensorFlow.
 """
 
 import os
+import pathlib
 import pickle
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -16,6 +18,8 @@ from data_files import MNIST_SIZES, write_idx, write_mnist
 
 from experiments import data
 from experiments.data import builders
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 CIFAR_TRAIN_ROWS = (2, 3, 1, 2, 2)  # rows of data_batch_1..5
 CIFAR_TEST_ROWS = 3
@@ -149,6 +153,48 @@ def test_digits_are_sklearn_digits(tmp_path):
     assert both.dtype == np.uint8 and both.min() == 0 and both.max() == 16
     np.testing.assert_array_equal(both[..., 0], load_digits().images)
     assert data.num_classes("digits") == 17 == data.dataset_info("digits").num_classes
+
+
+# Loads digits' train split into the file argv[2] once told to start (a line on stdin).
+_LOAD_WHEN_TOLD = """
+import sys
+import numpy as np
+from experiments import data
+print("ready", flush=True)
+sys.stdin.readline()
+np.save(sys.argv[2], data.load_images("digits", "train", data_dir=sys.argv[1]))
+"""
+
+
+def test_processes_loading_one_unprepared_data_dir_at_once_prepare_it_once(tmp_path):
+    """A run's processes on one host share the data directory. Started at the same moment,
+    each loads the data set; one prepares it while the others wait (TFDS alone renames its
+    temporary folder into place in each process: the slower failed with FileExistsError)."""
+    data_dir = tmp_path / "tfds"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LOAD_WHEN_TOLD, str(data_dir), str(tmp_path / f"{i}.npy")],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2, procs[0].stderr.read()[-3000:]
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    expected = data.load_images("digits", "train", data_dir=data_dir)
+    for i in range(2):
+        np.testing.assert_array_equal(np.load(tmp_path / f"{i}.npy"), expected)
 
 
 @pytest.mark.parametrize(

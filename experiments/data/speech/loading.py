@@ -21,6 +21,7 @@ import os
 import numpy as np
 from absl import logging
 
+from experiments.data import preparing
 from experiments.data.speech import features as features_lib
 
 CORPORA = {
@@ -91,11 +92,16 @@ def prepared_builder(corpus: str, *, data_dir, manual_dir=None, size: str = "def
 
     b = builder(corpus, data_dir=data_dir, size=size)
     if not b.is_prepared():
-        check_available(corpus, data_dir=data_dir, manual_dir=manual_dir, size=size)
-        manual_dir = _manual_dir(data_dir, manual_dir)
-        b.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
-        )
+        with preparing.one_at_a_time(os.path.expanduser(os.fspath(data_dir)), b.name):
+            b = builder(corpus, data_dir=data_dir, size=size)  # another process may have prepared it
+            if not b.is_prepared():
+                check_available(corpus, data_dir=data_dir, manual_dir=manual_dir, size=size)
+                manual_dir = _manual_dir(data_dir, manual_dir)
+                b.download_and_prepare(
+                    download_config=tfds.download.DownloadConfig(
+                        manual_dir=manual_dir, try_download_gcs=False
+                    )
+                )
         b = builder(corpus, data_dir=data_dir, size=size)
     return b
 
