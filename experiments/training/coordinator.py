@@ -60,7 +60,12 @@ def stop(pid: int, wait_seconds: float = 5.0) -> None:
 
 
 def serve(port: int, num_processes: int, heartbeat: int, shutdown: int, parent: int, linger: float) -> None:
-    from jax._src.lib import _jax  # the service JAX's distributed.initialize starts in process 0
+    # The service JAX's distributed.initialize starts in process 0, from jaxlib's extension
+    # alone: process 0 waits for this process to listen, and importing jax would add ~1.3 s.
+    try:
+        from jaxlib import _jax
+    except ImportError:  # a jaxlib laid out otherwise: jax knows where it is
+        from jax._src.lib import _jax
 
     try:
         service = _jax.get_distributed_runtime_service(
