@@ -13,11 +13,10 @@ figure for the compiled program, step times are medians (compile excluded, repor
 The 8 CPU "devices" share the host's cores, so the step time shows no speed-up there.
 """
 
-import os
 import re
 import sys
 
-_COUNT_FLAG = "--xla_force_host_platform_device_count"
+from experiments import HOST_DEVICE_COUNT, default_xla_flag
 
 
 def _host_devices_wanted(argv) -> int:
@@ -32,10 +31,7 @@ def _host_devices_wanted(argv) -> int:
 
 
 # Before anything imports jax: the host platform's device count is fixed when jax starts.
-if _COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" {_COUNT_FLAG}={_host_devices_wanted(sys.argv)}"
-    ).strip()
+default_xla_flag(f"{HOST_DEVICE_COUNT}={_host_devices_wanted(sys.argv)}")
 
 from absl import app  # noqa: E402  (after XLA_FLAGS on purpose)
 
