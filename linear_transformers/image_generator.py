@@ -366,14 +366,17 @@ def _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_lengt
     model = nnx.merge(graphdef, params)
     keys = jax.random.split(key, model.max_length)[:num_steps]
 
-    def body(images_BT, inputs):
-        t, key_t = inputs
+    def draw(images_BT, t, key_t):
         # Causality makes the not-yet-drawn tail of the buffer irrelevant to x_t's params, at
         # index t - first_scored (x_0 without a start token has none; the prefix gives it).
         index = jnp.maximum(t - model.first_scored, 0)
         params_BQ = jax.lax.dynamic_index_in_dim(model(images_BT), index, axis=1, keepdims=False)
-        drawn_B = mol_sample(key_t, params_BQ, model.num_classes)
-        token_B = jnp.where(t < prefix_length, prefix_BT[:, t], drawn_B)
+        return mol_sample(key_t, params_BQ, model.num_classes)
+
+    def body(images_BT, inputs):
+        t, key_t = inputs
+        # A given sub-pixel is copied without running the model: k forwards fewer.
+        token_B = jax.lax.cond(t < prefix_length, lambda *_: prefix_BT[:, t], draw, images_BT, t, key_t)
         return images_BT.at[:, t].set(token_B), None
 
     images_BT = jnp.zeros((batch, model.max_length), jnp.int32)
@@ -384,10 +387,11 @@ def _sample_full_recompute(graphdef, params, key, batch, prefix_BT, prefix_lengt
 def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, prefix=None, num_steps=None):
     """`sample_images` by the paper's slow baseline: the full parallel forward at every step.
 
-    max_length parallel forwards per image (O(T^2) work with linear attention, O(T^3) with
+    One parallel forward per drawn sub-pixel (O(T^2) work with linear attention, O(T^3) with
     softmax); the same draws as `sample_images` for the same key, so the two return the same
-    images unless a draw lands within rounding error of a bin edge. Every step runs the model
-    over the whole max_length buffer, so each costs the same. `prefix` and `num_steps` as in
+    images unless a draw lands within rounding error of a bin edge. Every draw runs the model
+    over the whole max_length buffer, so each costs the same; the k sub-pixels of a prefix are
+    copied, not drawn. `prefix` and `num_steps` as in
     `sample_images`, and so is the FloatingPointError of a model that is not finite.
     """
     where = "sample_images_full_recompute"
