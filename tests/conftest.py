@@ -34,11 +34,14 @@ import experiments  # (sets XLA_FLAGS before the first computation starts JAX's 
 # Test programs are small and many: a run compiles ~19,000 of them, most of its CPU time on a
 # 2-core CPU. They compile with LLVM's optimisation off and with XLA:CPU's loop emitters in place
 # of its fusion emitters: the same programs in about a third of the compile time, into slower
-# machine code (these programs run for milliseconds). A flag XLA_FLAGS names is kept. Commands
-# the tests start inherit the flags, the multi-process trainer runs included. A run that may use
-# a GPU or TPU (python -m experiments.check_accelerator runs these tests there) compiles with
-# XLA's defaults: the tests check its compiles as they are.
-TEST_COMPILER_FLAGS = ("--xla_backend_optimization_level=0",) + (
+# machine code (these programs run for milliseconds). Each program's code is generated as one
+# LLVM module rather than split into up to 32 compiled in parallel: each part sets up its own
+# LLVM target, which costs a small program more than its code (a quarter of the compile time
+# here), and the test workers already keep the cores busy; the machine code is the same. A flag
+# XLA_FLAGS names is kept. Commands the tests start inherit the flags, the multi-process trainer
+# runs included. A run that may use a GPU or TPU (python -m experiments.check_accelerator runs
+# these tests there) compiles with XLA's defaults: the tests check its compiles as they are.
+TEST_COMPILER_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1") + (
     # XLA in jaxlib 0.11 (jax's own version) has no other emitters, and aborts the process on a
     # flag it does not know.
     ("--xla_cpu_use_fusion_emitters=false",) if jax.__version_info__ < (0, 11) else ()
@@ -63,27 +66,39 @@ MATMUL_PRECISIONS = ("default", tf32.TF32)
 # a program compiled by one test module (each drops its in-memory programs when it ends) or one
 # command is loaded by the next that compiles it, and nothing is written to the trainer's cache
 # in the home directory. Programs compiled in under 0.1 s are not written: most programs are, and
-# their recompiles cost less than the files.
+# their recompiles cost less than the files. The Triton kernels the tests compile
+# (test_kernel_resources.py) go to a cache of the run too, not to Triton's in the home directory:
+# each run compiles them as a clean checkout does. A directory the caller chose is kept, with the
+# caller's settings.
 COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
 CACHE_MIN_COMPILE_SECONDS = 0.1
+TRITON_CACHE = "TRITON_CACHE_DIR"
+
+
+def _run_directory(config, purpose: str) -> str:
+    directory = tempfile.mkdtemp(prefix=f"linear-transformers-test-{purpose}-")
+    config.run_directories.append(directory)
+    return directory
 
 
 def pytest_configure(config):
-    if hasattr(config, "workerinput") or COMPILATION_CACHE in os.environ:
-        # xdist's workers read the variables set below when they import JAX; a directory the
-        # caller chose is kept, with the caller's settings.
+    if hasattr(config, "workerinput"):
+        return  # xdist's workers read the variables set below when they import JAX or Triton.
+    config.run_directories = []
+    if TRITON_CACHE not in os.environ:
+        os.environ[TRITON_CACHE] = _run_directory(config, "triton-cache")
+    if COMPILATION_CACHE in os.environ:
         return
-    config.session_compilation_cache = tempfile.mkdtemp(prefix="linear-transformers-test-jax-cache-")
-    os.environ[COMPILATION_CACHE] = config.session_compilation_cache
+    directory = _run_directory(config, "jax-cache")
+    os.environ[COMPILATION_CACHE] = directory
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(CACHE_MIN_COMPILE_SECONDS)
     # This process imported JAX before: its config is set directly.
-    jax.config.update("jax_compilation_cache_dir", config.session_compilation_cache)
+    jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
 
 
 def pytest_unconfigure(config):
-    directory = getattr(config, "session_compilation_cache", None)
-    if directory is not None:
+    for directory in getattr(config, "run_directories", ()):
         shutil.rmtree(directory, ignore_errors=True)
 
 
