@@ -391,8 +391,8 @@ def sample_images_full_recompute(model: ImageGenerator, key, batch: int, *, pref
     softmax); the same draws as `sample_images` for the same key, so the two return the same
     images unless a draw lands within rounding error of a bin edge. Every draw runs the model
     over the whole max_length buffer, so each costs the same; the k sub-pixels of a prefix are
-    copied, not drawn. `prefix` and `num_steps` as in
-    `sample_images`, and so is the FloatingPointError of a model that is not finite.
+    copied, not drawn. `prefix` and `num_steps` as in `sample_images`, and so is the
+    FloatingPointError of a model that is not finite.
     """
     where = "sample_images_full_recompute"
     prefix_BT = _check_sampling_args(model, batch, prefix, where)
