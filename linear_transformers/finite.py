@@ -15,10 +15,16 @@ def nonfinite_parameters(model: nnx.Module) -> list[str]:
     leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
     if any(isinstance(x, jax.core.Tracer) for _, x in leaves):
         return []
-    finite = jax.device_get(
-        [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True for _, x in leaves]
-    )
-    return [_path_name(path) for (path, _), ok in zip(leaves, finite) if not ok]
+    inexact = [(path, x) for path, x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jax.device_get(_all_finite([x for _, x in inexact]))
+    return [_path_name(path) for (path, _), ok in zip(inexact, finite) if not ok]
+
+
+@jax.jit
+def _all_finite(arrays: list) -> list:
+    # One program for the whole model: checked one by one, every array shape compiled two
+    # programs of its own (isfinite, all) and dispatched them.
+    return [jnp.all(jnp.isfinite(x)) for x in arrays]
 
 
 def _path_name(path) -> str:

@@ -25,6 +25,7 @@ from linear_transformers import (
     sample_images,
     sample_images_full_recompute,
 )
+from linear_transformers.finite import nonfinite_parameters
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SAMPLERS = [sample_images, sample_images_full_recompute]
@@ -45,6 +46,15 @@ def test_mol_sample_refuses_nonfinite_params_eagerly_and_marks_them_under_jit():
         mol_sample(jax.random.key(0), params, 4)
     drawn = jax.jit(lambda p: mol_sample(jax.random.key(0), p, 4))(params)
     assert drawn[0] >= 0 and drawn[1] == -1 and drawn[2] == -1  # no class drawn from NaN or inf
+
+
+def test_every_nonfinite_parameter_array_is_named_and_integer_ones_are_skipped():
+    model = _model()
+    assert nonfinite_parameters(model) == []
+    model.head.kernel[...] = model.head.kernel[...].at[1, 0].set(jnp.inf)
+    model.embed.embedding[...] = model.embed.embedding[...].at[0, 0].set(jnp.nan)
+    model.counts = nnx.Param(jnp.arange(3))  # no NaN or inf to hold
+    assert nonfinite_parameters(model) == ["embed/embedding", "head/kernel"]
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
