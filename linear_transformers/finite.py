@@ -22,8 +22,8 @@ def nonfinite_parameters(model: nnx.Module) -> list[str]:
 
 @jax.jit
 def _all_finite(arrays: list) -> list:
-    # One program for the whole model: checked one by one, every array shape compiled two
-    # programs of its own (isfinite, all) and dispatched them.
+    # One program for the whole model: checked an array at a time, each array shape would
+    # compile two programs of its own (isfinite, all) and dispatch them.
     return [jnp.all(jnp.isfinite(x)) for x in arrays]
 
 
