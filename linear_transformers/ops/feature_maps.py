@@ -42,7 +42,10 @@ class FeatureMap:
         return self(x)
 
     def num_features(self, head_dim: int) -> int:
-        """F for inputs with D = head_dim features (found by shape evaluation, no compute)."""
+        """F for inputs with D = head_dim features: D for a pointwise map, else found by shape
+        evaluation (a trace, no compute)."""
+        if self.pointwise:
+            return head_dim
         out = jax.eval_shape(self, jax.ShapeDtypeStruct((1, head_dim), jnp.float32))
         return out.shape[-1]
 

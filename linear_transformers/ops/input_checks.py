@@ -7,6 +7,8 @@ Checks run on static shapes only, so they cost nothing under `jit`.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,3 +236,8 @@ def accumulation_dtype(dtype) -> jnp.dtype:
 
 def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
+
+
+def is_number(x) -> bool:
+    """A Python or NumPy real number: hashable and equal by value, unlike an array."""
+    return isinstance(x, numbers.Real)

@@ -310,6 +310,9 @@ def softmax_attention(
     chosen = implementation is None
     if chosen:
         implementation = choose(on)
+    # Scales that are numbers key one compiled program per shapes and options: an eager call
+    # would otherwise trace and lower the forms' scans and conds again at every call.
+    compiled = scale is None or input_checks.is_number(scale)
     if implementation == "chunked":
         mask = input_checks.check_mask(mask, (B, H, T, S), name="softmax_attention")
         masks = dict(
@@ -319,26 +322,21 @@ def softmax_attention(
             segment_ids=segment_ids,
             key_segment_ids=key_segment_ids,
         )
-        return _chunked_softmax(q_BTHD, k_BSHD, v_BSHM, scale=scale, **masks)
+        chunked = _chunked_softmax_compiled if compiled else _chunked_softmax
+        return chunked(q_BTHD, k_BSHD, v_BSHM, scale=scale, **masks)
     mask = with_segments(mask, segment_ids, key_segment_ids, (B, H, T, S))
-    # The weights of unseen keys are 0, and 0 * inf is NaN: attend over the finite part of v
-    # and mark NaN where a query sees a non-finite value (ops/_nonfinite.py).
-    full_mask = (
-        None if mask is None else _build_mask_BHTS(B, H, T, S, causal=False, key_lengths=None, mask=mask)
-    )
-    dense = functools.partial(
-        _dense_softmax,
-        q_BTHD,
-        k_BSHD,
-        _nonfinite.finite_part(v_BSHM),
-        causal=causal,
-        key_lengths=key_lengths,
-        mask=mask,
-        full_mask=full_mask,
-        scale=scale,
-    )
+    dense = _dense_marked_compiled if compiled else _dense_marked
     try:
-        out_BTHM = dense(implementation=implementation)
+        return dense(
+            q_BTHD,
+            k_BSHD,
+            v_BSHM,
+            causal=causal,
+            key_lengths=key_lengths,
+            mask=mask,
+            scale=scale,
+            implementation=implementation,
+        )
     except NotImplementedError:
         # cuDNN refused a case the rules above let through (its version, this GPU): the
         # default then falls back to what a GPU without cuDNN runs. An explicit choice raises.
@@ -353,6 +351,28 @@ def softmax_attention(
             scale=scale,
             implementation=choose("gpu"),
         )
+
+
+def _dense_marked(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, scale, implementation):
+    """A dense form on the finite part of v, NaN where a query sees a non-finite value."""
+    T, S = q_BTHD.shape[1], k_BSHD.shape[1]
+    B, H = q_BTHD.shape[0], q_BTHD.shape[2]
+    # The weights of unseen keys are 0, and 0 * inf is NaN: attend over the finite part of v
+    # and mark NaN where a query sees a non-finite value (ops/_nonfinite.py).
+    full_mask = (
+        None if mask is None else _build_mask_BHTS(B, H, T, S, causal=False, key_lengths=None, mask=mask)
+    )
+    out_BTHM = _dense_softmax(
+        q_BTHD,
+        k_BSHD,
+        _nonfinite.finite_part(v_BSHM),
+        causal=causal,
+        key_lengths=key_lengths,
+        mask=mask,
+        full_mask=full_mask,
+        scale=scale,
+        implementation=implementation,
+    )
 
     def mark(out_BTHM):
         seen_BTHM = _nonfinite.seen_nonfinite_BTHM(
@@ -375,6 +395,10 @@ def _chunked_softmax(q_BTHD, k_BSHD, v_BSHM, *, scale, **masks):
         return _nonfinite.mark_seen(out_BTHM, seen_BTHM)
 
     return _nonfinite.mark_unless_all_finite(v_BSHM, out_BTHM, mark)
+
+
+_dense_marked_compiled = jax.jit(_dense_marked, static_argnames=("causal", "scale", "implementation"))
+_chunked_softmax_compiled = jax.jit(_chunked_softmax, static_argnames=("causal", "scale"))
 
 
 def _dense_softmax(q_BTHD, k_BSHD, v_BSHM, *, causal, key_lengths, mask, full_mask, scale, implementation):

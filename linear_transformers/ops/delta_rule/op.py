@@ -142,6 +142,45 @@ def _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis):
     return start, final
 
 
+def _attend(*args, implementation, chunk_size, segment, axis, **options):
+    """-> (out, final state) of the whole sequence (axis None) or of this device's block: the form
+    bound to its options, the decayed scores' form chosen per call where the decay is per feature.
+    `options`: `_prepare`'s."""
+    form = FORMS[implementation]
+    if implementation == "chunked":
+        form = functools.partial(form, chunk_size=chunk_size)
+
+    def block_of(form):
+        block = functools.partial(_attend_block, axis=axis, form=form, segment=segment, **options)
+        if implementation == "chunked" and segment is None:
+            # The prepared inputs and every chunk intermediate recomputed in the backward pass. (In
+            # segments, the segments' loop keeps the inputs and one state per segment already.)
+            block = chunked.keeping_chunk_states(block)
+        return block
+
+    g_BTHX = args[4]
+    if implementation == "chunked" and axis is None and g_BTHX is not None and g_BTHX.shape[-1] > 1:
+        # Per feature, the form of the decayed scores (`chunk_scores.py`) is chosen once for the
+        # whole call: a cond per segment kept XLA from fusing each segment's preparation into
+        # its chunks (~12% of forward+backward on CPU at N = 4096). The branches' residuals are
+        # alike (the inputs, and the states the segments' loop or `keeping_chunk_states` keeps),
+        # and the cond's derivative shares residuals of one type between its branches. (A block
+        # of a split sequence chooses per call of the form: `chunk_scores.in_either_form`.)
+        fits = chunked.fits_factored(g_BTHX, chunk_size, segment)
+        factored, blocked = (block_of(functools.partial(form, factored=f)) for f in (True, False))
+        return jax.lax.cond(fits, factored, blocked, *args)
+    return block_of(form)(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "chunk_size", "segment", "acc", "qk_l2norm"))
+def _attend_compiled(*args, scale, **options):
+    """`_attend` of the whole sequence as one compiled program per shapes and options (`scale`
+    is traced: it may be a number or an array). Called eagerly, the forms' scans and conds
+    (closures, new at every call) would be traced, lowered and looked up in the compilation cache
+    again at every call; inside a caller's `jit` its layers of one shape share one trace."""
+    return _attend(*args, axis=None, scale=scale, **options)
+
+
 def delta_rule_attention(
     q_BTHD,
     k_BTHD,
@@ -223,10 +262,8 @@ def delta_rule_attention(
         out = jnp.zeros((B, 0, H, M), v_BTHM.dtype)
         return (out, LinearState(s0_BHDM, None)) if return_state else out
 
-    form = FORMS[implementation]
     if implementation == "chunked":
         chunk_size = chunked.default_chunk_size() if chunk_size is None else chunk_size
-        form = functools.partial(form, chunk_size=chunk_size)
     scale = D**-0.5 if scale is None else scale
     if sequence_axis is None:
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BTHD, v_BTHM, name=name)
@@ -236,35 +273,17 @@ def delta_rule_attention(
     if implementation == "chunked" and sequence_axis is None:
         segment = chunked.segment_length()
         segment = segment if segment is not None and T > segment else None
-    options = dict(acc=acc, qk_l2norm=qk_l2norm, scale=scale)
-
-    def block_of(form):
-        block = functools.partial(_attend_block, axis=sequence_axis, form=form, segment=segment, **options)
-        if implementation == "chunked" and segment is None:
-            # The prepared inputs and every chunk intermediate recomputed in the backward pass. (In
-            # segments, the segments' loop keeps the inputs and one state per segment already.)
-            block = chunked.keeping_chunk_states(block)
-        return block
-
-    block = block_of(form)
     args = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, key_lengths, segment_ids, s0_BHDM)
-    if implementation == "chunked" and sequence_axis is None and g_BTHX is not None and g_BTHX.shape[-1] > 1:
-        # Per feature, the form of the decayed scores (`chunk_scores.py`) is chosen once for the
-        # whole call: a cond per segment kept XLA from fusing each segment's preparation into
-        # its chunks (~12% of forward+backward on CPU at N = 4096). The branches' residuals are
-        # alike (the inputs, and the states the segments' loop or `keeping_chunk_states` keeps),
-        # and the cond's derivative shares residuals of one type between its branches. (A block
-        # of a split sequence chooses per call of the form: `chunk_scores.in_either_form`.)
-        fits = chunked.fits_factored(g_BTHX, chunk_size, segment)
-        factored, blocked = (block_of(functools.partial(form, factored=f)) for f in (True, False))
-        block = functools.partial(jax.lax.cond, fits, factored, blocked)
+    options = dict(
+        implementation=implementation, chunk_size=chunk_size, segment=segment, acc=acc, qk_l2norm=qk_l2norm
+    )
     if sequence_axis is None:
-        out, s_BHDM = block(*args)
+        out, s_BHDM = _attend_compiled(*args, scale=scale, **options)
     else:
         if not sp.is_manual(sequence_axis):
             sp.check_sequence_axis(sequence_axis, T, name=name)
         out, s_BHDM = sp.call_over_sequence(
-            block,
+            functools.partial(_attend, axis=sequence_axis, scale=scale, **options),
             sequence_axis,
             args,
             (sp.TIME, sp.TIME, sp.TIME, sp.TIME, sp.TIME, sp.BATCH, sp.TIME, sp.BATCH),
