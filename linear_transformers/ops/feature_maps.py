@@ -64,13 +64,16 @@ class CallableFeatureMap(FeatureMap):
     def __repr__(self):
         return f"CallableFeatureMap({self._name})"
 
-    # Equal when they wrap the same function: layers built from one config then share a static
-    # structure, which stacking them needs (`layer_stack.stack`), as jit's cache does.
+    # Equal when they wrap the same function alike: layers built from one config then share a
+    # static structure, which stacking them needs (`layer_stack.stack`), as jit's cache does.
+    def _key(self):
+        return self._fn, self._name, self.pointwise
+
     def __eq__(self, other):
-        return isinstance(other, CallableFeatureMap) and (self._fn, self._name) == (other._fn, other._name)
+        return isinstance(other, CallableFeatureMap) and self._key() == other._key()
 
     def __hash__(self):
-        return hash((self._fn, self._name))
+        return hash(self._key())
 
 
 def elu_plus_one(x):

@@ -61,3 +61,9 @@ def test_another_pallas_tuning_is_traced_again(traces):
         traces.clear()
         call(x)
         assert traces[TRACE] == 0
+
+
+def test_a_wrapped_feature_map_keys_a_program_by_its_function_name_and_pointwise():
+    a, b, pointwise = (ops.CallableFeatureMap(jnp.exp, "exp", pointwise=p) for p in (False, False, True))
+    assert a == b and hash(a) == hash(b)
+    assert a != pointwise and a != ops.CallableFeatureMap(jnp.exp, "other")
