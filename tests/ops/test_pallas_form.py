@@ -614,14 +614,9 @@ def test_bfloat16_inputs_multiply_in_bfloat16_close_to_float64(decay, normalize,
 
 def _equations(jaxpr):
     """Every equation of `jaxpr` and of the jaxprs inside it (the op's `jit`, custom rules)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _equations(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _equations(sub)
+    yield from jaxpr.eqns
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        yield from _equations(sub)
 
 
 def _snapshot_dtypes(value_and_grads, q, k, v, g) -> set:

@@ -142,7 +142,22 @@ def _start_and_final(form, q, k, v, beta, g, reset_BT, s0_BHDM, axis):
     return start, final
 
 
-def _attend(*args, implementation, chunk_size, segment, axis, **options):
+def _attend(
+    q_BTHD,
+    k_BTHD,
+    v_BTHM,
+    beta_BTH,
+    g_BTHX,
+    key_lengths,
+    segment_ids,
+    s0_BHDM,
+    *,
+    implementation,
+    chunk_size,
+    segment,
+    axis,
+    **options,
+):
     """-> (out, final state) of the whole sequence (axis None) or of this device's block: the form
     bound to its options, the decayed scores' form chosen per call where the decay is per feature.
     `options`: `_prepare`'s."""
@@ -158,7 +173,7 @@ def _attend(*args, implementation, chunk_size, segment, axis, **options):
             block = chunked.keeping_chunk_states(block)
         return block
 
-    g_BTHX = args[4]
+    args = (q_BTHD, k_BTHD, v_BTHM, beta_BTH, g_BTHX, key_lengths, segment_ids, s0_BHDM)
     if implementation == "chunked" and axis is None and g_BTHX is not None and g_BTHX.shape[-1] > 1:
         # Per feature, the form of the decayed scores (`chunk_scores.py`) is chosen once for the
         # whole call: a cond per segment kept XLA from fusing each segment's preparation into

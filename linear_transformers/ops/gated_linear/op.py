@@ -179,8 +179,11 @@ def attend(
         sequence_axis = sp.explicit_sequence_axis(q_BTHD, k_BTHD, v_BTHM, name=name)
     if sequence_axis is None:
         initial_state = sp.match_batch_sharding(initial_state, q_BTHD)
-        whole = _attend_compiled if _static_options(fm, scale, eps) else _attend_whole
-        out, state = whole(q_BTHD, k_BTHD, v_BTHM, g_BTHX, key_lengths, segment_ids, initial_state, **options)
+        args = (q_BTHD, k_BTHD, v_BTHM, g_BTHX, key_lengths, segment_ids, initial_state)
+        if _static_options(fm, scale, eps):
+            out, state = _attend_compiled(*args, tuning=pallas_launch.current_tuning(), **options)
+        else:
+            out, state = _attend_whole(*args, **options)
     else:
         options = _block_options(**options)
         if not sp.is_manual(sequence_axis):
@@ -234,17 +237,14 @@ def _static_options(fm, scale, eps) -> bool:
 @functools.partial(
     jax.jit, static_argnames=("implementation", "chunk_size", "fm", "scale", "eps", "acc", "tuning")
 )
-def _jitted_whole(*arrays, tuning, **options):
-    del tuning  # Read by the Pallas form while it is traced (`pallas_launch.tuning`): a key only.
-    return _attend_whole(*arrays, **options)
-
-
-def _attend_compiled(*arrays, **options):
+def _attend_compiled(*arrays, tuning, **options):
     """`_attend_whole` as one compiled program per shapes and options. Called eagerly, the forms'
     scans and conds (closures, new at every call) would each be traced, lowered and looked up in
     the compilation cache again at every call: 0.36 s for a call at B=2, T=64 on a CPU where the
-    compiled program takes 1 ms. Inside a caller's `jit` its layers of one shape share one trace."""
-    return _jitted_whole(*arrays, tuning=pallas_launch.current_tuning(), **options)
+    compiled program takes 1 ms. Inside a caller's `jit` its layers of one shape share one trace.
+    `tuning` is only a key: the Pallas form reads it while traced (`pallas_launch.tuning`)."""
+    del tuning
+    return _attend_whole(*arrays, **options)
 
 
 @_deprecation.renamed_keyword("impl", "implementation")
