@@ -3,9 +3,11 @@ repeated call, and its gradient, trace nothing again (JAX reports every trace as
 event). The Pallas launch options (`pallas.tuning`), read while tracing, are part of the key."""
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from linear_transformers import ops
@@ -67,3 +69,25 @@ def test_a_wrapped_feature_map_keys_a_program_by_its_function_name_and_pointwise
     a, b, pointwise = (ops.CallableFeatureMap(jnp.exp, "exp", pointwise=p) for p in (False, False, True))
     assert a == b and hash(a) == hash(b)
     assert a != pointwise and a != ops.CallableFeatureMap(jnp.exp, "other")
+
+
+class _Elu(ops.FeatureMap):
+    """elu + 1 as a FeatureMap of its own class: not a wrapped function, so not a key."""
+
+    def __call__(self, x):
+        return ops.elu_plus_one(x)
+
+
+@pytest.mark.parametrize("name", ["gated", "softmax"])
+def test_the_compiled_call_equals_the_call_run_op_by_op(name):
+    """Options that cannot key a program (a feature map of a class of its own; softmax's scale
+    as an array) run op by op, and agree with the compiled call."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 8)), jnp.float32) for _ in range(3))
+    if name == "gated":
+        call = functools.partial(ops.gated_linear_attention, q, k, v, log_decay=g, normalize=True)
+        compiled, op_by_op = call(feature_map="elu"), call(feature_map=_Elu())
+    else:
+        call = functools.partial(ops.softmax_attention, q, k, v, causal=True)
+        compiled, op_by_op = call(scale=0.3), call(scale=jnp.asarray(0.3))
+    np.testing.assert_allclose(compiled, op_by_op, rtol=1e-6, atol=1e-6)
