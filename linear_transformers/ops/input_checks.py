@@ -241,3 +241,19 @@ def is_concrete(x) -> bool:
 def is_number(x) -> bool:
     """A Python or NumPy real number: hashable and equal by value, unlike an array."""
     return isinstance(x, numbers.Real)
+
+
+def check_scale(scale, *, name: str):
+    """`scale` as given when None or a number; else as a scalar array (it may be traced, a learned
+    scale: gradients flow into it). A scale of any other shape or kind is refused: it would
+    broadcast against the features, not scale the products."""
+    if scale is None or is_number(scale):
+        return scale
+    if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
+        raise TypeError(f"{name}: scale must be None, a real number or a scalar array, got {scale!r}.")
+    if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(
+            f"{name}: scale must be None, a real number or a scalar float array, got an array of "
+            f"shape {tuple(scale.shape)} and dtype {scale.dtype}."
+        )
+    return scale

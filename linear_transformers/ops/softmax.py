@@ -243,7 +243,8 @@ def softmax_attention(
         range: a ValueError eagerly, clamped under jit).
       mask: boolean [T, S] or [B, H, T, S] (size-1 dimensions broadcast), True = attend; a
         float (additive) mask or a 3-D one is refused (`ops.input_checks.check_mask`).
-      scale: multiplies the logits (softmax temperature); default 1/sqrt(D).
+      scale: multiplies the logits (softmax temperature): a number or a scalar array;
+        default 1/sqrt(D).
       implementation: None (the best for the platform and these arguments:
         `default_implementation`), "xla" or "cudnn" (jax.nn.dot_product_attention with that
         implementation; "cudnn" is flash attention on NVIDIA GPUs, for bfloat16 and float16),
@@ -272,6 +273,7 @@ def softmax_attention(
             f"expected one of {IMPLEMENTATIONS}."
         )
     key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal, key_lengths=key_lengths)
+    scale = input_checks.check_scale(scale, name="softmax_attention")
     B, T, H, _ = q_BTHD.shape
     segment_ids, key_segment_ids = check_segments(
         segment_ids, key_segment_ids, (B, T, k_BSHD.shape[1]), name="softmax_attention"

@@ -288,6 +288,29 @@ def test_causal_linear_attention_is_the_undecayed_normalised_elu_case(x64):
     chex.assert_trees_all_close((got, got_state), (want, want_state), rtol=1e-12, atol=1e-12)
 
 
+def test_a_scale_array_is_differentiated_in_every_impl(x64):
+    """A learned scale (traced under `jit`): its gradient in every impl (the Pallas kernel's
+    applied before the kernel) equals the reference's, which equals a central difference. (A
+    normaliser divides the scale out but for eps: a large eps keeps its gradient large.)"""
+    q, k, v, g = (jnp.asarray(x) for x in _case(4, "step", False)[:4])
+
+    def loss(scale, impl):
+        out = ops.gated_linear_attention(
+            q, k, v, log_decay=g, scale=scale, feature_map="elu", normalize=True, eps=0.5, implementation=impl
+        )
+        return jnp.sum(jnp.sin(out))
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    scale, h = jnp.asarray(0.7), 1e-5
+    want = value_and_grad(scale, "reference")
+    reference = jax.jit(loss, static_argnums=1)
+    difference = (reference(scale + h, "reference") - reference(scale - h, "reference")) / (2 * h)
+    np.testing.assert_allclose(want[1], difference, rtol=1e-7)
+    assert abs(want[1]) > 1e-2
+    for impl in ("associative_scan", "chunked", "scan", "pallas"):
+        chex.assert_trees_all_close(value_and_grad(scale, impl), want, rtol=1e-9, atol=1e-12)
+
+
 BAD = [
     (dict(log_decay=np.zeros((H + 1,))), r"log_decay must be \[H\]=\[2\]"),
     (dict(log_decay=np.zeros((B, T))), r"log_decay must be .* got shape \(2, 13\)"),

@@ -539,3 +539,38 @@ def test_bad_values_leave_gradients_of_unaffected_outputs_finite():
         expected = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)[:, :7]), argnums=(0, 1, 2))(*clean)
         for g, e in zip(grads, expected):
             np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+SCALED_OPS = {
+    "gated_linear_attention": lambda q, k, v, scale: ops.gated_linear_attention(q, k, v, scale=scale),
+    "delta_rule_attention": lambda q, k, v, scale: ops.delta_rule_attention(
+        q, k, v, jnp.ones(q.shape[:3]), scale=scale
+    ),
+    "softmax_attention": lambda q, k, v, scale: ops.softmax_attention(q, k, v, scale=scale),
+    "gated_linear_attention_step": lambda q, k, v, scale: ops.gated_linear_attention_step(
+        ops.init_linear_state(B, H, D, M, normalizer=False), q[:, 0], k[:, 0], v[:, 0], scale=scale
+    ),
+    "delta_rule_attention_step": lambda q, k, v, scale: ops.delta_rule_attention_step(
+        ops.init_linear_state(B, H, D, M, normalizer=False),
+        q[:, 0],
+        k[:, 0],
+        v[:, 0],
+        jnp.ones((B, H)),
+        scale=scale,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SCALED_OPS)
+@pytest.mark.parametrize(
+    "scale, error, message",
+    [
+        (jnp.ones((H,)), ValueError, r"got an array of shape \(2,\) and dtype float32"),
+        (jnp.asarray(2), ValueError, r"got an array of shape \(\) and dtype int32"),
+        ("0.5", TypeError, r"got '0.5'"),
+    ],
+)
+def test_a_scale_of_another_shape_or_kind_is_refused(name, scale, error, message):
+    """A per-head scale would broadcast against the features instead of scaling the products."""
+    with pytest.raises(error, match=f"{name}: scale must be None, a real number or a scalar .*{message}"):
+        SCALED_OPS[name](*_causal_qkv(), scale)

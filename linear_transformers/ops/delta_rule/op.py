@@ -229,7 +229,7 @@ def delta_rule_attention(
         feature, of its row). Non-finite inputs follow `nonfinite.py`: a NaN decay makes NaN
         its head from its step to its segment's end, a non-finite value (or initial-state
         entry) its column; nothing else, in values and gradients.
-      scale: multiplies q (after the norm); default D**-0.5.
+      scale: multiplies q (after the norm): a number or a scalar array; default D**-0.5.
       qk_l2norm: L2-normalise q and k over D first (FLA's `use_qk_l2norm_in_kernel`; the delta
         rule is stable for ||k|| = 1 and beta in [0, 2]).
       implementation: "chunked" (default; the WY representation per chunk, one scan over
@@ -261,6 +261,7 @@ def delta_rule_attention(
     chunk_size = input_checks.check_int(chunk_size, f"{name}: chunk_size", allow_none=True)
     input_checks.check_bools(name=name, return_state=return_state, qk_l2norm=qk_l2norm)
     B, T, H, D = input_checks.check_causal_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
+    scale = input_checks.check_scale(scale, name=name)
     M = v_BTHM.shape[-1]
     beta_BTH = _check_beta(beta_BTH, (B, T, H), name)
     g_BTHX = check_log_decay(log_decay, (B, T, H, D), name=name)
@@ -317,6 +318,7 @@ def delta_rule_attention_step(
     dtype, so it stays a valid `lax.scan` carry."""
     name = "delta_rule_attention_step"
     input_checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name=name)
+    scale = input_checks.check_scale(scale, name=name)
     B, H, D = q_BHD.shape
     M = v_BHM.shape[-1]
     check_linear_state(state, (B, H, D, M), normalize=False, name=name)

@@ -118,7 +118,7 @@ class Preparation:
     feature map (`pointwise`) it serves any block of features too, as a kernel loads them."""
 
     fm: FeatureMap
-    scale: float
+    scale: Any  # a number, or a scalar array (traced where it is learned)
     acc: Any
     finite: bool = False
 
@@ -128,7 +128,9 @@ class Preparation:
 
     def queries(self, q):
         phi_q = self.fm.query(q)
-        return phi_q if self.scale == 1.0 else phi_q * jnp.asarray(self.scale, phi_q.dtype)
+        if input_checks.is_number(self.scale) and self.scale == 1.0:
+            return phi_q
+        return phi_q * jnp.asarray(self.scale, phi_q.dtype)
 
     def keys(self, k, valid):
         phi_k = self.fm.key(k)

@@ -76,7 +76,8 @@ def gated_linear_attention(
         NaN every output it decays: the steps >= t of its segment (and the rows of the final
         state it reaches), in every form; a positive value is refused by an eager call and read
         as NaN under `jit` or `vmap`, where the check cannot run.
-      scale: multiplies phi(q); None: D**-0.5 (FLA's convention).
+      scale: multiplies phi(q): a number, or a scalar array (a learned scale: gradients flow
+        into it); None: D**-0.5 (FLA's convention).
       feature_map: None (the identity, as the gated models use it), or a registered name,
         FeatureMap or callable (see `feature_maps`).
       normalize: divide by scale * phi(q_t) . z_t + eps (the paper's normaliser; needs a
@@ -173,6 +174,7 @@ def attend(
     if T == 0:  # Nothing to attend to: no outputs, and the state passes through unchanged.
         out = jnp.zeros((B, 0, H, M), v_BTHM.dtype)
         return (out, initial_state) if return_state else out
+    scale = input_checks.check_scale(scale, name=name)
     scale = D**-0.5 if scale is None else scale
     options = dict(implementation=implementation, chunk_size=chunk_size, fm=fm, scale=scale, eps=eps, acc=acc)
     if sequence_axis is None:
@@ -279,6 +281,7 @@ def gated_linear_attention_step(
     """
     name = "gated_linear_attention_step"
     input_checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name=name)
+    scale = input_checks.check_scale(scale, name=name)
     fm = make_feature_map("identity" if feature_map is None else feature_map)
     B, H, D = q_BHD.shape
     F = fm.num_features(D)

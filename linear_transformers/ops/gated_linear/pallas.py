@@ -74,6 +74,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from linear_transformers.ops import input_checks
 from linear_transformers.ops.gated_linear import pallas_backward, pallas_forward, pallas_launch, totals
 from linear_transformers.ops.gated_linear.pallas_launch import MIN_BLOCK, Config, Tuning, tuning
 
@@ -116,8 +117,10 @@ def _pad_axis(x, axis: int, size: int):
 
 def form(q, k, v, g, valid_BT, reset_BT, s0_BHFM, z0_BHF, *, prepare, eps, acc, chunk_size):
     # With a pointwise feature map the kernels prepare each chunk as they load it: they read the
-    # caller's arrays, with no prepared copy of q, k, v and g written and read again.
-    in_kernel = prepare is not None and prepare.pointwise
+    # caller's arrays, with no prepared copy of q, k, v and g written and read again. A scale
+    # that is an array (a kernel's options are numbers) is applied before them, where its
+    # gradient is JAX's.
+    in_kernel = prepare is not None and prepare.pointwise and input_checks.is_number(prepare.scale)
     raw_dtype = jnp.result_type(q, k, v)
     if not in_kernel:
         q, k, v, g = (q, k, v, g) if prepare is None else prepare(q, k, v, g, valid_BT)
