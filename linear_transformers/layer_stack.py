@@ -46,6 +46,24 @@ def layer(layers: nnx.Module, i: int) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
 
 
+class _CarryDtypesChanged(Exception):
+    """Raised while the scan traces its body: a layer returned its carry in other dtypes."""
+
+    def __init__(self, dtypes):
+        super().__init__(dtypes)
+        self.dtypes = dtypes
+
+
+def _check_carry_dtypes(carry_in, carry_out) -> None:
+    """Raises `_CarryDtypesChanged` (the output's dtypes) where a carry of one structure changed
+    dtypes; another structure is left to `lax.scan`'s own error."""
+    if jax.tree.structure(carry_in) != jax.tree.structure(carry_out):
+        return
+    dtypes = jax.tree.map(jnp.result_type, carry_out)
+    if jax.tree.leaves(dtypes) != jax.tree.leaves(jax.tree.map(jnp.result_type, carry_in)):
+        raise _CarryDtypesChanged(dtypes)
+
+
 def _scan(layers: nnx.Module, carry, xs, call, unroll: int = 1):
     """`carry, out_i = call(layer_i, carry, xs_i)` for each layer in order, as one `lax.scan`
     over the stacked variables: -> (carry, outs stacked).
@@ -58,19 +76,13 @@ def _scan(layers: nnx.Module, carry, xs, call, unroll: int = 1):
     """
     graphdef, state = nnx.split(layers)
     written = []  # (path, the variable as the layer left it), found while tracing the body
-    # A layer may return its carry in another dtype than it took (bf16 inputs to float32
-    # layers): the scan's carry takes the first layer's output dtype from the start.
-    first = jax.tree.map(lambda a: a[0], (state, xs))
-    carry_out = jax.eval_shape(
-        lambda s, c, x: call(nnx.merge(graphdef, s), c, x)[0], first[0], carry, first[1]
-    )
-    carry = jax.tree.map(lambda c, o: c.astype(o.dtype), carry, carry_out)
 
     def body(carry, scanned):
         layer_state, x = scanned
         before = {path: variable.get_value() for path, variable in nnx.to_flat_state(layer_state)}
         layer = nnx.merge(graphdef, layer_state)
-        carry, out = call(layer, carry, x)
+        carry_in, (carry, out) = carry, call(layer, carry, x)
+        _check_carry_dtypes(carry_in, carry)
         changed = [
             (path, variable)
             for path, variable in nnx.to_flat_state(nnx.state(layer))
@@ -83,7 +95,14 @@ def _scan(layers: nnx.Module, carry, xs, call, unroll: int = 1):
     # run (a stack of one layer always).
     length = jax.tree.leaves(state)[0].shape[0]
     unroll = True if unroll >= length else unroll
-    carry, (outs, values) = jax.lax.scan(body, carry, (state, xs), unroll=unroll)
+    try:
+        carry, (outs, values) = jax.lax.scan(body, carry, (state, xs), unroll=unroll)
+    except _CarryDtypesChanged as changed:
+        # A layer may return its carry in another dtype than it took (bf16 inputs to float32
+        # layers): the scan's carry takes the layer's output dtypes from the start. Found in
+        # the scan's own trace of the body, so a carry that keeps its dtypes is traced once.
+        carry = jax.tree.map(lambda c, dtype: c.astype(dtype), carry, changed.dtypes)
+        carry, (outs, values) = jax.lax.scan(body, carry, (state, xs), unroll=unroll)
     if written:
         updates = [(path, variable.replace(value)) for (path, variable), value in zip(written, values)]
         nnx.update(layers, nnx.from_flat_state(updates))

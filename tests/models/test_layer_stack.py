@@ -114,6 +114,23 @@ def test_a_carry_whose_dtype_the_layers_change_is_carried_in_theirs():
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_a_stack_traces_its_layer_once_where_the_carry_keeps_its_dtype():
+    """A trace of the layer is most of a step's tracing: a float32 carry is traced once; a
+    bfloat16 one whose dtype the layers change twice (its first trace ends at the layer's
+    output)."""
+    stacked = layer_stack.stack(_layers(_config(dropout=0.0)))
+    for dtype, traces in ((jnp.float32, 1), (jnp.bfloat16, 2)):
+        calls = []
+
+        def call(layer, x):
+            calls.append(x.dtype)
+            return layer(x)
+
+        out = jax.eval_shape(lambda x: layer_stack.run(stacked, x, call), _x(dtype))
+        assert out.dtype == jnp.float32
+        assert calls == [dtype, jnp.float32][:traces], calls
+
+
 @pytest.mark.parametrize("unroll", [2, 3])
 def test_unrolled_layers_compute_the_same(unroll):
     """`TransformerConfig.unroll_layers`: layers per scan iteration, the same function (3
