@@ -58,6 +58,7 @@ def default_implementation(
     value_dim: int,
     masked: bool = False,
     segmented: bool = False,
+    array_scale: bool = False,
     cudnn_head_dims: int = 128,
 ) -> str:
     """The implementation `softmax_attention(implementation=None)` runs, from the platform
@@ -66,7 +67,8 @@ def default_implementation(
     1. "cudnn" (flash attention) on an NVIDIA GPU where it applies: bfloat16 or float16 inputs,
        M == D, D a multiple of 8 up to `cudnn_head_dims` (`cudnn_max_head_dim()`), no explicit
        mask and no segments (through `jax.nn.dot_product_attention` cuDNN would take either as
-       a dense [B, H, T, S] bias); key lengths and causal masking it does itself.
+       a dense [B, H, T, S] bias), and a scale that is a number (cuDNN's is a static option,
+       not an array); key lengths and causal masking it does itself.
     2. A dense form while the float32 logits fit in DENSE_LOGITS_BYTES: "blocked" on the CPU,
        elsewhere "xla" (jax.nn.dot_product_attention) where M == D, else "reference".
     3. "chunked": a chunk of queries at a time, never the [T, S] logits at once.
@@ -80,6 +82,7 @@ def default_implementation(
         and head_dim <= cudnn_head_dims
         and not masked
         and not segmented
+        and not array_scale
         and num_queries > 0
         and num_keys > 0
     ):
@@ -274,6 +277,10 @@ def softmax_attention(
         )
     key_lengths = validate_softmax_inputs(q_BTHD, k_BSHD, v_BSHM, causal=causal, key_lengths=key_lengths)
     scale = input_checks.check_scale(scale, name="softmax_attention")
+    # A scale that is a number keys one compiled program per shapes and options (an eager call
+    # would otherwise trace and lower the forms' scans and conds again at every call); cuDNN
+    # takes no other.
+    numeric_scale = scale is None or input_checks.is_number(scale)
     B, T, H, _ = q_BTHD.shape
     segment_ids, key_segment_ids = check_segments(
         segment_ids, key_segment_ids, (B, T, k_BSHD.shape[1]), name="softmax_attention"
@@ -307,14 +314,17 @@ def softmax_attention(
         value_dim=v_BSHM.shape[-1],
         masked=mask is not None,
         segmented=segment_ids is not None,
+        array_scale=not numeric_scale,
         cudnn_head_dims=cudnn_max_head_dim() if on == "cuda" else 128,
     )
     chosen = implementation is None
     if chosen:
         implementation = choose(on)
-    # Scales that are numbers key one compiled program per shapes and options: an eager call
-    # would otherwise trace and lower the forms' scans and conds again at every call.
-    compiled = scale is None or input_checks.is_number(scale)
+    elif implementation == "cudnn" and not numeric_scale:
+        raise ValueError(
+            "softmax_attention: implementation='cudnn' takes scale as a number (a static option "
+            f"of cuDNN's kernel), got an array {scale!r}; pass a float, or implementation=None."
+        )
     if implementation == "chunked":
         mask = input_checks.check_mask(mask, (B, H, T, S), name="softmax_attention")
         masks = dict(
@@ -324,10 +334,10 @@ def softmax_attention(
             segment_ids=segment_ids,
             key_segment_ids=key_segment_ids,
         )
-        chunked = _chunked_softmax_compiled if compiled else _chunked_softmax
+        chunked = _chunked_softmax_compiled if numeric_scale else _chunked_softmax
         return chunked(q_BTHD, k_BSHD, v_BSHM, scale=scale, **masks)
     mask = with_segments(mask, segment_ids, key_segment_ids, (B, H, T, S))
-    dense = _dense_marked_compiled if compiled else _dense_marked
+    dense = _dense_marked_compiled if numeric_scale else _dense_marked
     try:
         return dense(
             q_BTHD,

@@ -43,12 +43,19 @@ def test_cudnn_on_an_nvidia_gpu_wherever_it_applies():
         dict(head_dim=256, value_dim=256),  # over 128 before Hopper
         dict(masked=True),  # an explicit mask would reach cuDNN as a dense [T, S] bias
         dict(segmented=True),  # so would segments
+        dict(array_scale=True),  # cuDNN's scale is a static option: a number, not an array
     ],
     ids=lambda why: ",".join(f"{k}={v}" for k, v in why.items()),
 )
 def test_no_cudnn_where_it_does_not_apply(why):
     assert choose("cuda", **why) in ("xla", "reference")
     assert choose("cuda", **{**LONG, **why}) == "chunked"
+
+
+def test_an_array_scale_is_refused_by_cudnn_by_name():
+    q = jnp.ones((1, 8, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="implementation='cudnn' takes scale as a number .* got an array"):
+        ops.softmax_attention(q, q, q, scale=jnp.asarray(0.5), implementation="cudnn")
 
 
 def test_other_platforms_never_pick_cudnn():

@@ -159,6 +159,7 @@ def attend(
     chunk_size = input_checks.check_int(chunk_size, f"{name}: chunk_size", allow_none=True)
     input_checks.check_bools(name=name, return_state=return_state, normalize=normalize)
     B, T, H, D = input_checks.check_causal_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
+    scale = input_checks.check_scale(scale, name=name)
     fm = make_feature_map("identity" if feature_map is None else feature_map)
     F, M = fm.num_features(D), v_BTHM.shape[-1]
     g_BTHX = check_log_decay(log_decay, (B, T, H, F), name=name)
@@ -174,7 +175,6 @@ def attend(
     if T == 0:  # Nothing to attend to: no outputs, and the state passes through unchanged.
         out = jnp.zeros((B, 0, H, M), v_BTHM.dtype)
         return (out, initial_state) if return_state else out
-    scale = input_checks.check_scale(scale, name=name)
     scale = D**-0.5 if scale is None else scale
     options = dict(implementation=implementation, chunk_size=chunk_size, fm=fm, scale=scale, eps=eps, acc=acc)
     if sequence_axis is None:
