@@ -37,7 +37,7 @@ class LinearOptions(CausalFormOptions):
         layer's `params` RNG stream and kept fixed until `redraw_features`), another name from
         `ops.registered_feature_maps()`, or a callable.
       num_features: F for "favor" (default head_dim); other feature maps do not take it.
-      eps: added to the normaliser.
+      eps: added to the normaliser (>= 0).
     """
 
     feature_map: str | Callable = "elu"
@@ -46,6 +46,7 @@ class LinearOptions(CausalFormOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        ops.input_checks.check_eps(self.eps, name="linear attention")
         if self.feature_map == "favor":
             integer_option(self, "num_features", where="linear attention", allow_none=True)
         else:

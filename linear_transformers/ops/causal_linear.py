@@ -69,7 +69,7 @@ def causal_linear_attention(
         same result for every T.
       chunk_size: chunk length C for implementation="chunked" (>= 1; None:
         `DEFAULT_CHUNK_SIZE`) or "pallas" (a power of two >= 16); T need not be a multiple of it.
-      eps: added to the normaliser.
+      eps: added to the normaliser: a number >= 0, or a scalar array.
       initial_state: an `ops.LinearState` (s [B, H, F, M], z [B, H, F]) the sequence continues
         from: `init_linear_state`, the state of `linear_attention_step`, or the state a previous
         call returned. None: zeros. Gradients flow into it.

@@ -243,17 +243,34 @@ def is_number(x) -> bool:
     return isinstance(x, numbers.Real)
 
 
-def check_scale(scale, *, name: str):
-    """`scale` as given when None or a number; else as a scalar array (it may be traced, a learned
-    scale: gradients flow into it). A scale of any other shape or kind is refused: it would
-    broadcast against the features, not scale the products."""
-    if scale is None or is_number(scale):
-        return scale
-    if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
-        raise TypeError(f"{name}: scale must be None, a real number or a scalar array, got {scale!r}.")
-    if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+def _scalar_float(value, what: str, *, name: str):
+    """`value` as a scalar array, or a TypeError / ValueError naming it as `what`."""
+    if isinstance(value, bool) or not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise TypeError(f"{name}: {what}, got {value!r}.")
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
         raise ValueError(
-            f"{name}: scale must be None, a real number or a scalar float array, got an array of "
-            f"shape {tuple(scale.shape)} and dtype {scale.dtype}."
+            f"{name}: {what}, got an array of shape {tuple(value.shape)} and dtype {value.dtype}."
         )
-    return scale
+    return value
+
+
+def check_scale(scale, *, name: str):
+    """`scale` as given when None or a number; else as a scalar float array (it may be traced, a
+    learned scale: gradients flow into it). A scale of any other shape or kind is refused: it
+    would broadcast against the features, not scale the products."""
+    if scale is None or (is_number(scale) and not isinstance(scale, bool)):
+        return scale
+    return _scalar_float(scale, "scale must be None, a real number or a scalar float array", name=name)
+
+
+def check_eps(eps, *, name: str):
+    """`eps`, added to a normaliser: a finite number >= 0, or a scalar float array (its value
+    checked where it is concrete, an eager call)."""
+    what = "eps (added to the normaliser) must be a finite number >= 0 or a scalar float array"
+    if not (is_number(eps) and not isinstance(eps, bool)):
+        eps = _scalar_float(eps, what, name=name)
+        if not is_concrete(eps):
+            return eps
+    if not (np.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{name}: {what}, got {eps!r}.")
+    return eps

@@ -94,6 +94,7 @@ def linear_state_from_keys(
 
 def linear_attention_from_state(state: LinearState, q_xHD, *, feature_map="elu", eps=1e-6, out_dtype=None):
     """Queries [..., H, D] attend to a fixed summary state; returns [..., H, M]."""
+    eps = input_checks.check_eps(eps, name="linear_attention_from_state")
     fm = make_feature_map(feature_map)
     phi_q_xHF = fm.query(q_xHD).astype(state.s_BHFM.dtype)
     if q_xHD.ndim == 4:  # [B, T, H, D]: heads next to the batch (module docstring)
@@ -128,7 +129,7 @@ def linear_attention(
         or a callable.
       key_lengths: int [B] in [0, S]; keys at index >= key_lengths[b] contribute nothing (out
         of range: a ValueError eagerly, clamped under jit).
-      eps: added to the normaliser.
+      eps: added to the normaliser: a number >= 0, or a scalar array.
       segment_ids: int [B, T] of packed sequences (self-attention, T == S; 0 = padding): each
         query reads the sums over its own segment only, computed as a forward and a backward
         causal pass with the state dropped between segments (O(T) memory, however many
@@ -142,6 +143,7 @@ def linear_attention(
     mask argument; key padding and segments are the masks this form supports.
     """
     input_checks.check_qkv(q_BTHD, k_BSHD, v_BSHM, name="linear_attention")
+    eps = input_checks.check_eps(eps, name="linear_attention")
     key_lengths = input_checks.check_key_lengths(
         key_lengths, q_BTHD.shape[0], name="linear_attention", length=k_BSHD.shape[1]
     )
@@ -228,6 +230,7 @@ def linear_attention_step(state: LinearState, q_BHD, k_BHD, v_BHM, *, feature_ma
     Usable as the body of `lax.scan`.
     """
     input_checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name="linear_attention_step")
+    eps = input_checks.check_eps(eps, name="linear_attention_step")
     fm = make_feature_map(feature_map)
     B, H, D = q_BHD.shape
     expected = (B, H, fm.num_features(D), v_BHM.shape[-1])

@@ -127,6 +127,7 @@ BAD_VALUES = [
     ("linear", {"implementation": "fast"}, r"unknown implementation 'fast'; expected one of "),
     ("causal-linear", {"implementation": "fast"}, r"unknown implementation 'fast'; expected one of "),
     ("linear", {"chunk_size": 0}, r"chunk_size must be None or an integer >= 1, got 0"),
+    ("causal-linear", {"eps": -1.0}, r"linear attention: eps .* must be a finite number >= 0 .*got -1.0"),
     ("linear", {"feature_map": "tanh"}, r"unknown feature map 'tanh'; registered feature maps: "),
     ("linear", {"num_features": 8}, r"feature map 'elu' does not take it"),
     ("linear", {"feature_map": "favor", "num_features": 0}, r"num_features must be None or an integer >= 1"),

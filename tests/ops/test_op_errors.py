@@ -568,9 +568,45 @@ SCALED_OPS = {
         (jnp.ones((H,)), ValueError, r"got an array of shape \(2,\) and dtype float32"),
         (jnp.asarray(2), ValueError, r"got an array of shape \(\) and dtype int32"),
         ("0.5", TypeError, r"got '0.5'"),
+        (True, TypeError, r"got True"),
     ],
 )
 def test_a_scale_of_another_shape_or_kind_is_refused(name, scale, error, message):
     """A per-head scale would broadcast against the features instead of scaling the products."""
     with pytest.raises(error, match=f"{name}: scale must be None, a real number or a scalar .*{message}"):
         SCALED_OPS[name](*_causal_qkv(), scale)
+
+
+def _state(normalizer=True):
+    return ops.init_linear_state(B, H, D, M, normalizer=normalizer)
+
+
+NORMALISED_OPS = {
+    "gated_linear_attention": lambda q, k, v, eps: ops.gated_linear_attention(q, k, v, eps=eps),
+    "causal_linear_attention": lambda q, k, v, eps: ops.causal_linear_attention(q, k, v, eps=eps),
+    "linear_attention": lambda q, k, v, eps: ops.linear_attention(q, k, v, eps=eps),
+    "gated_linear_attention_step": lambda q, k, v, eps: ops.gated_linear_attention_step(
+        _state(), q[:, 0], k[:, 0], v[:, 0], eps=eps
+    ),
+    "linear_attention_step": lambda q, k, v, eps: ops.linear_attention_step(
+        _state(), q[:, 0], k[:, 0], v[:, 0], eps=eps
+    ),
+    "linear_attention_from_state": lambda q, k, v, eps: ops.linear_attention_from_state(_state(), q, eps=eps),
+}
+
+
+@pytest.mark.parametrize("name", NORMALISED_OPS)
+@pytest.mark.parametrize(
+    "eps, error, message",
+    [
+        (-1e-6, ValueError, r"got -1e-06"),
+        (float("nan"), ValueError, r"got nan"),
+        (jnp.asarray(-1.0), ValueError, r"got Array\(-1"),
+        (jnp.ones((H,)), ValueError, r"got an array of shape \(2,\)"),
+        ("1e-6", TypeError, r"got '1e-6'"),
+    ],
+)
+def test_an_eps_below_zero_or_of_another_kind_is_refused(name, eps, error, message):
+    """eps is added to the normaliser: a negative one can make it 0."""
+    with pytest.raises(error, match=f"{name}: eps .* must be a finite number >= 0 .*{message}"):
+        NORMALISED_OPS[name](*_causal_qkv(), eps)

@@ -87,7 +87,7 @@ def gated_linear_attention(
         (`forms.py`); all give the same result.
       chunk_size: chunk length C for implementation="chunked" (None: `DEFAULT_CHUNK_SIZE`, 64)
         or "pallas" (a power of two >= 16; None: 32).
-      eps: added to the normaliser.
+      eps: added to the normaliser: a number >= 0, or a scalar array.
       initial_state: an `ops.LinearState` (s [B, H, F, M], z [B, H, F] or None without a
         normaliser) the sequence continues from. None: zeros. Gradients flow into it.
       return_state: also return the state after the last step.
@@ -160,6 +160,7 @@ def attend(
     input_checks.check_bools(name=name, return_state=return_state, normalize=normalize)
     B, T, H, D = input_checks.check_causal_qkv(q_BTHD, k_BTHD, v_BTHM, name=name)
     scale = input_checks.check_scale(scale, name=name)
+    eps = input_checks.check_eps(eps, name=name)
     fm = make_feature_map("identity" if feature_map is None else feature_map)
     F, M = fm.num_features(D), v_BTHM.shape[-1]
     g_BTHX = check_log_decay(log_decay, (B, T, H, F), name=name)
@@ -282,6 +283,7 @@ def gated_linear_attention_step(
     name = "gated_linear_attention_step"
     input_checks.check_step_qkv(q_BHD, k_BHD, v_BHM, name=name)
     scale = input_checks.check_scale(scale, name=name)
+    eps = input_checks.check_eps(eps, name=name)
     fm = make_feature_map("identity" if feature_map is None else feature_map)
     B, H, D = q_BHD.shape
     F = fm.num_features(D)
