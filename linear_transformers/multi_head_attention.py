@@ -115,6 +115,24 @@ class MultiHeadAttention(nnx.Module):
         self.value = linear(kv_features, num_heads * value_dim)
         self.out = linear(num_heads * value_dim, out_features)
 
+    def _check_input(self, x, what: str, features: int, *, time: bool = True, batch: int | None = None):
+        """A ValueError naming `what` unless x is [batch, time, features] ([batch, features]
+        without `time`), with `batch` rows where given: here, not as a product's shape error."""
+        layout = ("batch", "time", str(features)) if time else ("batch", str(features))
+        shape = getattr(x, "shape", None)
+        if (
+            shape is None
+            or len(shape) != len(layout)
+            or shape[-1] != features
+            or (batch is not None and shape[0] != batch)
+        ):
+            rows = "" if batch is None else f" with the queries' batch of {batch}"
+            got = f"shape {tuple(shape)}" if shape is not None else f"a {type(x).__name__}"
+            raise ValueError(
+                f"MultiHeadAttention ({self.core.kind!r}): {what} must be [{', '.join(layout)}]{rows}, "
+                f"got {got}."
+            )
+
     def _heads(self, proj, x, dim):
         return proj(x).reshape(x.shape[:-1] + (self.num_heads, dim))
 
@@ -154,6 +172,9 @@ class MultiHeadAttention(nnx.Module):
                 "self-attention only; got a context. Use another kind for "
                 "cross-attention."
             )
+        self._check_input(x_BTE, "x", self.query.in_features)
+        if context_BSE is not None:
+            self._check_input(context_BSE, "context", self.value.in_features, batch=x_BTE.shape[0])
         extra = self._segments(segment_ids, context_segment_ids, cross=context_BSE is not None)
         if self.core.takes_inputs:
             extra.update(x=x_BTE, positions=positions)
@@ -196,6 +217,7 @@ class MultiHeadAttention(nnx.Module):
 
     def step(self, state, x_BE):
         """One token of causal self-attention: (state, x_t) -> (state, y_t)."""
+        self._check_input(x_BE, "x", self.query.in_features, time=False)
         q_BHD = self._heads(self.query, x_BE, self.query_dim)
         k_BHD = q_BHD if self.key is None else self._heads(self.key, x_BE, self.query_dim)
         v_BHM = self._heads(self.value, x_BE, self.value_dim)
@@ -212,6 +234,7 @@ class MultiHeadAttention(nnx.Module):
         leave the state as it was after the real ones. segment_ids int [B, T]: a packed block,
         whose first segment continues the state and whose last one decoding continues.
         """
+        self._check_input(x_BTE, "x", self.query.in_features)
         extra = self._segments(segment_ids, None, cross=False)
         if self.core.takes_inputs:
             extra.update(x=x_BTE, positions=positions)
@@ -225,6 +248,7 @@ class MultiHeadAttention(nnx.Module):
         """Project a fixed memory once, for `attend_memory` at every decoding step."""
         if self.key is None:
             raise self.core._no_memory_form("init_memory")
+        self._check_input(context_BSE, "context", self.value.in_features)
         k_BSHD = self._heads(self.key, context_BSE, self.query_dim)
         v_BSHM = self._heads(self.value, context_BSE, self.value_dim)
         return self.core.init_memory(k_BSHD, v_BSHM, key_lengths)

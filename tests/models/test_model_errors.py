@@ -231,6 +231,32 @@ def test_causal_layer_rejects_a_context():
         _mha(kind="linear", causal=True)(jnp.ones((1, 3, E)), jnp.ones((1, 3, E)))
 
 
+def test_a_layer_input_of_another_shape_is_named_at_the_layer():
+    """Not a reshape or a product's shape error from inside the layer."""
+    causal, cross = _mha(kind="gla", causal=True), _mha(kind="linear", causal=False)
+    x = jnp.ones((2, 3, E))
+    named = "MultiHeadAttention \\('{}'\\): {} must be \\[{}\\]{}, got {}"
+    cases = [
+        (lambda: causal(x[0]), ("gla", "x", "batch, time, 16", "", r"shape \(3, 16\)")),
+        (lambda: causal(x[..., :-1]), ("gla", "x", "batch, time, 16", "", r"shape \(2, 3, 15\)")),
+        (lambda: causal.step(causal.init_state(2), x), ("gla", "x", "batch, 16", "", r"shape \(2, 3, 16\)")),
+        (lambda: causal.prefill(causal.init_state(2), x[0]), ("gla", "x", "batch, time, 16", "", r"shape")),
+        (lambda: causal(x.tolist()), ("gla", "x", "batch, time, 16", "", "a list")),
+        (
+            lambda: cross(x, jnp.ones((2, 5, E + 1))),
+            ("linear", "context", "batch, time, 16", " with the queries' batch of 2", r"shape \(2, 5, 17\)"),
+        ),
+        (
+            lambda: cross(x, jnp.ones((1, 5, E))),
+            ("linear", "context", "batch, time, 16", " with the queries' batch of 2", r"shape \(1, 5, 16\)"),
+        ),
+        (lambda: cross.init_memory(x[0]), ("linear", "context", "batch, time, 16", "", r"shape \(3, 16\)")),
+    ]
+    for call, parts in cases:
+        with pytest.raises(ValueError, match=named.format(*parts)):
+            call()
+
+
 @pytest.mark.parametrize("kind", ["softmax", "linear"])
 def test_step_on_non_causal_layer(kind):
     noncausal = _mha(kind=kind, causal=False)
