@@ -541,6 +541,10 @@ def test_bad_values_leave_gradients_of_unaffected_outputs_finite():
             np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
+def _state(normalizer=True):
+    return ops.init_linear_state(B, H, D, M, normalizer=normalizer)
+
+
 SCALED_OPS = {
     "gated_linear_attention": lambda q, k, v, scale: ops.gated_linear_attention(q, k, v, scale=scale),
     "delta_rule_attention": lambda q, k, v, scale: ops.delta_rule_attention(
@@ -548,10 +552,10 @@ SCALED_OPS = {
     ),
     "softmax_attention": lambda q, k, v, scale: ops.softmax_attention(q, k, v, scale=scale),
     "gated_linear_attention_step": lambda q, k, v, scale: ops.gated_linear_attention_step(
-        ops.init_linear_state(B, H, D, M, normalizer=False), q[:, 0], k[:, 0], v[:, 0], scale=scale
+        _state(normalizer=False), q[:, 0], k[:, 0], v[:, 0], scale=scale
     ),
     "delta_rule_attention_step": lambda q, k, v, scale: ops.delta_rule_attention_step(
-        ops.init_linear_state(B, H, D, M, normalizer=False),
+        _state(normalizer=False),
         q[:, 0],
         k[:, 0],
         v[:, 0],
@@ -575,10 +579,6 @@ def test_a_scale_of_another_shape_or_kind_is_refused(name, scale, error, message
     """A per-head scale would broadcast against the features instead of scaling the products."""
     with pytest.raises(error, match=f"{name}: scale must be None, a real number or a scalar .*{message}"):
         SCALED_OPS[name](*_causal_qkv(), scale)
-
-
-def _state(normalizer=True):
-    return ops.init_linear_state(B, H, D, M, normalizer=normalizer)
 
 
 NORMALISED_OPS = {
