@@ -18,8 +18,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEED = 20261123
+# Each run is stopped within half a second of its first new step (~20 ms a step here): 120
+# steps leave every stopped run checkpoints to resume from and an evaluation to pass.
+NUM_STEPS = 120
 CONFIG = (
-    "configs/digits.py:smoke,num_steps=500,log_every=1,checkpoint_every=40,eval_every=150,"
+    f"configs/digits.py:smoke,num_steps={NUM_STEPS},log_every=1,checkpoint_every=40,eval_every=60,"
     "sample_every=0,dropout=0.1"
 )
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -signal.SIGKILL}
@@ -108,5 +111,5 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(tmp_pa
     )
     assert final.returncode == 0, final.stderr[-3000:]
     expected = _losses(tmp_path / "straight")
-    assert [step for step, _ in expected] == list(range(1, 501))
+    assert [step for step, _ in expected] == list(range(1, NUM_STEPS + 1))
     assert _losses(workdir) == expected, delivered
