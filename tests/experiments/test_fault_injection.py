@@ -18,8 +18,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEED = 20261123
-# Each run is stopped within half a second of its first new step (~20 ms a step here): 120
-# steps leave every stopped run checkpoints to resume from and an evaluation to pass.
+# A signal lands within half a second of a run's first new step (about 25 steps at ~20 ms a
+# step on the 2-core CPU machine), so the three stops come well before step 120; the runs pass
+# checkpoints (every 40 steps) to resume from and an evaluation (step 60) on the way.
 NUM_STEPS = 120
 CONFIG = (
     f"configs/digits.py:smoke,num_steps={NUM_STEPS},log_every=1,checkpoint_every=40,eval_every=60,"
