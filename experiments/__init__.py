@@ -1,5 +1,6 @@
 """Entry points, tasks, training and benchmarks built on linear_transformers."""
 
+import gc
 import os
 
 # jaxlib 0.10.2's XLA:CPU hands fused reductions to YNNPACK, which there gives nondeterministic
@@ -20,6 +21,16 @@ def default_xla_flag(flag_and_value: str) -> None:
 
 
 default_xla_flag(YNN_REDUCE_OFF)
+
+# Tracing and lowering a step allocate millions of short-lived Python objects. At Python's
+# default threshold (700 allocations) the collector runs thousands of times a compile, and about
+# one run in a hundred walks every object the imports made (JAX, Flax, Orbax). Every 10,000: the
+# copy task's smoke run took about 8% less CPU (6.6-6.8 s against 7.2 s, the 2-core CPU VM);
+# 200,000 was no faster, and the peak memory did not change. A higher threshold set before this
+# import is kept, as is 0 (no automatic collection).
+YOUNGEST_GENERATION_THRESHOLD = 10_000
+if 0 < gc.get_threshold()[0] < YOUNGEST_GENERATION_THRESHOLD:
+    gc.set_threshold(YOUNGEST_GENERATION_THRESHOLD, *gc.get_threshold()[1:])
 
 HOST_DEVICE_COUNT = "--xla_force_host_platform_device_count"
 

@@ -133,6 +133,15 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_collection_finish(session):
+    """What collection imported (JAX, Flax, the library, the test modules) stays for the run:
+    out of the garbage collector's view, its full collections walk only what the tests make.
+    With the threshold `experiments` sets, tests/models took ~7% less CPU (362 s against 391 s,
+    the mean of two runs each, the 2-core CPU VM)."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     per_file = collections.Counter(item.path for item in items)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
